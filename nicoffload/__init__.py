@@ -1,0 +1,3 @@
+"""nicoffload: eBPF/XDP in-network AllReduce on any Linux NIC."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,326 @@
+"""bcc plumbing shared by every program: compile with the job's constants, load with the
+verifier log captured, attach XDP inside a network namespace, run BPF_PROG_TEST_RUN, pin.
+
+bcc prints verifier logs to stderr only and does not track XDP attachments; this module wraps
+both: ``load_func`` raises :class:`VerifierError` carrying the log, and :class:`XdpAttachment`
+detaches idempotently.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from .errors import AttachError, NotFoundError, PrivilegeError, SetupError, VerifierError
+from .proto import xdp_dir
+
+NETNS_DIR = Path("/run/netns")
+BPFFS = Path("/sys/fs/bpf")
+PIN_ROOT = BPFFS / "nicoffload"
+
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+_ns_lock = threading.RLock()
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise PrivilegeError(f"{what} needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN): run it with sudo")
+
+
+def import_bcc():
+    try:
+        import bcc  # noqa: F401  (Debian's python3-bpfcc, from the system site packages)
+    except ImportError as e:
+        raise SetupError(
+            "bcc is not importable: install Debian's python3-bpfcc and use a virtual environment made "
+            "with '/usr/bin/python3 -m venv --system-site-packages' (scripts/setup.sh does both)"
+        ) from e
+    return bcc
+
+
+@contextlib.contextmanager
+def netns(name: str | None) -> Iterator[None]:
+    """Enter the *network* namespace ``name`` (only that one) in this thread; None: stay."""
+    if not name:
+        yield
+        return
+    path = NETNS_DIR / name
+    if not path.exists():
+        raise NotFoundError(f"network namespace {name!r} does not exist (ip netns list)")
+    with _ns_lock:
+        orig = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if _libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    if err == errno.EPERM:
+                        raise PrivilegeError(f"entering network namespace {name!r} needs root")
+                    raise NotFoundError(f"entering network namespace {name!r} failed: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            try:
+                yield
+            finally:
+                if _libc.setns(orig, _CLONE_NEWNET) != 0:  # pragma: no cover - would be fatal
+                    raise OSError(ctypes.get_errno(), "returning to the original network namespace failed")
+        finally:
+            os.close(orig)
+
+
+def ensure_bpffs() -> None:
+    """Mount the BPF filesystem on /sys/fs/bpf when it is missing (it is, on a new machine)."""
+    st = os.statvfs(BPFFS) if BPFFS.exists() else None
+    with open("/proc/mounts") as f:
+        mounted = any(line.split()[1] == str(BPFFS) and line.split()[2] == "bpf" for line in f)
+    if mounted:
+        return
+    if st is None:
+        raise SetupError(f"{BPFFS} does not exist; is sysfs mounted?")
+    rc = os.system(f"mount -t bpf bpf {BPFFS}")
+    if rc != 0:
+        raise SetupError(f"mounting the BPF filesystem on {BPFFS} failed; run: mount -t bpf bpf {BPFFS}")
+
+
+@contextlib.contextmanager
+def _capture_stderr() -> Iterator[list[str]]:
+    """Capture what C code writes to fd 2 (bcc writes compiler errors and verifier logs there)."""
+    out: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
+def cflags_from(defines: Mapping[str, int | str]) -> list[str]:
+    flags = [f"-I{xdp_dir()}"]
+    for k, v in defines.items():
+        flags.append(f"-D{k}={v}")
+    return flags
+
+
+def compile_bpf(source_name: str, defines: Mapping[str, int | str] | None = None, text: str | None = None):
+    """Compile ``xdp/<source_name>`` (or ``text``) with bcc; compiler errors become SetupError."""
+    require_root(f"compiling {source_name}")
+    bcc = import_bcc()
+    src = text if text is not None else (xdp_dir() / source_name).read_text()
+    with _capture_stderr() as err:
+        try:
+            b = bcc.BPF(text=src, cflags=cflags_from(defines or {}))
+        except Exception as e:
+            exc = e
+        else:
+            exc = None
+    if exc is not None:
+        log = err[0] if err else ""
+        if "linux/" in log and "not found" in log or "kernel headers" in str(exc).lower():
+            raise SetupError(f"compiling {source_name} failed: kernel headers missing; run scripts/setup.sh\n{log}")
+        raise VerifierError(f"compiling {source_name} failed: {exc}; the compiler said:\n{log.strip()[-4000:]}", log)
+    return b
+
+
+def load_func(b, fn_name: str, prog_type_name: str = "XDP", source_name: str = "program"):
+    """Load one function; a verifier rejection raises VerifierError carrying the log."""
+    bcc = import_bcc()
+    prog_type = getattr(bcc.BPF, prog_type_name)
+    with _capture_stderr() as err:
+        try:
+            fn = b.load_func(fn_name, prog_type)
+        except Exception as e:
+            exc = e
+        else:
+            exc = None
+    if exc is not None:
+        log = err[0] if err else ""
+        if "Permission denied" in str(exc) and os.geteuid() != 0:
+            raise PrivilegeError(f"loading {fn_name} needs root")
+        tail = "\n".join(log.strip().splitlines()[-25:])
+        raise VerifierError(
+            f"the kernel verifier rejected {fn_name} from {source_name}: {exc}\n"
+            f"last lines of the verifier log:\n{tail}", log)
+    return fn
+
+
+@dataclass
+class XdpAttachment:
+    """One XDP program attached to one interface in one namespace; detach() is idempotent."""
+
+    ifname: str
+    netns: str | None
+    mode: str = "native"
+    attached: bool = True
+
+    def detach(self) -> bool:
+        """Detach; returns True if something was detached. Harmless when already gone."""
+        if not self.attached:
+            return False
+        self.attached = False
+        return detach_xdp(self.ifname, self.netns, self.mode)
+
+
+def _ifindex(ifname: str, ns: str | None) -> int:
+    idx = _libc.if_nametoindex(ifname.encode())
+    if idx == 0:
+        where = f" in namespace {ns!r}" if ns else ""
+        raise NotFoundError(f"no interface {ifname!r}{where} (ip -n {ns or '<ns>'} link)")
+    return idx
+
+
+def xdp_prog_id(ifname: str, ns: str | None) -> int | None:
+    """The id of the XDP program attached to ifname (None when nothing is attached)."""
+    from pyroute2 import IPRoute
+
+    with netns(ns):
+        idx = _ifindex(ifname, ns)
+        with IPRoute() as ipr:
+            link = ipr.get_links(idx)[0]
+    xdp = link.get_attr("IFLA_XDP")
+    if not xdp:
+        return None
+    pid = xdp.get_attr("IFLA_XDP_PROG_ID")
+    return pid or None
+
+
+def attach_xdp(fn, ifname: str, ns: str | None, mode: str = "native") -> XdpAttachment:
+    """Attach ``fn`` to ``ifname`` inside ``ns``; refuses to replace an existing program."""
+    bcc = import_bcc()
+    if mode not in MODES:
+        raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
+    with netns(ns):
+        _ifindex(ifname, ns)
+        with _capture_stderr() as err:
+            try:
+                bcc.BPF.attach_xdp(ifname, fn, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+            except Exception as e:
+                exc = e
+            else:
+                exc = None
+    if exc is not None:
+        log = (err[0] if err else "").strip()
+        hint = "; try --mode generic" if mode == "native" else ""
+        if "Device or resource busy" in log or "busy" in str(exc).lower():
+            raise AttachError(f"{ifname} already has an XDP program attached; unload it first")
+        raise AttachError(f"attaching XDP to {ifname} in {mode} mode failed: {log or exc}{hint}")
+    return XdpAttachment(ifname, ns, mode)
+
+
+def detach_xdp(ifname: str, ns: str | None, mode: str = "native") -> bool:
+    """Remove whatever XDP program is attached in ``mode``; False if there was none or no such link."""
+    bcc = import_bcc()
+    try:
+        if xdp_prog_id(ifname, ns) is None:
+            return False
+    except NotFoundError:
+        return False
+    with netns(ns):
+        with _capture_stderr():
+            try:
+                bcc.BPF.remove_xdp(ifname, MODES.get(mode, 0))
+            except Exception:
+                pass
+        # a program attached in the other mode: remove that too
+        for flags in MODES.values():
+            with _capture_stderr():
+                try:
+                    bcc.BPF.remove_xdp(ifname, flags)
+                except Exception:
+                    pass
+    return True
+
+
+# --- BPF_PROG_TEST_RUN through libbpf -------------------------------------------------------
+class _TestRunOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", ctypes.c_void_p),
+        ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("repeat", ctypes.c_int),
+        ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32),
+    ]
+
+
+_libbpf = None
+
+
+def libbpf():
+    global _libbpf
+    if _libbpf is None:
+        name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as e:
+            raise SetupError("libbpf.so.1 is missing: apt-get install libbpf1") from e
+        lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
+        lib.bpf_prog_test_run_opts.restype = ctypes.c_int
+        lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        lib.bpf_obj_pin.restype = ctypes.c_int
+        lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
+        lib.bpf_obj_get.restype = ctypes.c_int
+        _libbpf = lib
+    return _libbpf
+
+
+@dataclass
+class TestRunResult:
+    verdict: int
+    data: bytes
+    duration_ns: int
+
+
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
+VERDICTS = {0: "ABORTED", 1: "DROP", 2: "PASS", 3: "TX", 4: "REDIRECT"}
+
+
+def test_run(prog_fd: int, packet: bytes, repeat: int = 1, out_room: int = 4096) -> TestRunResult:
+    """Run the program once (or ``repeat`` times) on ``packet``; return verdict, output, avg ns."""
+    lib = libbpf()
+    inbuf = ctypes.create_string_buffer(bytes(packet), len(packet))
+    outbuf = ctypes.create_string_buffer(len(packet) + out_room)
+    opts = _TestRunOpts()
+    opts.sz = ctypes.sizeof(_TestRunOpts)
+    opts.data_in = ctypes.cast(inbuf, ctypes.c_void_p)
+    opts.data_size_in = len(packet)
+    opts.data_out = ctypes.cast(outbuf, ctypes.c_void_p)
+    opts.data_size_out = len(outbuf)
+    opts.repeat = max(1, repeat)
+    rc = lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts))
+    if rc != 0:
+        err = ctypes.get_errno() or -rc
+        raise OSError(err, f"BPF_PROG_TEST_RUN failed: {os.strerror(err)}")
+    return TestRunResult(opts.retval, outbuf.raw[: opts.data_size_out], opts.duration)
+
+
+def pin_fd(fd: int, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if libbpf().bpf_obj_pin(fd, str(path).encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pinning {path} failed: {os.strerror(err)}")

@@ -1,0 +1,68 @@
+"""One exception hierarchy; each error says what was attempted, on what, and what to do.
+
+The CLI maps each class to a one-line message and a distinct exit code.
+"""
+from __future__ import annotations
+
+
+class NicoffloadError(Exception):
+    """Base of every expected failure."""
+
+    exit_code = 1
+
+
+class PrivilegeError(NicoffloadError):
+    exit_code = 77
+
+
+class SetupError(NicoffloadError):
+    """Something the machine lacks (bcc, headers, bpffs)."""
+
+    exit_code = 78
+
+
+class VerifierError(NicoffloadError):
+    """The kernel refused to load a BPF program; carries the verifier log."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+    def __str__(self) -> str:  # keep the one-line message; the log is available as .log
+        return self.args[0]
+
+
+class AttachError(NicoffloadError):
+    exit_code = 4
+
+
+class NotFoundError(NicoffloadError):
+    """Unknown namespace, interface, testbed, or nothing loaded where asked."""
+
+    exit_code = 5
+
+
+class AlreadyExistsError(NicoffloadError):
+    exit_code = 6
+
+
+class MapError(NicoffloadError):
+    exit_code = 7
+
+
+class ProtocolError(NicoffloadError):
+    exit_code = 8
+
+
+class TimeoutError_(NicoffloadError):
+    """A worker or the aggregator did not answer in time (names who)."""
+
+    exit_code = 9
+
+
+class InputError(NicoffloadError):
+    """Bad user input (files, shapes, dtypes, NaN)."""
+
+    exit_code = 2
