@@ -1,0 +1,369 @@
+"""Control plane of the XDP aggregator: compile with the job's sizes, attach inside a network
+namespace, pin program and maps so they outlive the process, configure the job, read counters
+and slot state, detach and unpin. ``status``/``stats``/``slots`` from a later process reopen the
+pinned maps through bcc's typed tables (no hand-written mirror of kernel structs)."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from . import bpf, proto
+from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
+
+STATE_DIR = Path("/run/nicoffload/aggregators")
+DEFAULT_GROUP = "239.77.0.1"
+DEFAULT_SLOTS = 1024
+SOURCE = "aggregator.c"
+MAPS_HEADER = "agg_maps.h"
+
+
+def mcast_mac(group: str) -> bytes:
+    ip = int(ipaddress.IPv4Address(group))
+    return bytes([0x01, 0x00, 0x5E, (ip >> 16) & 0x7F, (ip >> 8) & 0xFF, ip & 0xFF])
+
+
+def _mac_bytes(mac: str | bytes) -> bytes:
+    if isinstance(mac, bytes):
+        return mac
+    return bytes(int(x, 16) for x in mac.split(":"))
+
+
+def _ip_net(ip: str) -> int:
+    """IPv4 address as the u32 the kernel stores (network order bytes read natively)."""
+    return int.from_bytes(socket.inet_aton(ip), "little")
+
+
+def _ip_str(v: int) -> str:
+    return socket.inet_ntoa(int(v).to_bytes(4, "little"))
+
+
+def pin_dir(netns: str | None, iface: str) -> Path:
+    return bpf.PIN_ROOT / (netns or "root") / iface
+
+
+def state_file(netns: str | None, iface: str) -> Path:
+    return STATE_DIR / f"{netns or 'root'}__{iface}.json"
+
+
+@dataclass
+class AggSpec:
+    """What is loaded where; saved next to the pins so later processes find it."""
+
+    netns: str | None
+    iface: str
+    workers: int
+    slots: int = DEFAULT_SLOTS
+    elems: int = proto.DEFAULT_ELEMS
+    port: int = proto.DEFAULT_PORT
+    mode: str = "native"
+    job: int = 1
+    group: str = DEFAULT_GROUP
+    worker_ips: list[str] = field(default_factory=list)
+    prog_id: int | None = None
+
+    def validate(self) -> None:
+        if not 1 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"--workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
+        if not 1 <= self.slots <= 1 << 20:
+            raise InputError(f"--slots must be 1..{1 << 20}, not {self.slots}")
+        max_e = proto.max_elems_for_mtu(proto.MAX_MTU)
+        if not 1 <= self.elems <= max_e:
+            raise InputError(f"--elems must be 1..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
+        if not 1 <= self.port <= 65535:
+            raise InputError(f"--port must be 1..65535, not {self.port}")
+        if self.mode not in bpf.MODES:
+            raise InputError(f"--mode must be native or generic, not {self.mode!r}")
+        if not ipaddress.IPv4Address(self.group).is_multicast:
+            raise InputError(f"--group {self.group} is not an IPv4 multicast address")
+        if self.worker_ips and len(self.worker_ips) != self.workers:
+            raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
+
+    def defines(self, pinned: bool) -> dict[str, int | str]:
+        d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port}
+        if pinned:
+            d["AR_PIN_DIR"] = f'"{pin_dir(self.netns, self.iface)}"'
+        return d
+
+
+def iface_addr(iface: str, netns: str | None) -> tuple[str, str, int]:
+    """(ipv4, mac, mtu) of an interface inside a namespace."""
+    from pyroute2 import IPRoute
+
+    with bpf.netns(netns):
+        idx = socket.if_nametoindex(iface) if _exists(iface) else 0
+        if not idx:
+            where = f" in namespace {netns!r}" if netns else ""
+            raise NotFoundError(f"no interface {iface!r}{where}")
+        with IPRoute() as ipr:
+            link = ipr.get_links(idx)[0]
+            addrs = ipr.get_addr(index=idx, family=socket.AF_INET)
+    if not addrs:
+        raise NotFoundError(f"interface {iface!r} has no IPv4 address; the aggregator sends results from it")
+    return addrs[0].get_attr("IFA_ADDRESS"), link.get_attr("IFLA_ADDRESS"), link.get_attr("IFLA_MTU")
+
+
+def _exists(iface: str) -> bool:
+    try:
+        socket.if_nametoindex(iface)
+        return True
+    except OSError:
+        return False
+
+
+class Aggregator:
+    """A loaded XDP aggregator. Use :meth:`load` (attach + pin), :meth:`open` (find a loaded one)
+    or :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context manager; unload is idempotent."""
+
+    def __init__(self, spec: AggSpec, b, fn=None, attachment: bpf.XdpAttachment | None = None):
+        self.spec = spec
+        self.b = b
+        self.fn = fn
+        self.attachment = attachment
+        self._closed = False
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def load(cls, spec: AggSpec, configure: bool = True) -> "Aggregator":
+        spec.validate()
+        bpf.require_root("loading the XDP aggregator")
+        bpf.ensure_bpffs()
+        pdir = pin_dir(spec.netns, spec.iface)
+        # checks that name the problem before anything is created
+        ip, mac, mtu = iface_addr(spec.iface, spec.netns)
+        if bpf.xdp_prog_id(spec.iface, spec.netns) is not None:
+            raise AlreadyExistsError(
+                f"{spec.iface} in {spec.netns or 'the root namespace'} already has an XDP program attached; "
+                f"run: nicoffload agg unload --netns {spec.netns} --iface {spec.iface}")
+        if pdir.exists() or state_file(spec.netns, spec.iface).exists():
+            raise AlreadyExistsError(
+                f"an aggregator is already recorded for {spec.iface} in {spec.netns} ({pdir}); "
+                f"run: nicoffload agg unload --netns {spec.netns} --iface {spec.iface}")
+        need_mtu = proto.mtu_for_elems(spec.elems)
+        if mtu < need_mtu:
+            raise InputError(f"{spec.elems} elements per packet need an MTU of {need_mtu}, {spec.iface} has {mtu}")
+        pdir.mkdir(parents=True, exist_ok=True)
+        agg = None
+        try:
+            b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
+            fn = bpf.load_func(b, "ar_aggregate", source_name=SOURCE)
+            agg = cls(spec, b, fn)
+            if configure:
+                agg.configure(agg_ip=ip, agg_mac=mac)
+            agg.attachment = bpf.attach_xdp(fn, spec.iface, spec.netns, spec.mode)
+            bpf.pin_fd(fn.fd, pdir / "prog")
+            spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
+            agg._save_state()
+        except BaseException:
+            if agg is not None and agg.attachment is not None:
+                agg.attachment.detach()
+            shutil.rmtree(pdir, ignore_errors=True)
+            state_file(spec.netns, spec.iface).unlink(missing_ok=True)
+            raise
+        return agg
+
+    @classmethod
+    def for_test(cls, workers: int, slots: int = 64, elems: int = proto.DEFAULT_ELEMS,
+                 port: int = proto.DEFAULT_PORT, job: int = 1, group: str = DEFAULT_GROUP,
+                 agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
+                 worker_ips: Sequence[str] = ()) -> "Aggregator":
+        """Load (not attach, not pin) for BPF_PROG_TEST_RUN."""
+        spec = AggSpec(None, "test", workers, slots, elems, port, job=job, group=group,
+                       worker_ips=list(worker_ips))
+        spec.validate()
+        b = bpf.compile_bpf(SOURCE, spec.defines(pinned=False))
+        fn = bpf.load_func(b, "ar_aggregate", source_name=SOURCE)
+        agg = cls(spec, b, fn)
+        agg.configure(agg_ip=agg_ip, agg_mac=agg_mac)
+        return agg
+
+    @classmethod
+    def open(cls, netns: str | None, iface: str) -> "Aggregator":
+        """Find an aggregator loaded by another process and reopen its pinned maps."""
+        bpf.require_root("inspecting the XDP aggregator")
+        sf = state_file(netns, iface)
+        if not sf.exists():
+            raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}")
+        spec = AggSpec(**json.loads(sf.read_text()))
+        pdir = pin_dir(netns, iface)
+        if not (pdir / "ar_stats").exists():
+            raise NotFoundError(f"aggregator state for {iface} in {netns} exists but its pins in {pdir} are gone; "
+                                f"run: nicoffload agg unload --netns {netns} --iface {iface}")
+        text = f'#include <uapi/linux/bpf.h>\n#include "{MAPS_HEADER}"\n'
+        b = bpf.compile_bpf(MAPS_HEADER, spec.defines(pinned=True), text=text)
+        return cls(spec, b, None, bpf.XdpAttachment(iface, netns, spec.mode,
+                                                   attached=bpf.xdp_prog_id(iface, netns) is not None))
+
+    def _save_state(self) -> None:
+        sf = state_file(self.spec.netns, self.spec.iface)
+        sf.parent.mkdir(parents=True, exist_ok=True)
+        sf.write_text(json.dumps(asdict(self.spec)))
+
+    # --- job configuration -----------------------------------------------------------------
+    def configure(self, agg_ip: str | None = None, agg_mac: str | None = None, job: int | None = None,
+                  worker_ips: Iterable[str] | None = None, group: str | None = None,
+                  workers: int | None = None) -> None:
+        """Validate, keep the shadow in ``spec``, then write the maps."""
+        s = self.spec
+        if job is not None:
+            s.job = job
+        if group is not None:
+            s.group = group
+        if workers is not None:
+            s.workers = workers
+        if worker_ips is not None:
+            s.worker_ips = list(worker_ips)
+        s.validate()
+        cfg_t = self.b["ar_config"]
+        cfg = cfg_t[cfg_t.Key(0)]
+        if agg_ip is not None:
+            cfg.agg_ip = _ip_net(agg_ip)
+        if agg_mac is not None:
+            cfg.agg_mac[:] = list(_mac_bytes(agg_mac))
+        cfg.job = s.job
+        cfg.workers = s.workers
+        cfg.worker_mask = (1 << s.workers) - 1
+        cfg.mcast_ip = _ip_net(s.group)
+        cfg.mcast_mac[:] = list(mcast_mac(s.group))
+        cfg.configured = 1
+        wt = self.b["ar_workers"]
+        for r in range(proto.MAX_WORKERS):
+            w = wt.Leaf()
+            if r < len(s.worker_ips):
+                w.ip = _ip_net(s.worker_ips[r])
+            self._write(wt, r, w)
+        self._write(cfg_t, 0, cfg)
+        if self.attachment is not None and self.fn is None:
+            self._save_state()
+        elif self.attachment is not None:
+            self._save_state()
+
+    def _write(self, table, key: int, value) -> None:
+        try:
+            table[table.Key(key)] = value
+        except Exception as e:  # bcc raises plain Exception with errno text
+            raise MapError(f"writing {table.name.decode() if isinstance(table.name, bytes) else table.name}"
+                           f"[{key}] failed: {e}") from e
+
+    def reset_slots(self) -> None:
+        """Zero every slot (between jobs). Not safe while workers run."""
+        t = self.b["ar_slots"]
+        empty = t.Leaf()
+        for i in range(self.spec.slots):
+            self._write(t, i, empty)
+
+    # --- inspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        t = self.b["ar_stats"]
+        return {name: int(sum(t[t.Key(i)])) for i, name in enumerate(proto.STATS)}
+
+    def config(self) -> dict:
+        c = self.b["ar_config"][self.b["ar_config"].Key(0)]
+        return {
+            "job": c.job, "workers": c.workers, "worker_mask": c.worker_mask,
+            "agg_ip": _ip_str(c.agg_ip), "group": _ip_str(c.mcast_ip),
+            "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac), "configured": bool(c.configured),
+        }
+
+    def slot(self, i: int, with_data: bool = False) -> dict:
+        if not 0 <= i < self.spec.slots:
+            raise InputError(f"slot {i} out of range 0..{self.spec.slots - 1}")
+        t = self.b["ar_slots"]
+        v = t[t.Key(i)]
+        sets = []
+        for k in range(2):
+            s = v.set[k]
+            d = {
+                "set": k, "used": bool(s.used), "block": s.block, "bitmap": s.bitmap, "mask": s.mask,
+                "complete": bool(s.complete), "count": s.count, "exp": socket.ntohs(s.exp & 0xFFFF),
+                "op": "max" if s.flags & proto.FLAG_OP_MAX else "sum", "rounds": s.rounds,
+                "next_nz": s.next_nz,
+            }
+            d["exp"] = d["exp"] - 0x10000 if d["exp"] >= 0x8000 else d["exp"]
+            if with_data:
+                import numpy as np
+
+                d["acc"] = np.ctypeslib.as_array(s.acc).copy()
+            sets.append(d)
+        return {"slot": i, "sets": sets}
+
+    def status(self) -> dict:
+        return {
+            "netns": self.spec.netns, "iface": self.spec.iface, "mode": self.spec.mode,
+            "attached": bpf.xdp_prog_id(self.spec.iface, self.spec.netns) is not None
+            if self.spec.iface != "test" else False,
+            "prog_id": self.spec.prog_id, "workers": self.spec.workers, "slots": self.spec.slots,
+            "elems": self.spec.elems, "port": self.spec.port, "job": self.spec.job,
+            "group": self.spec.group, "pins": str(pin_dir(self.spec.netns, self.spec.iface)),
+        }
+
+    # --- test run --------------------------------------------------------------------------
+    def run(self, packet: bytes, repeat: int = 1) -> bpf.TestRunResult:
+        if self.fn is None:
+            raise MapError("this aggregator was opened for inspection; it has no program to run")
+        return bpf.test_run(self.fn.fd, packet, repeat=repeat)
+
+    # --- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unload: detach, remove pins and state. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.spec.iface != "test" or self.spec.netns:
+            unload(self.spec.netns, self.spec.iface, missing_ok=True)
+        if self.b is not None:
+            self.b.cleanup()
+            self.b = None
+
+    def __enter__(self) -> "Aggregator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
+    """Detach the aggregator from ``iface`` and remove its pins and state. Returns whether
+    anything was there. Without ``missing_ok``, nothing to unload is a NotFoundError."""
+    bpf.require_root("unloading the XDP aggregator")
+    sf = state_file(netns, iface)
+    pdir = pin_dir(netns, iface)
+    mode = "native"
+    if sf.exists():
+        try:
+            mode = json.loads(sf.read_text()).get("mode", "native")
+        except ValueError:
+            pass
+    found = sf.exists() or pdir.exists()
+    try:
+        detached = bpf.detach_xdp(iface, netns, mode)
+    except NotFoundError:
+        detached = False
+    shutil.rmtree(pdir, ignore_errors=True)
+    # remove empty parents up to the root pin dir
+    for parent in (pdir.parent, bpf.PIN_ROOT):
+        try:
+            parent.rmdir()
+        except OSError:
+            pass
+    sf.unlink(missing_ok=True)
+    if not (found or detached) and not missing_ok:
+        raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
+    return found or detached
+
+
+def loaded() -> list[dict]:
+    """Every aggregator this machine has recorded (state files)."""
+    out = []
+    if STATE_DIR.exists():
+        for f in sorted(STATE_DIR.glob("*.json")):
+            try:
+                out.append(json.loads(f.read_text()))
+            except ValueError:
+                continue
+    return out
