@@ -25,6 +25,7 @@
 
 enum ar_action {
     ACT_DROP_DUP,
+    ACT_STATUS,
     ACT_AGGREGATED,
     ACT_COMPLETE,
     ACT_RETX_ANSWER,
@@ -48,8 +49,10 @@ static __always_inline int drop(u32 reason)
 static __always_inline void to_result(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
                                       struct ar_hdr *ar, struct ar_config *cfg, u32 dst_ip,
                                       const u8 *dst_mac, u32 contributors, u32 next_nz, u16 cnt,
-                                      u8 flags)
+                                      u8 flags, u8 type, u32 payload_bytes)
 {
+    ip->tot_len = bpf_htons(sizeof(struct iphdr) + sizeof(struct udphdr) + AR_HDR_LEN + payload_bytes);
+    udp->len = bpf_htons(sizeof(struct udphdr) + AR_HDR_LEN + payload_bytes);
     __builtin_memcpy(eth->h_dest, dst_mac, 6);
     __builtin_memcpy(eth->h_source, cfg->agg_mac, 6);
     ip->saddr = cfg->agg_ip;
@@ -62,7 +65,7 @@ static __always_inline void to_result(struct ethhdr *eth, struct iphdr *ip, stru
     udp->source = bpf_htons(AR_PORT);
     udp->dest = bpf_htons(AR_PORT);
     udp->check = 0; /* optional for UDP over IPv4 */
-    ar->type = AR_TYPE_RESULT;
+    ar->type = type;
     ar->flags = flags & AR_FLAG_OP_MAX;
     ar->rank = bpf_htons(AR_RANK_AGG);
     ar->mask = bpf_htonl(contributors);
@@ -179,6 +182,12 @@ int ar_aggregate(struct xdp_md *ctx)
 #pragma clang loop unroll_count(16)
             for (int i = 0; i < AR_ELEMS; i++)
                 p[i] = s->acc[i];
+        } else if (flags & AR_FLAG_RETX) {
+            /* An explicit retransmission to a round still waiting: tell the sender who has
+             * contributed, so a worker that gives up can name the missing ranks. */
+            action = ACT_STATUS;
+            contributors = s->bitmap;
+            res_next = s->next_nz;
         } else {
             action = ACT_DROP_DUP;
         }
@@ -270,11 +279,31 @@ act:
         return drop(AR_STAT_MISMATCH);
     case ACT_AGGREGATED:
         return drop(AR_STAT_AGGREGATED);
+    case ACT_STATUS: {
+        /* header-only answer: shrink to the header (a null was grown above), re-derive pointers */
+        if (bpf_xdp_adjust_tail(ctx, -(int)AR_PAYLOAD_BYTES))
+            return drop(AR_STAT_TX_FAILED);
+        void *d = (void *)(long)ctx->data, *e = (void *)(long)ctx->data_end;
+        struct ethhdr *eth2 = d;
+        struct iphdr *ip2 = (void *)(eth2 + 1);
+        struct udphdr *udp2 = (void *)(ip2 + 1);
+        struct ar_hdr *ar2 = (void *)(udp2 + 1);
+        if ((void *)(ar2 + 1) > e)
+            return drop(AR_STAT_TX_FAILED);
+        u8 smac[6];
+        __builtin_memcpy(smac, eth2->h_source, 6);
+        u32 sip = ip2->saddr;
+        to_result(eth2, ip2, udp2, ar2, cfg, sip, smac, contributors, res_next, 0, op,
+                  AR_TYPE_STATUS, 0);
+        count(AR_STAT_STATUS_SENT);
+        return XDP_TX;
+    }
     case ACT_RETX_ANSWER: {
         u8 dmac[6];
         __builtin_memcpy(dmac, eth->h_source, 6);
         u32 dip = ip->saddr;
-        to_result(eth, ip, udp, ar, cfg, dip, dmac, contributors, res_next, res_cnt, op);
+        to_result(eth, ip, udp, ar, cfg, dip, dmac, contributors, res_next, res_cnt, op,
+                  AR_TYPE_RESULT, AR_PAYLOAD_BYTES);
         count(AR_STAT_RETX_ANSWERED);
         return XDP_TX;
     }
@@ -282,7 +311,7 @@ act:
         count(AR_STAT_AGGREGATED);
         count(AR_STAT_COMPLETED);
         to_result(eth, ip, udp, ar, cfg, cfg->mcast_ip, cfg->mcast_mac, contributors, res_next,
-                  res_cnt, op);
+                  res_cnt, op, AR_TYPE_RESULT, AR_PAYLOAD_BYTES);
         count(AR_STAT_RESULT_SENT);
         return XDP_TX;
     }

@@ -12,7 +12,7 @@
  *   off size field    meaning
  *    0   2   magic    AR_MAGIC
  *    2   1   version  AR_VERSION
- *    3   1   type     AR_TYPE_CONTRIB | AR_TYPE_RESULT
+ *    3   1   type     AR_TYPE_CONTRIB | AR_TYPE_RESULT | AR_TYPE_STATUS
  *    4   1   flags    AR_FLAG_RETX | AR_FLAG_OP_MAX
  *    5   1   set      0 or 1: which of the slot's two sets (double buffering)
  *    6   2   rank     sender rank (AR_RANK_AGG in results)
@@ -35,6 +35,7 @@
 
 #define AR_TYPE_CONTRIB 1
 #define AR_TYPE_RESULT 2
+#define AR_TYPE_STATUS 3
 
 #define AR_FLAG_RETX 0x01
 #define AR_FLAG_OP_MAX 0x02
@@ -90,7 +91,8 @@
 #define AR_STAT_NO_JOB 20
 #define AR_STAT_TX_FAILED 21
 #define AR_STAT_NULL 22
-#define AR_STAT__COUNT 23
+#define AR_STAT_STATUS_SENT 23
+#define AR_STAT__COUNT 24
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0
