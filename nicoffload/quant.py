@@ -47,13 +47,44 @@ def shifts_for(exps: np.ndarray, world: int) -> np.ndarray:
     return (30 - headroom_bits(world) - exps.astype(np.int64)).astype(np.int64)
 
 
+def _f32_ok(shifts: np.ndarray) -> np.ndarray:
+    """Rows whose scale 2^s (and 2^-s) is a normal float32 with room for the results."""
+    return (shifts > -100) & (shifts < 100)
+
+
 def quantize(blocks: np.ndarray, shifts: np.ndarray) -> np.ndarray:
-    """rint(x * 2^s) per row, as int32 (exact power-of-two scaling in float64)."""
+    """rint(x * 2^s) per row, as int32. Scaling by a power of two is exact, so float32 rows are
+    scaled in float32 (fast); the rare rows whose 2^s leaves float32's range are redone in float64."""
+    if blocks.dtype == np.float32:
+        ok = _f32_ok(shifts)
+        f = np.ldexp(np.float32(1), np.clip(shifts, -99, 99).astype(np.int32)).astype(np.float32)
+        scaled = blocks * f[:, None]
+        np.rint(scaled, out=scaled)
+        out = scaled.astype(np.int32)
+        if not ok.all():
+            rest = np.flatnonzero(~ok)
+            out[rest] = quantize(blocks[rest].astype(np.float64), shifts[rest])
+        return out
     scaled = np.ldexp(blocks.astype(np.float64, copy=False), shifts[:, None].astype(np.int32))
-    return np.rint(scaled, out=scaled).astype(np.int32)
+    np.rint(scaled, out=scaled)
+    return scaled.astype(np.int32)
 
 
 def dequantize(sums: np.ndarray, shifts: np.ndarray, dtype) -> np.ndarray:
+    """sum * 2^-s in ``dtype``. For float32 the int32 -> float32 conversion is the only rounding
+    and the power-of-two scaling is exact, so the result equals the correctly rounded float64 path
+    (rows whose scale leaves float32's normal range take that path)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        ok = _f32_ok(shifts)
+        out = sums.astype(np.float32)
+        with np.errstate(over="ignore"):  # rows out of range are redone below
+            out *= np.ldexp(np.float32(1), np.clip(-shifts, -99, 99).astype(np.int32)).astype(np.float32)[:, None]
+        if not ok.all():
+            rest = np.flatnonzero(~ok)
+            with np.errstate(over="ignore"):  # a sum beyond float32's range is +-inf, as in numpy
+                out[rest] = np.ldexp(sums[rest].astype(np.float64), (-shifts[rest])[:, None].astype(np.int32))
+        return out
     return np.ldexp(sums.astype(np.float64), (-shifts)[:, None].astype(np.int32)).astype(dtype)
 
 

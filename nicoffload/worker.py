@@ -64,11 +64,13 @@ class Communicator:
     window: int = DEFAULT_WINDOW
     elems: int = proto.DEFAULT_ELEMS
     timeout: float = 5.0
-    rto: float = 0.02
-    max_rto: float = 0.5
+    rto: float = 0.005
+    max_rto: float = 0.2
     sparse: bool = True
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
+
+    GAP = 64  # rounds completed past an outstanding one before it is retransmitted early
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -81,7 +83,9 @@ class Communicator:
         self._block_id = 0     # running block id over the job
         self._all = (1 << self.world) - 1
         self._dsize = codec.datagram_size(self.elems)
-        self._rbuf = bytearray(1 << 20)
+        self._rbuf = bytearray(4 << 20)
+        self._srtt = self.rto
+        self._new: list[np.ndarray] = []
 
     def close(self) -> None:
         self._t.close()
@@ -222,7 +226,7 @@ class Communicator:
         ndone = 0
         rto = self.rto
         last_progress = time.monotonic()
-        last_send = last_progress
+        base_rto = rto
         dview = memoryview(dbuf)
         nview = memoryview(nbuf)
         st = self.last
@@ -252,68 +256,90 @@ class Communicator:
             for run in np.split(items, breaks):
                 send_range(int(run[0]), int(run[-1]) + 1, retx=True)
 
-        rbuf = self._rbuf
-        rview = memoryview(rbuf)
+        rview = memoryview(self._rbuf)
         hdr_dt = codec.header_dtype()
+        sent_at = np.zeros(K)          # when each round was last sent
+        srtt = self._srtt
         while ndone < K:
             limit = min(K, head + self.window)
             if sent < limit:
                 send_range(sent, limit, retx=False)
+                sent_at[sent:limit] = time.monotonic()
                 sent = limit
-                last_send = time.monotonic()
-            # drain what has arrived
-            got = 0
-            while True:
-                nbytes, seg = self._t.recv_into(rbuf)
-                if nbytes == 0:
-                    break
-                got += self._absorb(rview[:nbytes], seg, base, K, slots, sets, out, done, status_bits, hdr_dt)
+            self._new = []
+            got = self._drain(rview, base, K, slots, sets, out, done, status_bits, hdr_dt)
+            now = time.monotonic()
             if got:
-                newdone = int(done.sum())
-                if newdone > ndone:
-                    ndone = newdone
-                    last_progress = time.monotonic()
-                    rto = self.rto
+                new = np.concatenate(self._new) if self._new else np.empty(0, dtype=np.int64)
+                if len(new):
+                    ndone += len(new)
+                    last_progress = now
+                    # smoothed send->result time; the timeout follows it (as TCP's RTO does)
+                    srtt = 0.875 * srtt + 0.125 * float(np.median(now - sent_at[new]))
+                    base_rto = max(self.rto, 3 * srtt)
+                    rto = base_rto
                 while head < K and done[head]:
                     head += 1
+                if head < sent:
+                    # Fast retransmit: rounds complete in order per slot and roughly in order
+                    # overall, so a round left behind by GAP later ones has lost a packet.
+                    top = int(np.flatnonzero(done[head:sent])[-1]) + head if done[head:sent].any() else head
+                    gap = np.flatnonzero(~done[head:max(head, top - self.GAP)]) + head
+                    gap = gap[now - sent_at[gap] > base_rto]
+                    if len(gap):
+                        send_rounds(gap)
+                        sent_at[gap] = now
+                        st.retransmissions += len(gap)
                 continue
-            now = time.monotonic()
             if now - last_progress > self.timeout:
                 self._fail(done, sent, status_bits)
-            wait_until = max(last_send, last_progress) + rto
-            if now >= wait_until:
-                # timeout: retransmit every outstanding round (backoff)
-                pending = np.flatnonzero(~done[:sent])
+            oldest = sent_at[head] if head < sent else now
+            if now - oldest >= rto:
+                # timeout: retransmit every round outstanding for longer than rto, back off
+                pending = np.flatnonzero(~done[head:sent]) + head
+                pending = pending[now - sent_at[pending] >= rto]
                 send_rounds(pending)
+                sent_at[pending] = now
                 st.retransmissions += len(pending)
                 st.timeouts += 1
-                last_send = time.monotonic()
-                rto = min(rto * 2, self.max_rto)
+                rto = min(rto * 2, max(self.max_rto, base_rto))
                 continue
-            self._t.wait(wait_until - now)
+            self._t.wait(min(rto - (now - oldest), 0.05))
         st.rounds += K
+        self._srtt = srtt
         return out
 
-    def _absorb(self, buf: memoryview, seg: int, base: int, K: int, slots, sets, out, done,
-                status_bits, hdr_dt) -> int:
-        """Take the datagrams of one receive into ``out``; returns how many were read."""
-        nbytes = buf.nbytes
-        if seg == self._dsize or (nbytes >= self._dsize and seg >= self._dsize):
-            n = nbytes // self._dsize
-            rest = nbytes - n * self._dsize
-            dec = codec.decode_datagrams(buf[:n * self._dsize], n, self.elems)
-            self._take_results(dec, base, K, slots, sets, out, done)
-            if rest >= proto.HDR_LEN:  # a short tail segment (a STATUS)
-                self._take_status(buf[n * self._dsize:], base, K, status_bits, hdr_dt)
-            return n + (1 if rest else 0)
-        if nbytes % proto.HDR_LEN == 0 and seg == proto.HDR_LEN or nbytes == proto.HDR_LEN:
-            for j in range(nbytes // proto.HDR_LEN):
-                self._take_status(buf[j * proto.HDR_LEN:(j + 1) * proto.HDR_LEN], base, K, status_bits, hdr_dt)
-            return nbytes // proto.HDR_LEN
-        self.last.duplicates += 1  # not ours (wrong size): ignore
-        return 1
+    def _drain(self, rview: memoryview, base: int, K: int, slots, sets, out, done, status_bits,
+               hdr_dt) -> int:
+        """Receive everything queued (GRO batches or single datagrams) back to back into the
+        receive buffer, then decode all results with one vectorised call. Returns datagrams read."""
+        D, H = self._dsize, proto.HDR_LEN
+        off = n = 0
+        room = rview.nbytes - 65536
+        while off <= room:
+            nbytes, seg = self._t.recv_into(rview[off:])
+            if nbytes == 0:
+                break
+            if seg == D or nbytes == D:
+                full = nbytes // D
+                tail = nbytes - full * D
+                if tail >= H:  # GRO may end a batch with one shorter datagram (a STATUS)
+                    self._take_status(rview[off + full * D:off + nbytes], base, K, status_bits, hdr_dt)
+                off += full * D
+                n += full + (1 if tail else 0)
+            elif seg == H:
+                for j in range(nbytes // H):
+                    self._take_status(rview[off + j * H:off + (j + 1) * H], base, K, status_bits, hdr_dt)
+                n += nbytes // H
+            else:
+                self.last.duplicates += 1  # a datagram of a size we never use: not ours
+                n += 1
+        if off:
+            dec = codec.decode_datagrams(rview[:off], off // D, self.elems)
+            self._new.append(self._take_results(dec, base, K, slots, sets, out, done))
+        return n
 
-    def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done) -> None:
+    def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done) -> np.ndarray:
         f = dec.fields
         idx = (f["block"].astype(np.int64) - base) & 0xFFFFFFFF
         ok = ((f["magic"] == proto.MAGIC) & (f["type"] == proto.TYPE_RESULT) & (f["job"] == self.job)
@@ -328,6 +354,7 @@ class Communicator:
         done[sel] = True
         self.last.results += len(sel)
         self.last.duplicates += int(len(idx) - len(sel))
+        return sel
 
     def _take_status(self, buf: memoryview, base: int, K: int, status_bits, hdr_dt) -> None:
         h = np.frombuffer(buf[:proto.HDR_LEN], dtype=hdr_dt)[0]
