@@ -257,6 +257,11 @@ class Aggregator:
         for i in range(self.spec.slots):
             self._write(t, i, empty)
 
+    def reset_stats(self) -> None:
+        t = self.b["ar_stats"]
+        for i in range(len(proto.STATS)):
+            t[t.Key(i)] = t.Leaf(*([0] * len(t[t.Key(i)])))
+
     # --- inspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         t = self.b["ar_stats"]

@@ -23,7 +23,7 @@ class _Set:
     flags: int = 0
     exp: int = 0
     count: int = 0
-    next_nz: int = 0xFFFFFFFF
+    next_nz: int = proto.NEXT_NZ_NONE
     complete: bool = False
 
 
@@ -153,7 +153,7 @@ class UserspaceAggregator:
             return
         if not s.used or s.block != block:
             s.used, s.block, s.bitmap, s.mask, s.flags, s.exp = True, block, 0, mask, op, exp
-            s.count, s.next_nz, s.complete = 0, 0xFFFFFFFF, False
+            s.count, s.next_nz, s.complete = 0, proto.NEXT_NZ_NONE, False
         elif s.mask != mask or s.flags != op or s.exp != exp or (cnt and s.count and s.count != cnt):
             return self._drop("mismatch")
         first = s.bitmap == 0

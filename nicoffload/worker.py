@@ -147,7 +147,7 @@ class Communicator:
                 q = blocks[idx]
                 wire_exp = np.zeros(len(idx), dtype=np.int16)
             has = nonzero[idx] if self.sparse else np.ones(len(idx), dtype=bool)
-            sums = self._stream(q, counts[idx], has, wire_exp, op_max=False, positions=idx)
+            sums = self._stream(q, counts[idx], has, wire_exp, op_max=False)
             if is_float:
                 res_f = quant.dequantize(sums, shifts, x.dtype)
                 outb = np.zeros((nb, E), dtype=x.dtype)
@@ -176,11 +176,11 @@ class Communicator:
         counts[-1] = len(local) - (k - 1) * E
         self.last.meta_rounds += k
         res = self._stream(vals, counts, np.ones(k, dtype=bool), np.zeros(k, dtype=np.int16),
-                           op_max=True, positions=np.arange(k))
+                           op_max=True)
         return res.reshape(-1)[:len(local)].copy()
 
     def _stream(self, q: np.ndarray, counts: np.ndarray, has_data: np.ndarray, exps: np.ndarray,
-                op_max: bool, positions: np.ndarray) -> np.ndarray:
+                op_max: bool) -> np.ndarray:
         """Run K rounds (one per row of q) through the slot pool; return the (K, E) int32 sums."""
         K, E, S = len(q), self.elems, self.slots
         i = np.arange(K)
@@ -192,10 +192,12 @@ class Communicator:
         ids = (base + i) & 0xFFFFFFFF
         self._block_id = (base + K) & 0xFFFFFFFF
         flags = proto.FLAG_OP_MAX if op_max else 0
-        # next non-zero block (OmniReduce's pointer; informational for the aggregator)
-        nz_pos = positions[has_data]
-        nxt = np.searchsorted(nz_pos, positions, side="right")
-        next_nz = np.where(nxt < len(nz_pos), nz_pos[np.minimum(nxt, len(nz_pos) - 1)], 0xFFFFFFFF)
+        # id of this rank's next round that carries data (OmniReduce's pointer; the aggregator
+        # returns the minimum over the contributors)
+        data_idx = np.flatnonzero(has_data)
+        nxt = np.searchsorted(data_idx, i, side="right")
+        next_nz = np.where(nxt < len(data_idx), (base + data_idx[np.minimum(nxt, max(len(data_idx) - 1, 0))])
+                           & 0xFFFFFFFF if len(data_idx) else 0, proto.NEXT_NZ_NONE)
 
         data_items = np.flatnonzero(has_data)
         null_items = np.flatnonzero(~has_data)

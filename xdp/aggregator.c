@@ -1,7 +1,7 @@
 /* nicoffload XDP aggregator: in-kernel AllReduce over a slot pool with two sets per slot.
  *
  * Entry: parse Ethernet/IPv4/UDP on AR_PORT, validate every AllReduce field (counted by reason,
- * dropped), then the slot algorithm under the slot's spin lock (see docs/aggregator.md):
+ * dropped), then the slot algorithm under the slot's spin lock (see docs/protocol.md):
  *   retransmission (rank already in the set's bitmap, same block): answer from the Tx spot
  *     if complete (unicast XDP_TX), else drop;
  *   otherwise: a new block on the set starts a new round; first contributor writes, later add
@@ -84,13 +84,17 @@ int ar_aggregate(struct xdp_md *ctx)
         goto pass;
     if (ip->frag_off & bpf_htons(0x3fff)) /* fragments are not ours to reassemble */
         goto pass;
+    u32 ihl = ip->ihl;
+    if (ihl < 5)
+        goto pass; /* not a valid IPv4 header: the stack drops it */
+    c.pos = (void *)ip + ihl * 4; /* skip options to find the port */
     struct udphdr *udp = parse_udp(&c);
     if (!udp || udp->dest != bpf_htons(AR_PORT))
         goto pass;
 
     /* From here on the packet is ours: it is aggregated, answered, or counted and dropped. */
     count(AR_STAT_RX);
-    if (ip->ihl != 5)
+    if (ihl != 5) /* results are rewritten in place: no IP options */
         return drop(AR_STAT_BAD_LEN);
     struct ar_hdr *ar = parse_ar(&c);
     if (!ar)
@@ -204,7 +208,7 @@ int ar_aggregate(struct xdp_md *ctx)
         s->flags = op;
         s->exp = exp;
         s->count = 0;
-        s->next_nz = 0xffffffff;
+        s->next_nz = AR_NEXT_NZ_NONE;
         s->complete = 0;
     } else if (s->mask != mask || s->flags != op || s->exp != exp ||
                (cnt && s->count && s->count != cnt)) {

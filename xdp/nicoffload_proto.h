@@ -42,6 +42,8 @@
 #define AR_FLAGS_KNOWN 0x03
 
 #define AR_RANK_AGG 0xFFFF
+/* next_nz value meaning: no further non-zero block */
+#define AR_NEXT_NZ_NONE 0xFFFFFFFF
 #define AR_MAX_WORKERS 32
 
 #define AR_HDR_LEN 32

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import pytest
+
+from nicoffload.aggregator import Aggregator
+from packets import generators as gen
+
+
+@pytest.fixture(scope="session")
+def _agg_cache():
+    cache: dict = {}
+    yield cache
+    for a in cache.values():
+        a.close()
+
+
+@pytest.fixture
+def make_agg(_agg_cache):
+    """Test aggregators (loaded, not attached), compiled once per shape and returned with every
+    slot, counter and the job configuration reset, so each test starts from a clean program."""
+
+    def make(workers=4, slots=8, elems=256, **kw):
+        kw.setdefault("worker_ips", [gen.worker_ip(r) for r in range(workers)])
+        key = (workers, slots, elems, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                    for k, v in kw.items())))
+        agg = _agg_cache.get(key)
+        if agg is None:
+            agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP,
+                                      agg_mac=gen.AGG_MAC, group=gen.GROUP_IP, **kw)
+            _agg_cache[key] = agg
+        else:
+            agg.reset_slots()
+            agg.reset_stats()
+            agg.configure(agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC)
+        return agg
+
+    return make
