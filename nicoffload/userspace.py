@@ -134,7 +134,7 @@ class UserspaceAggregator:
         if self._ips and socket.inet_aton(addr[0]) != self._ips[rank]:
             return self._drop("bad_src")
         cnt = int(h["count"])
-        if cnt > self.elems or pkt.nbytes != (self._dsize if cnt else proto.HDR_LEN):
+        if cnt > self.elems or not (pkt.nbytes == self._dsize or (cnt == 0 and pkt.nbytes == proto.HDR_LEN)):
             return self._drop("bad_len")
         if cnt == 0:
             st["null"] += 1

@@ -195,29 +195,17 @@ class Communicator:
         # id of this rank's next round that carries data (OmniReduce's pointer; the aggregator
         # returns the minimum over the contributors)
         data_idx = np.flatnonzero(has_data)
-        nxt = np.searchsorted(data_idx, i, side="right")
-        next_nz = np.where(nxt < len(data_idx), (base + data_idx[np.minimum(nxt, max(len(data_idx) - 1, 0))])
-                           & 0xFFFFFFFF if len(data_idx) else 0, proto.NEXT_NZ_NONE)
+        next_nz = np.append((base + data_idx) & 0xFFFFFFFF, proto.NEXT_NZ_NONE)[
+            np.searchsorted(data_idx, i, side="right")]
 
-        data_items = np.flatnonzero(has_data)
-        null_items = np.flatnonzero(~has_data)
-        common = dict(rank=self.rank, job=self.job, mask=self._all, flags=flags)
-        dbuf = bytearray(len(data_items) * self._dsize)
-        if len(data_items):
-            codec.encode_blocks(q[data_items], slot=slots[data_items], set=sets[data_items],
-                                block=ids[data_items], next_nz=next_nz[data_items],
-                                count=counts[data_items], exp=exps[data_items], out=dbuf, **common)
-        nbuf = bytearray(len(null_items) * proto.HDR_LEN)
-        if len(null_items):
-            codec.encode_nulls(len(null_items), slot=slots[null_items], set=sets[null_items],
-                               block=ids[null_items], next_nz=next_nz[null_items],
-                               exp=exps[null_items], out=nbuf, **common)
-        # position of item i inside its buffer
-        pos_in = np.empty(K, dtype=np.int64)
-        pos_in[data_items] = np.arange(len(data_items))
-        pos_in[null_items] = np.arange(len(null_items))
-        # cumulative counts let a range of items map to a contiguous range of each buffer
-        cum_data = np.concatenate([[0], np.cumsum(has_data)])
+        # One buffer of K equal-sized datagrams: a rank whose block is all zero sends a null
+        # (count 0, zero padding the aggregator does not add; see docs/protocol.md).
+        buf = bytearray(K * self._dsize)
+        codec.encode_blocks(q, rank=self.rank, job=self.job, mask=self._all, flags=flags, slot=slots,
+                            set=sets, block=ids, next_nz=next_nz, count=np.where(has_data, counts, 0),
+                            exp=exps, out=buf)
+        rec_flags = np.frombuffer(buf, dtype=codec.datagram_dtype(E))["flags"]
+        nulls_before = np.concatenate([[0], np.cumsum(~has_data)])
 
         out = np.zeros((K, E), dtype=np.int32)
         done = np.zeros(K, dtype=bool)
@@ -229,26 +217,17 @@ class Communicator:
         rto = self.rto
         last_progress = time.monotonic()
         base_rto = rto
-        dview = memoryview(dbuf)
-        nview = memoryview(nbuf)
+        view = memoryview(buf)
         st = self.last
 
         def send_range(a: int, b: int, retx: bool) -> None:
             if b <= a:
                 return
-            da, db = int(cum_data[a]), int(cum_data[b])
-            na, nb_ = a - da, b - db
             if retx:
-                rec = np.frombuffer(dbuf, dtype=codec.datagram_dtype(E))
-                rec["flags"][da:db] |= proto.FLAG_RETX
-                nrec = np.frombuffer(nbuf, dtype=codec.header_dtype())
-                nrec["flags"][na:nb_] |= proto.FLAG_RETX
-            if db > da:
-                self._t.send_batch(dview[da * self._dsize:db * self._dsize], self._dsize, dest)
-            if nb_ > na:
-                self._t.send_batch(nview[na * proto.HDR_LEN:nb_ * proto.HDR_LEN], proto.HDR_LEN, dest)
-            st.packets_sent += (db - da) + (nb_ - na)
-            st.nulls_sent += nb_ - na
+                rec_flags[a:b] |= proto.FLAG_RETX
+            self._t.send_batch(view[a * self._dsize:b * self._dsize], self._dsize, dest)
+            st.packets_sent += b - a
+            st.nulls_sent += int(nulls_before[b] - nulls_before[a])
 
         def send_rounds(items: np.ndarray) -> None:
             """Retransmit an arbitrary set of rounds, grouped in contiguous runs."""

@@ -412,7 +412,8 @@ def malformed_cases(
     add("bad_len", f"count {elems + 1} > elems {elems}", bytes(hdr(count=elems + 1) / payload))
     add("bad_len", "count 0xffff", bytes(hdr(count=0xFFFF) / payload))
     add("bad_len", f"count {elems} without payload", bytes(hdr(count=elems)))
-    add("bad_len", "count 0 with a payload", bytes(hdr(count=0) / payload))
+    add("bad_len", "count 0 with a payload that is neither empty nor full padding",
+        bytes(hdr(count=0) / payload[:4 * (elems // 2)]))
     add("bad_len", f"count {elems}, payload of one element", bytes(hdr(count=elems) / payload[:4]))
     add("bad_len", f"count {elems}, payload of {elems // 2} elements",
         bytes(hdr(count=elems) / payload[: 4 * (elems // 2)]))

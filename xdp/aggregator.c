@@ -134,18 +134,22 @@ int ar_aggregate(struct xdp_md *ctx)
     if (wk->ip && wk->ip != ip->saddr)
         return drop(AR_STAT_BAD_SRC);
 
-    /* Length: a data contribution carries exactly AR_ELEMS int32, a null one none. */
+    /* Length: a data contribution carries exactly AR_ELEMS int32. A null one (count 0) carries
+     * either nothing or AR_ELEMS int32 of padding that is not added; only the padded form can
+     * carry a result on every driver (veth leaves no tailroom to grow into). */
     u16 cnt = bpf_ntohs(ar->count);
     u32 udp_len = bpf_ntohs(udp->len);
-    u32 want = sizeof(struct udphdr) + AR_HDR_LEN + (cnt ? AR_PAYLOAD_BYTES : 0);
-    if (cnt > AR_ELEMS || udp_len != want)
+    u32 full = sizeof(struct udphdr) + AR_HDR_LEN + AR_PAYLOAD_BYTES;
+    u32 bare = sizeof(struct udphdr) + AR_HDR_LEN;
+    if (cnt > AR_ELEMS || !(udp_len == full || (cnt == 0 && udp_len == bare)))
         return drop(AR_STAT_BAD_LEN);
-    if (bpf_ntohs(ip->tot_len) != want + sizeof(struct iphdr))
+    if (bpf_ntohs(ip->tot_len) != udp_len + sizeof(struct iphdr))
         return drop(AR_STAT_BAD_LEN);
-    if (cnt == 0) {
-        /* A null contribution may have to carry a result: grow it to full size first
-         * (no helper may run under the lock). */
+    if (cnt == 0)
         count(AR_STAT_NULL);
+    if (udp_len == bare) {
+        /* A bare null may have to carry a result: grow it to full size first
+         * (no helper may run under the lock). */
         if (bpf_xdp_adjust_tail(ctx, AR_PAYLOAD_BYTES))
             return drop(AR_STAT_TX_FAILED);
         c.pos = (void *)(long)ctx->data;
