@@ -132,12 +132,17 @@ class AggregatorProcess:
 def run_workers(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], *, reps: int = 1,
                 elems: int = proto.DEFAULT_ELEMS, slots: int = 1024, window: int | None = None,
                 timeout: float = 10.0, sparse: bool = True, job: int = 1,
-                deadline: float | None = None) -> list[dict]:
+                deadline: float | None = None, pin_cpus: bool = False,
+                ranks: Sequence[int] | None = None) -> list[dict]:
     """Start one worker process per worker host and wait for all; return their JSON reports.
     A worker that fails makes this raise with its rank and its own error message."""
     procs = []
+    ncpu = os.cpu_count() or 1
     for w, inp, out in zip(tb.workers, inputs, outputs):
-        argv = PY + ["worker", "--rank", str(w.rank), "--world", str(len(tb.workers)),
+        if ranks is not None and w.rank not in ranks:
+            continue  # a rank that never shows up (tests of the timeout path)
+        pin = ["taskset", "-c", str(w.rank % ncpu)] if pin_cpus else []
+        argv = pin + PY + ["worker", "--rank", str(w.rank), "--world", str(len(tb.workers)),
                      "--aggregator", tb.agg.ip, "--group", tb.mcast_group, "--local-ip", w.ip,
                      "--port", str(tb.port), "--job", str(job), "--input", str(inp),
                      "--elems", str(elems), "--slots", str(slots), "--timeout", str(timeout),

@@ -1,0 +1,168 @@
+"""The worker library end to end on the testbed: exact int32 sums, float sums within the
+documented bound on adversarial inputs, bit-identical results under 2% loss and 2% duplication,
+a missing rank named by every other rank within the timeout, block sparsity."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nicoffload import proto, quant
+from nicoffload.errors import NicoffloadError
+from nicoffload.runner import AggregatorProcess, enable_gro, run_job, run_workers
+
+CLI = [sys.executable, "-m", "nicoffload.cli"]
+E = proto.DEFAULT_ELEMS
+
+
+def save(tmp_path, arrays, tag=""):
+    ins = [tmp_path / f"in{tag}{r}.npy" for r in range(len(arrays))]
+    outs = [tmp_path / f"out{tag}{r}.npy" for r in range(len(arrays))]
+    for a, p in zip(arrays, ins):
+        np.save(p, a)
+    return ins, outs
+
+
+def bound_for(arrays):
+    n = arrays[0].size
+    nb = -(-n // E)
+    pad = np.zeros((len(arrays), nb * E), dtype=arrays[0].dtype)
+    pad[:, :n] = np.stack(arrays)
+    exps = np.max([quant.block_exponents(p.reshape(nb, E)) for p in pad], axis=0)
+    return np.repeat(quant.error_bound(exps, len(arrays)), E)[:n]
+
+
+def adversarial(world, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    fmax = np.finfo(np.float32).max / 64
+    for r in range(world):
+        a = (rng.standard_normal(E * 9 + 37) * rng.choice([1e-3, 1, 1e3], E * 9 + 37)).astype(np.float32)
+        a[:E] *= np.float32(1e30)
+        a[E:2 * E] *= np.float32(1e-30)
+        a[2 * E:2 * E + 4] = [1e-45, -1e-45, 2e-40, -0.0]
+        a[3 * E:4 * E] = fmax  # every rank at the maximum
+        a[4 * E:5 * E] = 0 if r % 2 else a[4 * E:5 * E]  # zero on some ranks
+        a[5 * E:6 * E] = 0  # zero on every rank
+        a[6 * E] = np.float32(1e25) * (-1) ** r
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["xdp", "userspace"])
+def test_float32_within_the_documented_bound_on_adversarial_inputs(make_testbed, tmp_path, kind):
+    arrays = adversarial(4)
+    tb = make_testbed(4)
+    ins, outs = save(tmp_path, arrays)
+    res = run_job(tb, ins, outs, kind, timeout=15)
+    ref = np.sum(np.stack(arrays).astype(np.float64), axis=0)
+    half_ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64) / 2
+    bound = bound_for(arrays) + half_ulp
+    for r in range(4):
+        y = np.load(outs[r]).astype(np.float64)
+        assert (np.abs(y - ref) <= bound).all(), f"rank {r}: max excess {(np.abs(y - ref) - bound).max()}"
+    assert np.array_equal(np.load(outs[0]), np.load(outs[3]))
+    assert res.ranks[0]["stats"]["blocks_skipped"] == 1  # the block that is zero everywhere
+
+
+def test_int32_exact_and_float64(make_testbed, tmp_path):
+    rng = np.random.default_rng(3)
+    ints = [rng.integers(-(2**31), 2**31 - 1, 5 * E + 3, dtype=np.int32) for _ in range(3)]
+    f64 = [rng.standard_normal(4 * E + 1) * 1e100 for _ in range(3)]
+    tb = make_testbed(3)
+    ins, outs = save(tmp_path, ints, "i")
+    run_job(tb, ins, outs, "xdp", timeout=15)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(np.load(outs[1]), np.sum(np.stack(ints), axis=0, dtype=np.int32))
+    ins, outs = save(tmp_path, f64, "d")
+    run_job(tb, ins, outs, "xdp", timeout=15)
+    ref = np.sum(np.stack(f64), axis=0)
+    assert np.abs(np.load(outs[2]) - ref).max() <= bound_for(f64).max()
+
+
+def test_loss_and_duplication_give_bit_identical_results(make_testbed, tmp_path):
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal(2000 * E).astype(np.float32) for _ in range(4)]
+    tb = make_testbed(4)
+    ins, clean_outs = save(tmp_path, arrays, "c")
+    run_job(tb, ins, clean_outs, "xdp", timeout=20)
+    tb.faults.configure(drop=0.02, dup=0.02, seed=7)
+    lossy_outs = [tmp_path / f"lossy{r}.npy" for r in range(4)]
+    res = run_job(tb, ins, lossy_outs, "xdp", timeout=20)
+    fs = tb.faults.stats()
+    dropped = sum(v[d]["dropped"] for v in fs.values() for d in ("ingress", "egress"))
+    dupped = sum(v[d]["duplicated"] for v in fs.values() for d in ("ingress", "egress"))
+    assert dropped > 100 and dupped > 100, fs
+    assert res.totals("retransmissions") > 0
+    for r in range(4):
+        assert np.array_equal(np.load(lossy_outs[r]), np.load(clean_outs[r])), f"rank {r} differs under loss"
+
+
+def test_a_missing_rank_is_named_by_every_other_rank_within_the_timeout(make_testbed, tmp_path):
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(50 * E).astype(np.float32) for _ in range(3)]
+    tb = make_testbed(3)
+    ins, outs = save(tmp_path, arrays)
+    enable_gro(tb)
+    t0 = time.monotonic()
+    with AggregatorProcess(tb, "xdp", 1024, E):
+        with pytest.raises(NicoffloadError) as ei:
+            run_workers(tb, ins, outs, timeout=2, ranks=[0, 1])
+    took = time.monotonic() - t0
+    msg = str(ei.value)
+    assert "rank 0" in msg and "rank 1" in msg, msg
+    assert msg.count("no contribution from rank(s) 2") == 2, msg
+    assert took < 30
+
+
+def test_sparsity_skips_blocks_and_stays_exact(make_testbed, tmp_path):
+    rng = np.random.default_rng(6)
+    n = 400 * E
+    arrays = []
+    zero_all = rng.random(400) < 0.5
+    for r in range(4):
+        a = rng.integers(-1000, 1000, n, dtype=np.int32)
+        zero = zero_all | (rng.random(400) < 0.3)
+        a[np.repeat(zero, E)] = 0
+        arrays.append(a)
+    tb = make_testbed(4)
+    ins, outs = save(tmp_path, arrays)
+    res = run_job(tb, ins, outs, "xdp", timeout=15)
+    assert np.array_equal(np.load(outs[0]), np.sum(np.stack(arrays), axis=0, dtype=np.int32))
+    nonzero_any = np.any(np.stack([a.reshape(400, E) != 0 for a in arrays]).any(axis=2), axis=0)
+    for rep, a in zip(res.ranks, arrays):
+        st = rep["stats"]
+        assert st["blocks_skipped"] == int((~nonzero_any).sum())
+        own_zero = ~np.any(a.reshape(400, E) != 0, axis=1)
+        assert st["nulls_sent"] - 0 >= int((own_zero & nonzero_any).sum())  # (+ retransmitted nulls)
+
+
+def test_allreduce_cli_and_its_input_errors(tmp_path):
+    rng = np.random.default_rng(8)
+    a, b = (rng.standard_normal((30, 50)).astype(np.float32) for _ in range(2))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    r = subprocess.run(CLI + ["allreduce", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "-o",
+                              str(tmp_path / "s.npy"), "--json"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert {"workers", "elements", "dtype", "seconds", "aggregator", "packets_sent", "retransmissions"} <= set(rep)
+    s = np.load(tmp_path / "s.npy")
+    assert s.shape == a.shape and s.dtype == a.dtype
+    assert np.abs(s.astype(np.float64) - (a.astype(np.float64) + b)).max() < 1e-5
+    bad = a.copy()
+    bad[3, 4] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    np.save(tmp_path / "short.npy", a[:10])
+    np.save(tmp_path / "f64.npy", a.astype(np.float64))
+    (tmp_path / "junk.npy").write_text("not numpy")
+    for other, words in (("nan.npy", "NaN"), ("short.npy", "shape"), ("f64.npy", "dtype"),
+                         ("junk.npy", "not a readable"), ("missing.npy", "no such file")):
+        r = subprocess.run(CLI + ["allreduce", str(tmp_path / "a.npy"), str(tmp_path / other), "-o",
+                                  str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (other, r.stderr)
+        assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
