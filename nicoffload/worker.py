@@ -64,13 +64,13 @@ class Communicator:
     window: int = DEFAULT_WINDOW
     elems: int = proto.DEFAULT_ELEMS
     timeout: float = 5.0
-    rto: float = 0.005
-    max_rto: float = 0.2
+    rto: float = 0.02
+    max_rto: float = 0.5
     sparse: bool = True
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
-    GAP = 64  # rounds completed past an outstanding one before it is retransmitted early
+    GAP = 128  # rounds completed past an outstanding one before it is retransmitted early
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -83,7 +83,9 @@ class Communicator:
         self._block_id = 0     # running block id over the job
         self._all = (1 << self.world) - 1
         self._dsize = codec.datagram_size(self.elems)
-        self._rbuf = bytearray(4 << 20)
+        from .transport import SlotReceiver
+
+        self._rx = SlotReceiver(self._t.sock, self._dsize, max(1024, 2 * self.window))
         self._srtt = self.rto
         self._new: list[np.ndarray] = []
 
@@ -237,7 +239,7 @@ class Communicator:
             for run in np.split(items, breaks):
                 send_range(int(run[0]), int(run[-1]) + 1, retx=True)
 
-        rview = memoryview(self._rbuf)
+        rview = None
         hdr_dt = codec.header_dtype()
         sent_at = np.zeros(K)          # when each round was last sent
         srtt = self._srtt
@@ -290,33 +292,29 @@ class Communicator:
         self._srtt = srtt
         return out
 
-    def _drain(self, rview: memoryview, base: int, K: int, slots, sets, out, done, status_bits,
-               hdr_dt) -> int:
-        """Receive everything queued (GRO batches or single datagrams) back to back into the
-        receive buffer, then decode all results with one vectorised call. Returns datagrams read."""
+    def _drain(self, rview, base: int, K: int, slots, sets, out, done, status_bits, hdr_dt) -> int:
+        """Receive everything queued with recvmmsg (results land back to back in fixed slots),
+        then decode all results with one vectorised call. Returns datagrams read."""
+        rx = self._rx
+        n = rx.receive()
+        if not n:
+            return 0
+        lens = rx.lengths(n)
         D, H = self._dsize, proto.HDR_LEN
-        off = n = 0
-        room = rview.nbytes - 65536
-        while off <= room:
-            nbytes, seg = self._t.recv_into(rview[off:])
-            if nbytes == 0:
-                break
-            if seg == D or nbytes == D:
-                full = nbytes // D
-                tail = nbytes - full * D
-                if tail >= H:  # GRO may end a batch with one shorter datagram (a STATUS)
-                    self._take_status(rview[off + full * D:off + nbytes], base, K, status_bits, hdr_dt)
-                off += full * D
-                n += full + (1 if tail else 0)
-            elif seg == H:
-                for j in range(nbytes // H):
-                    self._take_status(rview[off + j * H:off + (j + 1) * H], base, K, status_bits, hdr_dt)
-                n += nbytes // H
+        full = lens == D
+        if full.all():
+            dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
+            self._new.append(self._take_results(dec, base, K, slots, sets, out, done))
+            return n
+        for j in np.flatnonzero(~full):
+            if lens[j] == H:
+                self._take_status(rx.view[j * D:j * D + H], base, K, status_bits, hdr_dt)
             else:
                 self.last.duplicates += 1  # a datagram of a size we never use: not ours
-                n += 1
-        if off:
-            dec = codec.decode_datagrams(rview[:off], off // D, self.elems)
+        if full.any():
+            dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
+            keep = np.flatnonzero(full)
+            dec = codec.Decoded({k: v[keep] for k, v in dec.fields.items()}, dec.payload[keep])
             self._new.append(self._take_results(dec, base, K, slots, sets, out, done))
         return n
 
