@@ -43,6 +43,15 @@ def register(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the status as JSON")
     q.set_defaults(func=_load)
 
+    q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
+    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live")
+    q.add_argument("--workers", type=int, default=4)
+    q.add_argument("--elems", type=int, default=proto.DEFAULT_ELEMS)
+    q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
+    q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_bench)
+
     for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
                           ("stats", _stats, "show the per-reason counters"),
                           ("slots", _slots, "dump slot state (bitmaps, counts, sets)"),
@@ -166,4 +175,28 @@ def _unload(args) -> int:
 
     unload(args.netns, args.iface)
     print(f"aggregator unloaded from {args.iface} ({args.netns or 'root namespace'})")
+    return 0
+
+
+def _bench(args) -> int:
+    from . import bpf
+    from .xdpbench import live_cost, test_run_costs
+
+    bpf.require_root("nicoffload agg bench")
+    out = {"workers": args.workers, "elems": args.elems, "test_run_ns": test_run_costs(args.workers, args.elems,
+                                                                                        args.rounds)}
+    if not args.no_live:
+        out["live"] = live_cost(args.workers, elems=args.elems)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    t = out["test_run_ns"]
+    print(f"BPF_PROG_TEST_RUN, {args.workers} workers, {args.elems} int32 per packet (ns per packet):")
+    for k in ("first", "add", "complete", "per_packet", "duplicate", "retx_answer", "pass"):
+        if k in t:
+            print(f"  {k:<12} {t[k]:8.1f}")
+    if "live" in out:
+        lv = out["live"]
+        print(f"live testbed (kernel bpf stats, 3 x 16 MiB AllReduce): {lv['packets']} packets, "
+              f"{lv['per_packet']:.1f} ns per packet")
     return 0
