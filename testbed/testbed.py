@@ -1,0 +1,545 @@
+"""Realise a :class:`~testbed.topology.Topology` in network namespaces with pyroute2.
+
+    with Testbed(Topology.star("demo", workers=4, rate="1gbit")) as tb:
+        with tb.in_host("w0"):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # lives in w0's namespace
+        tb.run("agg", ["ping", "-c1", tb.host("w1").ip])
+
+Creation order: state file (status "creating"), namespaces (bridge first), the bridge, per host a
+veth pair (bridge side p-HOST, host side eth0) with addresses, the multicast route and static
+neighbours, shaping, the NAPI XDP_PASS program on p-agg; state file (status "up").
+Teardown is the reverse, idempotent, tolerant of objects that are already gone, and driven by
+the state file only, so another process (``nicoffload testbed down``) can do it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+from pyroute2.netlink.rtnl.ndmsg import flags as ntf_flags
+from pyroute2.netlink.rtnl.ndmsg import states as nud_states
+
+from nicoffload import bpf as nbpf
+from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, SetupError
+
+from . import state as st
+from .fault import FaultInjector
+from .netlink import (create_netns, ipr, link_index, netns_exists, remove_netns, set_sysctl, shape,
+                      tolerant, unshape, wait_oper_up)
+from .topology import (BRIDGE_IFACE, PREFIX, PREFIXLEN, SUBNET_MAX, SUBNET_MIN, Host, Topology,
+                       check_name, derived_subnet)
+
+MCAST_NET, MCAST_LEN = "224.0.0.0", 4
+NAPI_PROG = "int xdp_napi_pass(struct xdp_md *ctx) { return XDP_PASS; }\n"
+
+
+def attach_napi_pass(ifname: str, ns: str) -> None:
+    """Attach the trivial XDP_PASS program (native) to ``ifname`` in ``ns``: it gives the veth
+    NAPI, which XDP_TX or a redirect from its peer needs. The attachment keeps the program
+    alive; this process keeps no reference, so detaching frees it."""
+    b = nbpf.compile_bpf("xdp_napi_pass", text=NAPI_PROG)
+    try:
+        fn = nbpf.load_func(b, "xdp_napi_pass", "XDP", "xdp_napi_pass")
+        nbpf.attach_xdp(fn, ifname, ns, "native")
+    finally:
+        b.cleanup()
+
+
+def new_name() -> str:
+    """A short unused testbed name ("tb" + 4 hex digits)."""
+    taken = set(st.names())
+    while True:
+        n = "tb" + secrets.token_hex(2)
+        if n not in taken and not any(ns.startswith(f"{PREFIX}{n}-") for ns in _list_ns()):
+            return n
+
+
+def _list_ns() -> list[str]:
+    try:
+        return os.listdir(nbpf.NETNS_DIR)
+    except FileNotFoundError:
+        return []
+
+
+class Testbed:
+    """A live (or about to be live) testbed. Use as a context manager, or ``up()`` / ``down()``.
+
+    The ``with`` block tears the testbed down when it ends, when its body raises, and on SIGINT
+    or SIGTERM (handlers installed for the block's duration; the signal then surfaces as
+    KeyboardInterrupt or SystemExit(128+signum) after teardown). Call ``keep()`` inside the
+    block to leave the testbed up after a normal exit (what ``nicoffload testbed up`` does).
+    """
+
+    __test__ = False  # not a pytest class, despite the name
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self._state: dict = {}
+        self._is_up = False
+        self._keep = False
+        self._owned = True
+        self._pid = os.getpid()  # forked children (pyroute2 forks) must never tear down
+        self._procs: list[subprocess.Popen] = []
+        self._prev_handlers: dict[int, Any] = {}
+        self.faults = FaultInjector(self)
+
+    # --- finding an existing one -------------------------------------------------------------
+    @classmethod
+    def load(cls, name: str, own: bool = False) -> "Testbed":
+        """Re-attach to the live testbed ``name`` (made by this or another process).
+
+        With ``own=False`` a ``with`` block on it leaves it up (call ``down()`` to remove it);
+        with ``own=True`` the block owns it exactly like one it created."""
+        check_name(name)
+        s = st.read(name)
+        tb = cls(Topology.from_dict(s["topology"]))
+        tb._state = s
+        tb._is_up = True
+        tb._owned = own
+        return tb
+
+    @staticmethod
+    def names() -> list[str]:
+        return st.names()
+
+    # --- description -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.topology.name
+
+    @property
+    def hosts(self) -> list[Host]:
+        """The aggregator first, then the workers by rank."""
+        return self.topology.hosts
+
+    @property
+    def agg(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def workers(self) -> list[Host]:
+        return self.hosts[1:]
+
+    @property
+    def mcast_group(self) -> str:
+        return self.topology.mcast_group
+
+    @property
+    def port(self) -> int:
+        return self.topology.port
+
+    @property
+    def bridge_netns(self) -> str:
+        return self.topology.bridge_netns
+
+    @property
+    def subnet(self) -> str:
+        return self.topology.subnet_cidr
+
+    def host(self, which: str | int | Host) -> Host:
+        """A host by name ("agg", "w0", ...), worker rank (int) or Host."""
+        if isinstance(which, Host):
+            which = which.name
+        if isinstance(which, int) and not isinstance(which, bool):
+            which = f"w{which}"
+        for h in self.hosts:
+            if h.name == which:
+                return h
+        raise InputError(f"no host {which!r} in testbed {self.name!r}; hosts are "
+                         f"{', '.join(h.name for h in self.hosts)}")
+
+    def _host_list(self, hosts: Iterable[str | int | Host] | str | int | Host | None) -> list[Host]:
+        if hosts is None:
+            return list(self.hosts)
+        if isinstance(hosts, (str, int, Host)):
+            hosts = [hosts]
+        return [self.host(h) for h in hosts]
+
+    def describe(self) -> dict:
+        """The JSON shape of ``nicoffload testbed up --json``."""
+        return {
+            "name": self.name,
+            "aggregator": self.agg.public(),
+            "workers": [w.public() for w in self.workers],
+            "mcast_group": self.mcast_group,
+            "port": self.port,
+            "bridge_netns": self.bridge_netns,
+            "subnet": self.subnet,
+            "mtu": self.topology.mtu,
+        }
+
+    # --- running things inside hosts ---------------------------------------------------------
+    def in_host(self, host: str | int | Host):
+        """Enter the host's network namespace in this thread (sockets made inside stay there)."""
+        return nbpf.netns(self.host(host).netns)
+
+    def call(self, host: str | int | Host, fn: Callable, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` in this thread inside the host's network namespace."""
+        with self.in_host(host):
+            return fn(*args, **kwargs)
+
+    def socket(self, host: str | int | Host, family: int = socket.AF_INET, type: int = socket.SOCK_DGRAM,
+               proto: int = 0) -> socket.socket:
+        """A socket that lives in the host's namespace."""
+        with self.in_host(host):
+            return socket.socket(family, type, proto)
+
+    def command(self, host: str | int | Host, argv: list[str]) -> list[str]:
+        """argv wrapped to run inside the host's namespace."""
+        if isinstance(argv, str):
+            raise InputError("argv must be a list of strings, not one string")
+        return ["ip", "netns", "exec", self.host(host).netns, *argv]
+
+    def popen(self, host: str | int | Host, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside the host's namespace. Still running at teardown: terminated."""
+        p = subprocess.Popen(self.command(host, argv), **popen_kwargs)
+        self._procs.append(p)
+        return p
+
+    def run(self, host: str | int | Host, argv: list[str], **run_kwargs) -> subprocess.CompletedProcess:
+        """``subprocess.run`` of ``argv`` inside the host's namespace."""
+        return subprocess.run(self.command(host, argv), **run_kwargs)
+
+    # --- context manager and signals ---------------------------------------------------------
+    def __enter__(self) -> "Testbed":
+        if not self._owned:
+            return self
+        self._install_signal_handlers()
+        try:
+            if not self._is_up:
+                self.up()
+        except BaseException:
+            self._restore_signal_handlers()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._owned or os.getpid() != self._pid:
+            return
+        try:
+            if exc_type is not None or not self._keep:
+                self.down()
+        finally:
+            self._restore_signal_handlers()
+
+    def keep(self) -> None:
+        """Leave the testbed up when the ``with`` block ends normally."""
+        self._keep = True
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN or prev is None:
+                continue
+            self._prev_handlers[sig] = prev
+            signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        while self._prev_handlers:
+            sig, prev = self._prev_handlers.popitem()
+            signal.signal(sig, prev)
+
+    def _on_signal(self, signum, frame) -> None:
+        # Tear down from the unwinding (__exit__ / up's except) rather than from inside the
+        # handler: the signal may land in the middle of a netlink call of this very thread.
+        if os.getpid() != self._pid:
+            # a forked child (pyroute2 forks to open sockets in namespaces and stops them with
+            # SIGTERM): die the default way; unwinding here would tear the parent's testbed down
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            os._exit(128 + signum)
+        prev = self._prev_handlers.get(signum)
+        self._keep = False
+        if callable(prev) and prev is not signal.default_int_handler:
+            prev(signum, frame)  # an outer handler (e.g. an enclosing testbed) may raise itself
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    # --- bring up ----------------------------------------------------------------------------
+    def _reserve(self) -> None:
+        """Claim the name and a subnet, and write the state file, atomically between processes."""
+        nbpf.require_root("creating a testbed")
+        with st.locked():
+            if st.state_path(self.name).exists():
+                raise AlreadyExistsError(
+                    f"a testbed named {self.name!r} exists; take it down with 'nicoffload testbed down {self.name}'")
+            clash = [n for n in self.topology.netns_names() if netns_exists(n)]
+            if clash:
+                raise AlreadyExistsError(
+                    f"namespace {clash[0]} exists (left over?); 'nicoffload testbed clean' removes stale testbeds")
+            used = {s.get("topology", {}).get("subnet") for s in st.all_states()}
+            want = self.topology.subnet
+            if want is not None and want in used:
+                raise AlreadyExistsError(f"subnet index {want} (10.200.{want}.0/24) is used by another testbed")
+            if want is None:
+                span = SUBNET_MAX - SUBNET_MIN + 1
+                first = derived_subnet(self.name)
+                want = next((SUBNET_MIN + (first - SUBNET_MIN + i) % span for i in range(span)
+                             if SUBNET_MIN + (first - SUBNET_MIN + i) % span not in used), None)
+                if want is None:
+                    raise SetupError(f"all {span} testbed subnets are in use; take some testbeds down")
+                self.topology = self.topology.with_subnet(want)
+            self._state = {"name": self.name, "status": "creating", "pid": os.getpid(),
+                           "created": time.time(), "topology": self.topology.to_dict(),
+                           "netns": self.topology.netns_names(), "napi_xdp": [], "faults": {}}
+            st.write(self.name, self._state)
+
+    def _save_state(self) -> None:
+        if self._state:
+            st.write(self.name, self._state)
+
+    def up(self) -> "Testbed":
+        """Create everything. On any failure (or signal) what was made is torn down again."""
+        if self._is_up:
+            return self
+        self._reserve()
+        self._is_up = True
+        try:
+            self._build()
+        except BaseException:
+            if os.getpid() == self._pid:
+                self.down()
+            raise
+        self._state["status"] = "up"
+        self._save_state()
+        return self
+
+    def _build(self) -> None:
+        topo = self.topology
+        hosts = self.hosts
+        for ns in topo.netns_names():
+            create_netns(ns)
+            for key, val in (("net.ipv6.conf.all.disable_ipv6", 1), ("net.ipv6.conf.default.disable_ipv6", 1)):
+                set_sysctl(ns, key, val)
+
+        with ipr(topo.bridge_netns) as br:
+            br.link("set", index=link_index(br, "lo"), state="up")
+            br.link("add", ifname=BRIDGE_IFACE, kind="bridge", br_mcast_snooping=0, br_stp_state=0,
+                    br_forward_delay=0, mtu=topo.mtu)
+            br_idx = link_index(br, BRIDGE_IFACE)
+            br.link("set", index=br_idx, state="up")
+            for h in hosts:
+                q = h.link.queues
+                br.link("add", ifname=h.peer, kind="veth", mtu=topo.mtu, num_tx_queues=q, num_rx_queues=q,
+                        peer={"ifname": h.iface, "net_ns_fd": h.netns, "address": h.mac, "mtu": topo.mtu,
+                              "num_tx_queues": q, "num_rx_queues": q})
+                idx = link_index(br, h.peer)
+                br.link("set", index=idx, master=br_idx)
+                # static FDB entry: unicast to a host that has not spoken yet is not flooded
+                br.fdb("add", ifindex=idx, lladdr=h.mac, state=nud_states["noarp"], flags=ntf_flags["master"])
+                br.link("set", index=idx, state="up")
+                if h.link.rate:
+                    shape(br, idx, h.link.rate, topo.mtu)
+
+        permanent = nud_states["permanent"]
+        for h in hosts:
+            with ipr(h.netns) as sock:
+                sock.link("set", index=link_index(sock, "lo"), state="up")
+                idx = link_index(sock, h.iface)
+                sock.addr("add", index=idx, address=h.ip, prefixlen=PREFIXLEN)
+                sock.link("set", index=idx, state="up")
+                sock.route("add", dst=MCAST_NET, dst_len=MCAST_LEN, oif=idx)
+                for other in hosts:
+                    if other.name != h.name:
+                        sock.neigh("add", dst=other.ip, lladdr=other.mac, ifindex=idx, state=permanent)
+                if h.link.rate:
+                    shape(sock, idx, h.link.rate, topo.mtu)
+                wait_oper_up(sock, idx, f"{h.iface} of {h.name}")
+
+        if topo.agg_napi:
+            attach_napi_pass(self.agg.peer, topo.bridge_netns)
+            self._state["napi_xdp"].append(self.agg.peer)
+            self._save_state()
+
+    # --- tear down ---------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        """Remove everything of this testbed, in reverse order; safe to call twice and on a
+        half-built testbed. Returns what was removed (for messages)."""
+        removed: list[str] = []
+        for p in self._procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(2)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self._procs.clear()
+        self.faults.close()
+        if not self._state and not self._is_up:
+            return removed
+        removed += teardown(self.topology, self._state)
+        self._is_up = False
+        self._state = {}
+        return removed
+
+    @property
+    def is_up(self) -> bool:
+        return self._is_up
+
+    def __repr__(self) -> str:
+        return f"Testbed({self.name!r}, workers={self.topology.workers}, subnet={self.subnet}, up={self._is_up})"
+
+
+def _step(removed: list[str], what: str, fn: Callable, *args, **kwargs) -> None:
+    if tolerant(fn, *args, **kwargs):
+        removed.append(what)
+
+
+def teardown(topo: Topology, state: dict) -> list[str]:
+    """Reverse of Testbed._build, from the description alone; tolerant of anything missing."""
+    removed: list[str] = []
+    hosts = list(reversed(topo.hosts))
+    br_ns = topo.bridge_netns
+    # 1. programs and qdiscs on the bridge side (fault injector, NAPI XDP_PASS, shaping)
+    if netns_exists(br_ns):
+        try:
+            with ipr(br_ns) as br:
+                for h in hosts:
+                    idx = br.link_lookup(ifname=h.peer)
+                    if not idx:
+                        continue
+                    _step(removed, f"{br_ns}/{h.peer} clsact", br.tc, "del", "clsact", idx[0])
+                    _step(removed, f"{br_ns}/{h.peer} tbf", unshape, br, idx[0])
+        except NotFoundError:
+            pass
+        for ifname in state.get("napi_xdp", []) or ([topo.hosts[0].peer] if topo.agg_napi else []):
+            try:
+                if nbpf.detach_xdp(ifname, br_ns, "native"):
+                    removed.append(f"{br_ns}/{ifname} xdp")
+            except Exception:
+                pass
+    # 2. host side: shaping, then the veth pairs (deleting one end deletes both)
+    for h in hosts:
+        if not netns_exists(h.netns):
+            continue
+        try:
+            with ipr(h.netns) as sock:
+                idx = sock.link_lookup(ifname=h.iface)
+                if idx:
+                    _step(removed, f"{h.netns}/{h.iface} tbf", unshape, sock, idx[0])
+                    _step(removed, f"{h.netns}/{h.iface}", sock.link, "del", index=idx[0])
+        except NotFoundError:
+            pass
+    if netns_exists(br_ns):
+        try:
+            with ipr(br_ns) as br:
+                for h in hosts:
+                    idx = br.link_lookup(ifname=h.peer)
+                    if idx:
+                        _step(removed, f"{br_ns}/{h.peer}", br.link, "del", index=idx[0])
+                idx = br.link_lookup(ifname=BRIDGE_IFACE)
+                if idx:
+                    _step(removed, f"{br_ns}/{BRIDGE_IFACE}", br.link, "del", index=idx[0])
+        except NotFoundError:
+            pass
+    # 3. namespaces (hosts, then the bridge), their pins, the state file
+    for ns in list(reversed(topo.netns_names())):
+        if remove_netns(ns):
+            removed.append(ns)
+        pins = nbpf.PIN_ROOT / ns
+        if pins.exists():
+            shutil.rmtree(pins, ignore_errors=True)
+            removed.append(str(pins))
+    if st.remove(topo.name):
+        removed.append(str(st.state_path(topo.name)))
+    return removed
+
+
+def down(name: str) -> list[str]:
+    """Take down the testbed ``name`` from its state file (any process)."""
+    check_name(name)
+    try:
+        s = st.read(name)
+    except NotFoundError:
+        leftovers = [ns for ns in _list_ns() if ns.startswith(f"{PREFIX}{name}-")]
+        if not leftovers:
+            raise
+        removed = []
+        for ns in leftovers:
+            if remove_netns(ns):
+                removed.append(ns)
+            shutil.rmtree(nbpf.PIN_ROOT / ns, ignore_errors=True)
+        return removed
+    return teardown(Topology.from_dict(s["topology"]), s)
+
+
+def clean(name_prefix: str = "") -> dict:
+    """Remove every testbed object carrying the toolkit prefix ``nco-`` (optionally only of
+    testbeds whose name starts with ``name_prefix``): namespaces, their BPF pins under
+    /sys/fs/bpf/nicoffload/, and state files. Nothing else is touched.
+
+    Returns {"removed": [...], "busy": {netns: [pids]}}; "busy" lists namespaces that processes
+    still use (they stay alive, invisibly, until those processes end)."""
+    removed: list[str] = []
+    prefix = PREFIX + name_prefix
+    # testbeds with a state file: the orderly way first
+    for n in st.names():
+        if n.startswith(name_prefix):
+            try:
+                removed += down(n)
+            except Exception:
+                if st.remove(n):
+                    removed.append(str(st.state_path(n)))
+    # whatever is left: namespaces carrying the prefix, pins of such namespaces
+    try:
+        from pyroute2.netns import ns_pids
+        pids = ns_pids()
+    except Exception:
+        pids = {}
+    busy = {}
+    for ns in sorted(_list_ns()):
+        if ns.startswith(prefix):
+            if pids.get(ns):
+                busy[ns] = pids[ns]
+            if remove_netns(ns):
+                removed.append(ns)
+    if nbpf.PIN_ROOT.is_dir():
+        for d in sorted(nbpf.PIN_ROOT.iterdir()):
+            if d.name.startswith(prefix) and not netns_exists(d.name):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(str(d))
+    return {"removed": removed, "busy": busy}
+
+
+def list_testbeds() -> list[dict]:
+    """One summary per state file: name, workers, subnet, status, which namespaces exist."""
+    out = []
+    for s in st.all_states():
+        try:
+            topo = Topology.from_dict(s["topology"])
+        except Exception:
+            out.append({"name": s.get("name", "?"), "status": "corrupt"})
+            continue
+        present = [ns for ns in topo.netns_names() if netns_exists(ns)]
+        status = s.get("status", "?")
+        if len(present) != len(topo.netns_names()):
+            status = "partial" if present else "gone"
+        out.append({"name": topo.name, "workers": topo.workers, "subnet": topo.subnet_cidr,
+                    "mcast_group": topo.mcast_group, "port": topo.port, "status": status,
+                    "pid": s.get("pid"), "created": s.get("created"),
+                    "faults": sorted(s.get("faults", {}))})
+    return out
+
+
+@contextlib.contextmanager
+def running(workers: int, name: str | None = None, **kwargs) -> Iterator[Testbed]:
+    """Shortcut: ``with running(4, rate="1gbit") as tb:`` (a star topology, torn down after)."""
+    with Testbed(Topology.star(name or new_name(), workers, **kwargs)) as tb:
+        yield tb
+
+
+__all__ = ["Testbed", "teardown", "down", "clean", "list_testbeds", "running", "new_name"]

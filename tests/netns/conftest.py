@@ -1,0 +1,31 @@
+"""Fixtures for end-to-end tests in network namespaces (root; auto-skipped otherwise).
+
+``make_testbed(workers, **topology_kwargs)`` brings up a testbed named after the test's uid and
+tears it down when the test ends, pass or fail; a final ``clean`` of that uid's prefix removes
+anything a crash in the middle of ``up`` could have left."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def make_testbed(uid):
+    from testbed import Testbed, Topology, clean
+
+    made = []
+
+    def make(workers: int = 2, suffix: str = "", **kwargs):
+        tb = Testbed(Topology.star(f"t{uid}{suffix}", workers, **kwargs))
+        made.append(tb)
+        return tb.up()
+
+    yield make
+    errors = []
+    for tb in reversed(made):
+        try:
+            tb.down()
+        except Exception as e:  # keep tearing down the others
+            errors.append(e)
+    clean(f"t{uid}")
+    if errors:
+        raise errors[0]

@@ -1,0 +1,479 @@
+"""The namespace testbed end to end: lifecycle and cleanup, reachability (unicast, multicast,
+XDP_TX through the NAPI peer), shaping, the seeded fault injector, and the CLI.
+
+Every test names its testbeds after the uid fixture and tears them down in a finalizer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nicoffload import bpf as nbpf
+from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError
+from testbed import Link, Testbed, Topology, decide
+from testbed import state as st
+from testbed.netlink import ipr, list_netns, qdisc_kinds
+
+REPO = Path(__file__).resolve().parents[2]
+N = 2000  # packets per fault run
+SO_RCVBUFFORCE = 33
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def receiver(tb, host, port, bind_ip="0.0.0.0"):
+    s = tb.socket(host)
+    s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
+    s.bind((bind_ip, port))
+    return s
+
+
+def send_numbered(tb, host, dst, port, n, sport=0):
+    """n datagrams carrying their sequence number, from one CPU so the link numbers them in order."""
+    s = tb.socket(host)
+    s.bind(("0.0.0.0", sport))
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(old)})
+    try:
+        for i in range(n):
+            s.sendto(struct.pack("!I", i) + b"\xab" * 60, (dst, port))
+    finally:
+        os.sched_setaffinity(0, old)
+        s.close()
+
+
+def drain(sock, quiet=0.25):
+    """Sequence numbers received until the socket stays quiet for ``quiet`` seconds."""
+    got = []
+    sock.settimeout(quiet)
+    try:
+        while True:
+            got.append(struct.unpack("!I", sock.recv(4096)[:4])[0])
+    except socket.timeout:
+        pass
+    return got
+
+
+def ns_of(name):
+    return [ns for ns in list_netns() if ns.startswith(f"nco-{name}-")]
+
+
+def prog_alive(prog_id: int) -> bool:
+    return subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)], capture_output=True).returncode == 0
+
+
+def wait_gone(prog_ids, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while any(prog_alive(p) for p in prog_ids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in prog_ids if prog_alive(p)]
+
+
+def cli(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "nicoffload.cli", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    if check and r.returncode != 0:
+        raise AssertionError(f"nicoffload {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+# --- pure parts (no namespaces needed, but cheap) ---------------------------------------------
+def test_topology_is_pure_data():
+    t = Topology.star("abc", 3, rate="100mbit", subnet=42, links={"w1": Link(rate="1gbit", queues=2)})
+    names = [h.name for h in t.hosts]
+    assert names == ["agg", "w0", "w1", "w2"]
+    assert [h.rank for h in t.hosts] == [None, 0, 1, 2]
+    assert t.hosts[0].ip == "10.200.42.1" and t.hosts[2].ip == "10.200.42.11"
+    assert t.mcast_group == "239.77.42.1" and t.bridge_netns == "nco-abc-br"
+    assert t.hosts[1].netns == "nco-abc-w0" and t.hosts[1].iface == "eth0"
+    assert t.link_of("w0").rate == 100_000_000 and t.link_of("w1") == Link(1_000_000_000, 2)
+    assert len({h.mac for h in t.hosts}) == 4
+    assert all(len(h.peer) <= 15 for h in t.hosts)
+    assert Topology.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    for bad in (dict(workers=0), dict(workers=2, mtu=9000), dict(workers=2, links={"w7": Link()})):
+        with pytest.raises(InputError):
+            Topology(name="x", **bad)
+    with pytest.raises(InputError):
+        Topology.star("Bad-Name", 2)
+
+
+def test_decisions_are_a_pure_function():
+    a = [decide(5, 1, "ingress", n, 0.3, 0.2) for n in range(1000)]
+    assert a == [decide(5, 1, 0, n, 0.3, 0.2) for n in range(1000)]
+    assert a != [decide(6, 1, "ingress", n, 0.3, 0.2) for n in range(1000)]
+    assert a != [decide(5, 2, "ingress", n, 0.3, 0.2) for n in range(1000)]
+    assert a != [decide(5, 1, "egress", n, 0.3, 0.2) for n in range(1000)]
+    assert abs(a.count("drop") / 1000 - 0.3) < 0.05
+    assert all(decide(1, 1, 0, n, 1.0, 0) == "drop" for n in range(100))
+    assert all(decide(1, 1, 0, n, 0, 0) == "pass" for n in range(100))
+
+
+# --- lifecycle ----------------------------------------------------------------------------------
+def test_up_down_leaves_nothing_behind(uid):
+    root_links = sorted(os.listdir("/sys/class/net"))
+    name = f"t{uid}"
+    tb = Testbed(Topology.star(name, 2, rate="1gbit"))
+    try:
+        tb.up()
+        tb.faults.configure(drop=0.1, dup=0.1, seed=1)
+        assert sorted(ns_of(name)) == sorted(tb.topology.netns_names())
+        assert st.state_path(name).exists() and tb.faults.pin_dir.exists()
+        prog_ids = [nbpf.xdp_prog_id(tb.agg.peer, tb.bridge_netns)]
+        with ipr(tb.bridge_netns) as br:
+            idx = br.link_lookup(ifname="p-w0")[0]
+            assert set(qdisc_kinds(br, idx)) >= {"tbf", "clsact"}
+        for prog in ("fault_ingress", "fault_egress"):
+            r = subprocess.run(["bpftool", "-j", "prog", "show", "pinned", str(tb.faults.pin_dir / prog)],
+                               capture_output=True, text=True, check=True)
+            prog_ids.append(json.loads(r.stdout)["id"])
+        r = subprocess.run(["tc", "-n", tb.bridge_netns, "filter", "show", "dev", "p-w0", "ingress"],
+                           capture_output=True, text=True, check=True)
+        assert f"id {prog_ids[1]} " in r.stdout
+        assert None not in prog_ids and len(prog_ids) == 3
+        assert all(prog_alive(p) for p in prog_ids)
+        assert sorted(os.listdir("/sys/class/net")) == root_links  # nothing in the root namespace
+    finally:
+        removed = tb.down()
+    assert removed and ns_of(name) == []
+    assert not st.state_path(name).exists()
+    assert not (nbpf.PIN_ROOT / tb.topology.bridge_netns).exists()
+    assert wait_gone(prog_ids) == [], "programs outlived their testbed"
+    assert sorted(os.listdir("/sys/class/net")) == root_links
+    assert tb.down() == []  # idempotent
+
+
+def test_teardown_tolerates_objects_already_gone(make_testbed):
+    from testbed.netlink import remove_netns
+
+    tb = make_testbed(2)
+    with ipr(tb.host("w1").netns) as s:  # a link deleted behind the testbed's back
+        s.link("del", index=s.link_lookup(ifname="eth0")[0])
+    remove_netns(tb.host("w0").netns)  # and a whole namespace
+    tb.down()
+    assert ns_of(tb.name) == [] and not st.state_path(tb.name).exists()
+
+
+def test_with_block_tears_down_when_body_raises(uid):
+    name = f"t{uid}"
+    with pytest.raises(RuntimeError):
+        with Testbed(Topology.star(name, 1, agg_napi=False)):
+            assert ns_of(name)
+            raise RuntimeError("boom")
+    assert ns_of(name) == [] and not st.state_path(name).exists()
+
+
+def test_failed_up_removes_what_it_made(uid, monkeypatch):
+    import testbed.testbed as tbmod
+
+    def broken(*a, **k):
+        raise OSError(5, "injected failure")
+
+    monkeypatch.setattr(tbmod, "shape", broken)
+    name = f"t{uid}"
+    with pytest.raises(OSError):
+        Testbed(Topology.star(name, 2, rate="10mbit")).up()
+    assert ns_of(name) == [] and not st.state_path(name).exists()
+
+
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
+def test_signal_tears_down(uid, sig, rc):
+    """SIGTERM surfaces as SystemExit(143), SIGINT as KeyboardInterrupt: both after teardown."""
+    name = f"t{uid}"
+    script = ("import sys, time, faulthandler\n"
+              "faulthandler.dump_traceback_later(12, exit=True)  # a hang shows where\n"
+              "from testbed import Testbed, Topology\n"
+              "with Testbed(Topology.star(sys.argv[1], 1, agg_napi=False)):\n"
+              "    print('ready', flush=True)\n    time.sleep(30)\n")
+    p = subprocess.Popen([sys.executable, "-c", script, name], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        assert ns_of(name)
+        p.send_signal(sig)
+        code = p.wait(20)
+        err = p.stderr.read()
+        left = ns_of(name) + [str(st.state_path(name))] * st.state_path(name).exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        from testbed import clean
+        clean(name)
+    assert code == rc, err[-3000:]
+    assert left == []
+
+
+def test_load_names_and_errors(make_testbed):
+    tb = make_testbed(2, rate="1gbit", queues=2)
+    other = Testbed.load(tb.name)
+    assert other.hosts == tb.hosts and other.mcast_group == tb.mcast_group and other.port == tb.port
+    with other:  # a re-attached testbed is not owned: leaving the block keeps it up
+        pass
+    assert sorted(ns_of(tb.name)) == sorted(tb.topology.netns_names())
+    with pytest.raises(AlreadyExistsError):
+        Testbed(Topology.star(tb.name, 1)).up()
+    with pytest.raises(AlreadyExistsError):  # subnets are never shared
+        Testbed(Topology.star(tb.name + "x", 1, subnet=tb.topology.subnet)).up()
+    second = make_testbed(1, suffix="b")
+    assert second.subnet != tb.subnet and second.mcast_group != tb.mcast_group
+    with pytest.raises(NotFoundError):
+        Testbed.load(tb.name + "zz")
+    with pytest.raises(InputError):
+        tb.host("w7")
+    assert tb.host(1) == tb.host("w1") == tb.workers[1]
+    r = tb.run("w1", ["cat", "/sys/class/net/eth0/address"], capture_output=True, text=True)
+    assert r.stdout.strip() == tb.host("w1").mac
+    assert tb.call("w0", lambda: sorted(n for _, n in socket.if_nameindex())) == ["eth0", "lo"]
+    # veth queue count
+    with ipr(tb.agg.netns) as s:
+        link = s.get_links(s.link_lookup(ifname="eth0")[0])[0]
+        assert link.get_attr("IFLA_NUM_TX_QUEUES") == 2 and link.get_attr("IFLA_NUM_RX_QUEUES") == 2
+
+
+# --- traffic --------------------------------------------------------------------------------------
+def test_unicast_to_aggregator_and_multicast_to_every_worker(make_testbed):
+    tb = make_testbed(3)
+    rx = receiver(tb, "agg", tb.port)
+    for w in tb.workers:  # the first packet must arrive: static neighbours, no ARP
+        s = tb.socket(w)
+        s.sendto(f"hello from {w.rank}".encode(), (tb.agg.ip, tb.port))
+        s.close()
+    rx.settimeout(2)
+    got = {(d, a[0]) for d, a in (rx.recvfrom(100) for _ in tb.workers)}
+    assert got == {(f"hello from {w.rank}".encode(), w.ip) for w in tb.workers}
+    rx.close()
+
+    socks = []
+    for w in tb.workers:
+        s = receiver(tb, w, tb.port)
+        mreq = socket.inet_aton(tb.mcast_group) + socket.inet_aton(w.ip)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+        socks.append(s)
+    tx = tb.socket("agg")
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(tb.agg.ip))
+    tx.sendto(b"result", (tb.mcast_group, tb.port))
+    for s in socks:
+        s.settimeout(2)
+        data, addr = s.recvfrom(100)
+        assert data == b"result" and addr[0] == tb.agg.ip
+        s.close()
+    tx.close()
+
+
+REFLECT = r"""
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/udp.h>
+int reflect(struct xdp_md *ctx) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = data + sizeof(*eth);
+    struct udphdr *udp = (void *)ip + sizeof(*ip);
+    unsigned char mac[ETH_ALEN];
+    __be32 a; __be16 p;
+    if ((void *)(udp + 1) > end) return XDP_PASS;
+    if (eth->h_proto != __builtin_bswap16(ETH_P_IP) || ip->ihl != 5 || ip->protocol != IPPROTO_UDP) return XDP_PASS;
+    if (udp->dest != __builtin_bswap16(PORT)) return XDP_PASS;
+    __builtin_memcpy(mac, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, mac, ETH_ALEN);
+    a = ip->saddr; ip->saddr = ip->daddr; ip->daddr = a;
+    p = udp->source; udp->source = udp->dest; udp->dest = p;
+    udp->check = 0;  /* veth hands XDP a partial (offloaded) checksum: send none instead */
+    return XDP_TX;
+}
+"""
+
+
+def test_xdp_tx_from_the_aggregator_reaches_the_worker(make_testbed):
+    """The reason for the NAPI XDP_PASS on p-agg: XDP_TX out of the aggregator's veth."""
+    tb = make_testbed(1)
+    b = nbpf.compile_bpf("reflect", {"PORT": tb.port}, text=REFLECT)
+    att = nbpf.attach_xdp(nbpf.load_func(b, "reflect", "XDP"), tb.agg.iface, tb.agg.netns, "native")
+    try:
+        s = tb.socket("w0")
+        s.bind(("0.0.0.0", 40000))
+        s.settimeout(2)
+        for i in range(20):
+            s.sendto(b"ping%d" % i, (tb.agg.ip, tb.port))
+        got = [s.recvfrom(100) for _ in range(20)]
+        assert [d for d, _ in got] == [b"ping%d" % i for i in range(20)]
+        assert {a for _, a in got} == {(tb.agg.ip, tb.port)}
+        s.close()
+    finally:
+        att.detach()
+        b.cleanup()
+
+
+def test_shaped_link_delivers_its_rate(make_testbed):
+    rate = 100_000_000
+    tb = make_testbed(1, links={"w0": Link(rate=rate)})
+    srv = tb.socket("agg", type=socket.SOCK_STREAM)
+    srv.bind((tb.agg.ip, 5201))
+    srv.listen(1)
+    cl = tb.socket("w0", type=socket.SOCK_STREAM)
+    stop = threading.Event()
+
+    def blast():
+        cl.connect((tb.agg.ip, 5201))
+        cl.settimeout(0.5)
+        buf = b"\0" * 65536
+        while not stop.is_set():
+            try:
+                cl.send(buf)
+            except OSError:
+                break
+
+    t = threading.Thread(target=blast, daemon=True)
+    t.start()
+    conn, _ = srv.accept()
+    conn.settimeout(2)
+    warm = time.monotonic() + 0.2
+    while time.monotonic() < warm:
+        conn.recv(1 << 20)
+    n, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 1.0:
+        n += len(conn.recv(1 << 20))
+    elapsed = time.monotonic() - t0
+    stop.set()
+    conn.close()
+    t.join(3)
+    cl.close()
+    srv.close()
+    goodput = n * 8 / elapsed
+    assert 0.8 * rate <= goodput <= 1.2 * rate, f"{goodput / 1e6:.1f} Mbit/s on a {rate / 1e6:.0f} Mbit/s link"
+
+
+# --- fault injector -------------------------------------------------------------------------------
+def test_drops_are_seeded_and_replayable(make_testbed):
+    tb = make_testbed(1)
+    rx = receiver(tb, "agg", tb.port)
+    runs = []
+    for seed in (11, 11, 12):
+        tb.faults.configure("w0", drop=0.2, seed=seed, directions=["ingress"])
+        send_numbered(tb, "w0", tb.agg.ip, tb.port, N)
+        got = drain(rx)
+        expect = [n for n, d in enumerate(tb.faults.predict("w0", "ingress", N)) if d == "pass"]
+        assert sorted(got) == expect  # exactly the predicted packets
+        assert abs((N - len(got)) / N - 0.2) < 0.04
+        stats = tb.faults.stats("w0")["ingress"]
+        assert stats == {"seen": N, "dropped": N - len(got), "duplicated": 0, "passed": len(got)}
+        assert tb.faults.stats("w0")["egress"]["seen"] == 0
+        runs.append(set(got))
+    assert runs[0] == runs[1]  # same seed, same packets
+    assert runs[0] != runs[2]  # another seed, other packets
+    rx.close()
+
+
+def test_duplicates_at_the_configured_rate(make_testbed):
+    tb = make_testbed(1)
+    rx = receiver(tb, "agg", tb.port)
+    tb.faults.configure("agg", dup=0.25, seed=3, directions=["egress"])  # towards the aggregator
+    send_numbered(tb, "w0", tb.agg.ip, tb.port, N)
+    got = drain(rx)
+    dups = {n for n, d in enumerate(tb.faults.predict("agg", "egress", N)) if d == "dup"}
+    assert set(got) == set(range(N))
+    extra = len(got) - N
+    assert abs(extra / N - 0.25) < 0.04
+    assert extra == len(dups)
+    assert {n for n in set(got) if got.count(n) == 2} == dups
+    assert tb.faults.stats("agg")["egress"] == {"seen": N, "dropped": 0, "duplicated": extra, "passed": N}
+    rx.close()
+
+
+def test_only_allreduce_traffic_is_touched(make_testbed):
+    tb = make_testbed(1)
+    tb.faults.configure("w0", drop=1.0, seed=1)
+    ar = receiver(tb, "agg", tb.port)
+    other = receiver(tb, "agg", tb.port + 1)
+    send_numbered(tb, "w0", tb.agg.ip, tb.port, 200)
+    send_numbered(tb, "w0", tb.agg.ip, tb.port + 1, 200)
+    assert drain(ar, 0.15) == []
+    assert sorted(drain(other, 0.15)) == list(range(200))
+    ar.close()
+    other.close()
+    # from the AllReduce source port counts too (results come from it)
+    back = receiver(tb, "w0", 40001)
+    send_numbered(tb, "agg", tb.host("w0").ip, 40001, 50, sport=tb.port)
+    assert drain(back, 0.15) == []
+    send_numbered(tb, "agg", tb.host("w0").ip, 40001, 50, sport=tb.port + 2)
+    assert len(drain(back, 0.15)) == 50
+    s = tb.faults.stats("w0")
+    assert s["ingress"]["seen"] == s["ingress"]["dropped"] == 200
+    assert s["egress"]["seen"] == s["egress"]["dropped"] == 50
+    back.close()
+    tb.faults.remove("w0")
+    ar = receiver(tb, "agg", tb.port)
+    send_numbered(tb, "w0", tb.agg.ip, tb.port, 20)
+    assert sorted(drain(ar, 0.15)) == list(range(20))
+    ar.close()
+
+
+# --- CLI --------------------------------------------------------------------------------------------
+@pytest.fixture
+def cli_names(uid):
+    from testbed import clean
+
+    yield f"t{uid}c", f"t{uid}d"
+    clean(f"t{uid}")
+
+
+def test_cli_up_exec_list_down(cli_names):
+    name, _ = cli_names
+    out = json.loads(cli("testbed", "up", "--workers", "2", "--name", name, "--drop", "0.1", "--seed", "4",
+                         "--rate", "1gbit", "--json").stdout)
+    assert set(out) >= {"name", "aggregator", "workers"} and out["name"] == name
+    assert set(out["aggregator"]) == {"netns", "iface", "ip", "mac"}
+    assert [w["rank"] for w in out["workers"]] == [0, 1]
+    assert set(out["workers"][0]) == {"rank", "netns", "iface", "ip", "mac"}
+    assert sorted(ns_of(name)) == sorted([out["bridge_netns"], out["aggregator"]["netns"]]
+                                         + [w["netns"] for w in out["workers"]])
+    # the testbed outlived the process that made it, faults included
+    tb = Testbed.load(name)
+    assert tb.faults.configured()["w1"].drop == 0.1
+    r = cli("testbed", "exec", name, "w1", "--", "cat", "/sys/class/net/eth0/address")
+    assert r.stdout.strip() == out["workers"][1]["mac"]
+    assert cli("testbed", "exec", name, "agg", "--", "sh", "-c", "exit 3", check=False).returncode == 3
+    bad = cli("testbed", "exec", name, "w9", "--", "true", check=False)
+    assert bad.returncode == InputError.exit_code and "w9" in bad.stderr and "Traceback" not in bad.stderr
+    dup = cli("testbed", "up", "--workers", "1", "--name", name, check=False)
+    assert dup.returncode == AlreadyExistsError.exit_code and len(dup.stderr.strip().splitlines()) == 1
+    assert name in [b["name"] for b in json.loads(cli("testbed", "list", "--json").stdout)]
+    assert "w0" in json.loads(cli("testbed", "faults", name, "--json").stdout)["stats"]
+    cli("testbed", "down", name)
+    assert ns_of(name) == [] and not st.state_path(name).exists()
+    gone = cli("testbed", "down", name, check=False)
+    assert gone.returncode == NotFoundError.exit_code and "Traceback" not in gone.stderr
+
+
+def test_cli_clean_removes_only_prefixed_objects(cli_names, uid):
+    a, b = cli_names
+    cli("testbed", "up", "--workers", "1", "--name", a, "--drop", "0.5")
+    cli("testbed", "up", "--workers", "1", "--name", b)
+    # a crash leftover: a namespace with the prefix and no state file, and a stray state file
+    from testbed.netlink import create_netns
+    create_netns(f"nco-{a}-zz")
+    st.state_path(a).unlink()
+    pins = nbpf.PIN_ROOT / f"nco-{a}-br"
+    assert pins.exists()
+    r = json.loads(cli("testbed", "clean", "--name-prefix", a, "--json").stdout)
+    assert f"nco-{a}-zz" in r["removed"]
+    assert ns_of(a) == [] and not pins.exists()
+    assert sorted(ns_of(b)) == sorted(Topology.star(b, 1).netns_names())  # another testbed: untouched
+    cli("testbed", "down", b)
+
+
+@pytest.mark.parametrize("sub", ["up", "exec", "down", "list", "clean", "faults"])
+def test_cli_help_has_examples(sub):
+    r = cli("testbed", sub, "--help")
+    assert "examples:" in r.stdout
