@@ -450,13 +450,13 @@ def teardown(topo: Topology, state: dict) -> list[str]:
     for ns in list(reversed(topo.netns_names())):
         if remove_netns(ns):
             removed.append(ns)
-        pins = nbpf.PIN_ROOT / ns
-        if pins.exists():
-            shutil.rmtree(pins, ignore_errors=True)
-            removed.append(str(pins))
+        removed.extend(_forget_bpf_state(ns))
     if st.remove(topo.name):
         removed.append(str(st.state_path(topo.name)))
     return removed
+
+
+from nicoffload.aggregator import STATE_DIR as AGG_STATE_DIR  # noqa: E402
 
 
 def down(name: str) -> list[str]:
@@ -472,7 +472,7 @@ def down(name: str) -> list[str]:
         for ns in leftovers:
             if remove_netns(ns):
                 removed.append(ns)
-            shutil.rmtree(nbpf.PIN_ROOT / ns, ignore_errors=True)
+            removed.extend(_forget_bpf_state(ns))
         return removed
     return teardown(Topology.from_dict(s["topology"]), s)
 
@@ -510,9 +510,29 @@ def clean(name_prefix: str = "") -> dict:
     if nbpf.PIN_ROOT.is_dir():
         for d in sorted(nbpf.PIN_ROOT.iterdir()):
             if d.name.startswith(prefix) and not netns_exists(d.name):
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(str(d))
+                removed.extend(_forget_bpf_state(d.name))
+    if AGG_STATE_DIR.is_dir():
+        for f in sorted(AGG_STATE_DIR.glob(f"{prefix}*__*.json")):
+            ns = f.name.split("__", 1)[0]
+            if not netns_exists(ns):
+                removed.extend(_forget_bpf_state(ns))
     return {"removed": removed, "busy": busy}
+
+
+def _forget_bpf_state(ns: str) -> list[str]:
+    """Remove what the toolkit recorded for programs in a namespace that is gone: its pins
+    under /sys/fs/bpf/nicoffload/NS and the aggregator state files of its interfaces (the
+    programs themselves went with the namespace's interfaces)."""
+    gone = []
+    pins = nbpf.PIN_ROOT / ns
+    if pins.exists():
+        shutil.rmtree(pins, ignore_errors=True)
+        gone.append(str(pins))
+    if AGG_STATE_DIR.is_dir():
+        for f in AGG_STATE_DIR.glob(f"{ns}__*.json"):
+            f.unlink(missing_ok=True)
+            gone.append(str(f))
+    return gone
 
 
 def list_testbeds() -> list[dict]:
