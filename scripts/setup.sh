@@ -58,11 +58,11 @@ if [ ! -x "$venv/bin/python" ]; then
     say "creating virtual environment $venv (from /usr/bin/python3, with system site packages for bcc)"
     /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
-stamp="$venv/.nicoffload-installed"
-want="$(cat "$here/pyproject.toml" | sha1sum | cut -c1-12)-$extras"
+stamp="$venv/.nicoffload-installed-${extras//,/-}"
+want="$(sha1sum < "$here/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing nicoffload[$extras] into $venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     if ! "$venv/bin/python" -m pip install -q -e "$here[$extras]" >"$venv/pip.log" 2>&1; then cat "$venv/pip.log" >&2; exit 1; fi
     echo "$want" > "$stamp"
 fi
