@@ -111,6 +111,16 @@ def _capture_stderr() -> Iterator[list[str]]:
             out.append(tmp.read().decode(errors="replace"))
 
 
+def _call_capturing(fn, *args):
+    """Call ``fn(*args)`` with fd 2 captured: (result, exception or None, what C code printed)."""
+    with _capture_stderr() as err:
+        try:
+            res, exc = fn(*args), None
+        except Exception as e:  # bcc raises plain Exception
+            res, exc = None, e
+    return res, exc, (err[0] if err else "")
+
+
 def cflags_from(defines: Mapping[str, int | str]) -> list[str]:
     flags = [f"-I{xdp_dir()}"]
     for k, v in defines.items():
@@ -123,15 +133,8 @@ def compile_bpf(source_name: str, defines: Mapping[str, int | str] | None = None
     require_root(f"compiling {source_name}")
     bcc = import_bcc()
     src = text if text is not None else (xdp_dir() / source_name).read_text()
-    with _capture_stderr() as err:
-        try:
-            b = bcc.BPF(text=src, cflags=cflags_from(defines or {}))
-        except Exception as e:
-            exc = e
-        else:
-            exc = None
+    b, exc, log = _call_capturing(lambda: bcc.BPF(text=src, cflags=cflags_from(defines or {})))
     if exc is not None:
-        log = err[0] if err else ""
         if "linux/" in log and "not found" in log or "kernel headers" in str(exc).lower():
             raise SetupError(f"compiling {source_name} failed: kernel headers missing; run scripts/setup.sh\n{log}")
         raise VerifierError(f"compiling {source_name} failed: {exc}; the compiler said:\n{log.strip()[-4000:]}", log)
@@ -142,15 +145,8 @@ def load_func(b, fn_name: str, prog_type_name: str = "XDP", source_name: str = "
     """Load one function; a verifier rejection raises VerifierError carrying the log."""
     bcc = import_bcc()
     prog_type = getattr(bcc.BPF, prog_type_name)
-    with _capture_stderr() as err:
-        try:
-            fn = b.load_func(fn_name, prog_type)
-        except Exception as e:
-            exc = e
-        else:
-            exc = None
+    fn, exc, log = _call_capturing(b.load_func, fn_name, prog_type)
     if exc is not None:
-        log = err[0] if err else ""
         if "Permission denied" in str(exc) and os.geteuid() != 0:
             raise PrivilegeError(f"loading {fn_name} needs root")
         tail = "\n".join(log.strip().splitlines()[-25:])
@@ -207,15 +203,9 @@ def attach_xdp(fn, ifname: str, ns: str | None, mode: str = "native") -> XdpAtta
         raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
     with netns(ns):
         _ifindex(ifname, ns)
-        with _capture_stderr() as err:
-            try:
-                bcc.BPF.attach_xdp(ifname, fn, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
-            except Exception as e:
-                exc = e
-            else:
-                exc = None
+        _, exc, log = _call_capturing(bcc.BPF.attach_xdp, ifname, fn, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
     if exc is not None:
-        log = (err[0] if err else "").strip()
+        log = log.strip()
         hint = "; try --mode generic" if mode == "native" else ""
         if "Device or resource busy" in log or "busy" in str(exc).lower():
             raise AttachError(f"{ifname} already has an XDP program attached; unload it first")

@@ -84,22 +84,21 @@ FIELDS: list[tuple[str, int, str]] = [
 #: struct format of the header (network byte order), derived from FIELDS
 HDR_STRUCT = "!" + "".join(code for _, _, code in FIELDS)
 
+def _named(prefix: str) -> list[str]:
+    """Lower-case names of the ``AR_<prefix>_*`` counter slots in index order (no ``__COUNT``)."""
+    pre = f"AR_{prefix}_"
+    slots = sorted((v, k) for k, v in C.items() if k.startswith(pre) and not k.endswith("__COUNT"))
+    names = [k[len(pre):].lower() for _, k in slots]
+    if [v for v, _ in slots] != list(range(len(slots))) or len(slots) != C[f"{pre}_COUNT"]:
+        raise ValueError(f"{HEADER_NAME}: {pre}* slots must be 0..{pre}_COUNT-1 without gaps")
+    return names
+
+
 #: per-CPU counter names in index order, from AR_STAT_*
-STATS: list[str] = [
-    name[len("AR_STAT_"):].lower()
-    for name, _ in sorted(
-        ((k, v) for k, v in C.items() if k.startswith("AR_STAT_") and not k.endswith("__COUNT")),
-        key=lambda kv: kv[1],
-    )
-]
+STATS: list[str] = _named("STAT")
 STAT = {name: i for i, name in enumerate(STATS)}
-FAULTS: list[str] = [
-    name[len("AR_FAULT_"):].lower()
-    for name, _ in sorted(
-        ((k, v) for k, v in C.items() if k.startswith("AR_FAULT_") and not k.endswith("__COUNT")),
-        key=lambda kv: kv[1],
-    )
-]
+#: fault injector counter names, from AR_FAULT_*
+FAULTS: list[str] = _named("FAULT")
 
 
 def max_elems_for_mtu(mtu: int) -> int:
