@@ -15,6 +15,8 @@ SUBCOMMAND_MODULES = [
     "nicoffload.cli_agg",
     "nicoffload.cli_testbed",
     "nicoffload.cli_worker",
+    "nicoffload.cli_train",
+    "nicoffload.cli_bench",
 ]
 
 
