@@ -1,0 +1,134 @@
+"""``nicoffload bench`` end to end (root, namespaces): the quick sweep writes sane results and the
+plots; the TCP ring baseline sums exactly (int32) or within float32's bound; systems that cannot
+run are skipped with a reason, never a crash."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nicoffload import bench
+
+REPO = Path(__file__).resolve().parents[2]
+PNGS = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
+STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+def run_bench(out: Path, *extra: str, timeout: float = 170) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nicoffload.cli", "bench", "--quick", "--out", str(out), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_bench_writes_sane_results_and_plots(tmp_path):
+    stats_before = STATS.read_text()
+    out = tmp_path / "b"
+    r = run_bench(out)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert STATS.read_text() == stats_before, "kernel.bpf_stats_enabled was not restored"
+    assert "median" in r.stdout and "[" in r.stderr  # the table, and progress while it ran
+
+    rows = json.loads((out / "results.json").read_text())
+    with open(out / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) and set(bench.FIELDS) <= set(csv_rows[0])
+    for p in PNGS:
+        assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
+    meta = json.loads((out / "meta.json").read_text())
+
+    cfg = bench.BenchConfig.quick()
+    points = {(p.bytes, p.sparsity) for p in bench.plan_points(cfg, 2)}
+    assert {r["system"] for r in rows} == set(bench.SYSTEMS)
+    for sys_ in bench.SYSTEMS:
+        for rate in ("unshaped", "200mbit"):
+            got = {(r["bytes"], r["sparsity"]) for r in rows if r["system"] == sys_ and r["rate"] == rate}
+            assert got == points, (sys_, rate)
+    assert not [r for r in rows if r["status"] == "error"]
+    for sys_ in ("xdp", "userspace", "ring"):  # always available where these tests run
+        assert all(r["status"] == "ok" for r in rows if r["system"] == sys_), sys_
+    for r in rows:
+        if r["status"] == "skipped":
+            assert r["reason"] and r["median_s"] is None
+            assert meta["systems"][r["system"]]["reason"]
+            continue
+        M, N = r["bytes"], r["workers"]
+        assert r["reps"] >= cfg.reps and len(r["times"]) == r["reps"]
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] < 10
+        assert r["goodput_bps"] == pytest.approx(8 * M / r["median_s"])
+        assert r["cpu_s"] is not None and r["cpu_s"] >= 0
+        assert r["within_bound"] is True and r["max_abs_err"] < 1e-3
+        # the data really crossed worker 0's link (no shared-memory shortcut)
+        share = (1 - r["sparsity"]) * M if r["system"] in bench.AGG_SYSTEMS else 2 * (N - 1) / N * M
+        assert r["w0_tx_bytes"] >= 0.8 * share, r
+        if r["system"] == "xdp":
+            assert r["bpf_ns"] > 0 and r["bpf_cnt"] > 0
+        else:
+            assert r["bpf_ns"] is None
+        if r["rate"] == "unshaped":
+            assert r["bound_s"] is None and r["bound_fraction"] is None
+        else:
+            ba, br = bench.bounds(M, N, 200_000_000)
+            assert (r["bound_agg_s"], r["bound_ring_s"]) == (pytest.approx(ba), pytest.approx(br))
+            assert r["bound_fraction"] == pytest.approx(r["bound_s"] / r["median_s"])
+    # shaping held: the largest quick size cannot beat its bound by much (tbf's bucket is ~4 ms)
+    for r in rows:
+        if r["status"] == "ok" and r["rate"] == "200mbit" and r["sparsity"] == 0 and r["bytes"] == max(cfg.sizes):
+            assert r["median_s"] >= 0.5 * r["bound_s"], r
+
+
+def test_unavailable_systems_are_skipped_with_a_reason(tmp_path):
+    out = tmp_path / "s"
+    r = run_bench(out, "--systems", "mpi", "--mpirun", "/nonexistent/mpirun", timeout=60)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    rows = json.loads((out / "results.json").read_text())
+    assert rows and all(x["status"] == "skipped" and x["system"] == "mpi" for x in rows)
+    assert all("mpirun not found" in x["reason"] for x in rows)
+    assert "skipped mpi: mpirun not found" in r.stdout
+    assert all((out / p).exists() for p in PNGS)
+
+
+def test_probe_reasons():
+    assert "mpirun not found" in bench.probe("mpi", mpirun="/nonexistent/mpirun")[0]
+    assert bench.probe("ring")[0] is None and bench.probe("userspace")[0] is None
+    assert "unknown system" in bench.probe("nccl")[0]
+
+
+# --- the ring baseline ------------------------------------------------------------------------------
+def _ring(tb, ranks, x, tmp: Path, tag: str, port: int):
+    peers = ",".join(tb.workers[r].ip for r in ranks)
+    procs = []
+    for i, r in enumerate(ranks):
+        np.save(tmp / f"{tag}-in{i}.npy", x[i])
+        argv = [sys.executable, "-m", "nicoffload.ring", "--rank", str(i), "--world", str(len(ranks)),
+                "--peers", peers, "--port", str(port), "--input", str(tmp / f"{tag}-in{i}.npy"),
+                "--output", str(tmp / f"{tag}-out{i}.npy"), "--reps", "2", "--timeout", "10", "--json"]
+        procs.append(tb.popen(tb.workers[r], argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        o, e = p.communicate(timeout=30)
+        assert p.returncode == 0, e
+        assert len(json.loads(o.strip().splitlines()[-1])["times"]) == 2
+    return [np.load(tmp / f"{tag}-out{i}.npy") for i in range(len(ranks))]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_sums_exactly_or_within_the_float32_bound(make_testbed, tmp_path, n):
+    tb = make_testbed(3)
+    rng = np.random.default_rng(n)
+    for k, size in enumerate((1, 1001, 300_007)):  # fewer elements than ranks, uneven chunks, ~1 MiB
+        ints = rng.integers(-2**30, 2**30, size=(n, size), dtype=np.int64).astype(np.int32)
+        outs = _ring(tb, list(range(n)), ints, tmp_path, f"i{k}", 47000 + k)
+        want = ints.sum(axis=0, dtype=np.int64).astype(np.int32)  # wraps modulo 2^32, like the ring
+        for o in outs:
+            assert o.dtype == np.int32 and np.array_equal(o, want)
+        fl = (rng.standard_normal((n, size)) * 10.0 ** rng.integers(-3, 3, size=(n, size))).astype(np.float32)
+        outs = _ring(tb, list(range(n)), fl, tmp_path, f"f{k}", 47100 + k)
+        exact = fl.astype(np.float64).sum(axis=0)
+        bound = (n - 1) * 2.0 ** -24 * np.abs(fl.astype(np.float64)).sum(axis=0) + \
+            np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64) / 2
+        for o in outs:
+            assert o.dtype == np.float32 and np.array_equal(o, outs[0])  # every rank bit-identical
+            assert (np.abs(o.astype(np.float64) - exact) <= bound).all()
