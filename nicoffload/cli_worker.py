@@ -145,10 +145,8 @@ def _userspace(args) -> int:
 
     agg = UserspaceAggregator(args.workers, args.port, args.slots, args.elems, args.job, args.group,
                               args.local_ip, list(args.worker_ip))
-    stop = {"now": False}
-
     def on_term(signum, frame):
-        agg._stop.set()
+        agg.request_stop()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
@@ -156,8 +154,7 @@ def _userspace(args) -> int:
     try:
         agg.serve(until=None if args.duration is None else time.monotonic() + args.duration)
     finally:
-        agg._t.close()
-    del stop
+        agg.close()
     if args.json:
         print(json.dumps({"stats": agg.stats}), flush=True)
     else:

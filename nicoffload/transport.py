@@ -77,18 +77,19 @@ class UdpTransport:
             self.datagrams_sent += k
             i += k
 
-    def recv_into(self, buf: bytearray | memoryview) -> tuple[int, int]:
-        """One receive: (bytes, segment size). With GRO several datagrams of one size arrive
-        at once (the last may be shorter); without it, segment size == bytes. (0, 0) if none."""
+    def recv_into(self, buf: bytearray | memoryview) -> tuple[int, int, tuple | None]:
+        """One receive: (bytes, segment size, sender). With GRO several datagrams of one size
+        arrive at once (the last may be shorter); without it, segment size == bytes.
+        (0, 0, None) if nothing is queued."""
         try:
-            nbytes, anc, _flags, _addr = self.sock.recvmsg_into([buf], self._cmsg_space)
+            nbytes, anc, _flags, addr = self.sock.recvmsg_into([buf], self._cmsg_space)
         except BlockingIOError:
-            return 0, 0
+            return 0, 0, None
         seg = nbytes
         for level, typ, data in anc:
             if level == SOL_UDP and typ == UDP_GRO and len(data) >= 4:
                 seg = struct.unpack("i", data[:4])[0] or nbytes
-        return nbytes, seg
+        return nbytes, seg, addr
 
     def wait(self, timeout: float) -> bool:
         r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))

@@ -62,6 +62,13 @@ class UserspaceAggregator:
         self._thread.start()
         return self
 
+    def request_stop(self) -> None:
+        """Make serve() return soon (safe from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self._t.close()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -83,14 +90,9 @@ class UserspaceAggregator:
             if not self._t.wait(0.1):
                 continue
             while True:
-                try:
-                    n, anc, _f, addr = self._t.sock.recvmsg_into([buf], self._t._cmsg_space)
-                except BlockingIOError:
+                n, seg, addr = self._t.recv_into(buf)
+                if not n:
                     break
-                seg = n
-                for level, typ, data in anc:
-                    if typ == 104 and len(data) >= 4:
-                        seg = int.from_bytes(data[:4], "little") or n
                 off = 0
                 while off < n:
                     k = min(seg, n - off)

@@ -87,7 +87,6 @@ class Communicator:
 
         self._rx = SlotReceiver(self._t.sock, self._dsize, max(1024, 2 * self.window))
         self._srtt = self.rto
-        self._new: list[np.ndarray] = []
 
     def close(self) -> None:
         self._t.close()
@@ -239,7 +238,6 @@ class Communicator:
             for run in np.split(items, breaks):
                 send_range(int(run[0]), int(run[-1]) + 1, retx=True)
 
-        rview = None
         hdr_dt = codec.header_dtype()
         sent_at = np.zeros(K)          # when each round was last sent
         srtt = self._srtt
@@ -249,11 +247,9 @@ class Communicator:
                 send_range(sent, limit, retx=False)
                 sent_at[sent:limit] = time.monotonic()
                 sent = limit
-            self._new = []
-            got = self._drain(rview, base, K, slots, sets, out, done, status_bits, hdr_dt)
+            got, new = self._drain(base, K, slots, sets, out, done, status_bits, hdr_dt)
             now = time.monotonic()
             if got:
-                new = np.concatenate(self._new) if self._new else np.empty(0, dtype=np.int64)
                 if len(new):
                     ndone += len(new)
                     last_progress = now
@@ -292,20 +288,22 @@ class Communicator:
         self._srtt = srtt
         return out
 
-    def _drain(self, rview, base: int, K: int, slots, sets, out, done, status_bits, hdr_dt) -> int:
+    def _drain(self, base: int, K: int, slots, sets, out, done, status_bits,
+               hdr_dt) -> tuple[int, np.ndarray]:
         """Receive everything queued with recvmmsg (results land back to back in fixed slots),
-        then decode all results with one vectorised call. Returns datagrams read."""
+        then decode all results with one vectorised call. Returns (datagrams read, rounds that
+        got their result just now)."""
         rx = self._rx
+        none = np.empty(0, dtype=np.int64)
         n = rx.receive()
         if not n:
-            return 0
+            return 0, none
         lens = rx.lengths(n)
         D, H = self._dsize, proto.HDR_LEN
         full = lens == D
         if full.all():
             dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
-            self._new.append(self._take_results(dec, base, K, slots, sets, out, done))
-            return n
+            return n, self._take_results(dec, base, K, slots, sets, out, done)
         for j in np.flatnonzero(~full):
             if lens[j] == H:
                 self._take_status(rx.view[j * D:j * D + H], base, K, status_bits, hdr_dt)
@@ -315,8 +313,8 @@ class Communicator:
             dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
             keep = np.flatnonzero(full)
             dec = codec.Decoded({k: v[keep] for k, v in dec.fields.items()}, dec.payload[keep])
-            self._new.append(self._take_results(dec, base, K, slots, sets, out, done))
-        return n
+            return n, self._take_results(dec, base, K, slots, sets, out, done)
+        return n, none
 
     def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done) -> np.ndarray:
         f = dec.fields
