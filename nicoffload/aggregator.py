@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
+import secrets
 import shutil
 import socket
 from dataclasses import asdict, dataclass, field
@@ -21,6 +21,9 @@ DEFAULT_GROUP = "239.77.0.1"
 DEFAULT_SLOTS = 1024
 SOURCE = "aggregator.c"
 MAPS_HEADER = "agg_maps.h"
+ENTRY, CALLBACKS = "ar_aggregate", ("ar_record",)
+#: index of the job table entry that holds the job given at load time
+DEFAULT_JOB_INDEX = 0
 
 
 def mcast_mac(group: str) -> bytes:
@@ -73,8 +76,8 @@ class AggSpec:
         if not 1 <= self.slots <= 1 << 20:
             raise InputError(f"--slots must be 1..{1 << 20}, not {self.slots}")
         max_e = proto.max_elems_for_mtu(proto.MAX_MTU)
-        if not 1 <= self.elems <= max_e:
-            raise InputError(f"--elems must be 1..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
+        if not 2 <= self.elems <= max_e or self.elems % 2:
+            raise InputError(f"--elems must be even, 2..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
         if not 1 <= self.port <= 65535:
             raise InputError(f"--port must be 1..65535, not {self.port}")
         if self.mode not in bpf.MODES:
@@ -83,6 +86,8 @@ class AggSpec:
             raise InputError(f"--group {self.group} is not an IPv4 multicast address")
         if self.worker_ips and len(self.worker_ips) != self.workers:
             raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
+        if not 0 <= self.job <= 0xFFFFFFFF:
+            raise InputError(f"--job must be 0..{0xFFFFFFFF}, not {self.job}")
 
     def defines(self, pinned: bool) -> dict[str, int | str]:
         d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port}
@@ -120,11 +125,14 @@ class Aggregator:
     """A loaded XDP aggregator. Use :meth:`load` (attach + pin), :meth:`open` (find a loaded one)
     or :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context manager; unload is idempotent."""
 
-    def __init__(self, spec: AggSpec, b, fn=None, attachment: bpf.XdpAttachment | None = None):
+    def __init__(self, spec: AggSpec, b, prog: bpf.LoadedProgram | None = None,
+                 attachment: bpf.XdpAttachment | None = None, owner: bool = True):
         self.spec = spec
         self.b = b
-        self.fn = fn
+        self.prog = prog
         self.attachment = attachment
+        # close() unloads only what this object loaded (not a test program, not an inspection)
+        self._owner = owner
         self._closed = False
 
     # --- construction ----------------------------------------------------------------------
@@ -151,12 +159,12 @@ class Aggregator:
         agg = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
-            fn = bpf.load_func(b, "ar_aggregate", source_name=SOURCE)
-            agg = cls(spec, b, fn)
+            prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+            agg = cls(spec, b, prog)
             if configure:
                 agg.configure(agg_ip=ip, agg_mac=mac)
-            agg.attachment = bpf.attach_xdp(fn, spec.iface, spec.netns, spec.mode)
-            bpf.pin_fd(fn.fd, pdir / "prog")
+            agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
+            bpf.pin_fd(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
             agg._save_state()
         except BaseException:
@@ -173,12 +181,12 @@ class Aggregator:
                  agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
                  worker_ips: Sequence[str] = ()) -> "Aggregator":
         """Load (not attach, not pin) for BPF_PROG_TEST_RUN."""
-        spec = AggSpec(None, "test", workers, slots, elems, port, job=job, group=group,
+        spec = AggSpec(None, "", workers, slots, elems, port, job=job, group=group,
                        worker_ips=list(worker_ips))
         spec.validate()
         b = bpf.compile_bpf(SOURCE, spec.defines(pinned=False))
-        fn = bpf.load_func(b, "ar_aggregate", source_name=SOURCE)
-        agg = cls(spec, b, fn)
+        prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+        agg = cls(spec, b, prog, owner=False)
         agg.configure(agg_ip=agg_ip, agg_mac=agg_mac)
         return agg
 
@@ -197,7 +205,8 @@ class Aggregator:
         text = f'#include <uapi/linux/bpf.h>\n#include "{MAPS_HEADER}"\n'
         b = bpf.compile_bpf(MAPS_HEADER, spec.defines(pinned=True), text=text)
         return cls(spec, b, None, bpf.XdpAttachment(iface, netns, spec.mode,
-                                                   attached=bpf.xdp_prog_id(iface, netns) is not None))
+                                                   attached=bpf.xdp_prog_id(iface, netns) is not None),
+                   owner=False)
 
     def _save_state(self) -> None:
         sf = state_file(self.spec.netns, self.spec.iface)
@@ -208,7 +217,8 @@ class Aggregator:
     def configure(self, agg_ip: str | None = None, agg_mac: str | None = None, job: int | None = None,
                   worker_ips: Iterable[str] | None = None, group: str | None = None,
                   workers: int | None = None) -> None:
-        """Validate, keep the shadow in ``spec``, then write the maps."""
+        """Validate, keep the shadow in ``spec``, then write the job table. Writing a job entry
+        ends any epoch the job had: its workers must JOIN again."""
         s = self.spec
         if job is not None:
             s.job = job
@@ -219,29 +229,31 @@ class Aggregator:
         if worker_ips is not None:
             s.worker_ips = list(worker_ips)
         s.validate()
-        cfg_t = self.b["ar_config"]
-        cfg = cfg_t[cfg_t.Key(0)]
-        if agg_ip is not None:
-            cfg.agg_ip = _ip_net(agg_ip)
-        if agg_mac is not None:
-            cfg.agg_mac[:] = list(_mac_bytes(agg_mac))
-        cfg.job = s.job
-        cfg.workers = s.workers
-        cfg.worker_mask = (1 << s.workers) - 1
-        cfg.mcast_ip = _ip_net(s.group)
-        cfg.mcast_mac[:] = list(mcast_mac(s.group))
-        cfg.configured = 1
-        wt = self.b["ar_workers"]
-        for r in range(proto.MAX_WORKERS):
-            w = wt.Leaf()
-            if r < len(s.worker_ips):
-                w.ip = _ip_net(s.worker_ips[r])
-            self._write(wt, r, w)
-        self._write(cfg_t, 0, cfg)
-        if self.attachment is not None and self.fn is None:
-            self._save_state()
-        elif self.attachment is not None:
-            self._save_state()
+        jobs = self.b["ar_jobs"]
+        old = jobs[jobs.Key(DEFAULT_JOB_INDEX)]
+        e = jobs.Leaf()
+        e.agg_ip = _ip_net(agg_ip) if agg_ip is not None else old.agg_ip
+        e.agg_mac[:] = list(_mac_bytes(agg_mac)) if agg_mac is not None else list(old.agg_mac)
+        e.job = s.job
+        e.workers = s.workers
+        e.worker_mask = (1 << s.workers) - 1
+        e.slot_base, e.slot_count = 0, s.slots
+        e.mcast_ip = _ip_net(s.group)
+        e.mcast_mac[:] = list(mcast_mac(s.group))
+        # epochs of a new entry start at a random point, so a worker of an earlier load of this
+        # aggregator cannot hit a current epoch by chance
+        e.live, e.epoch = 0, secrets.randbits(32)
+        for r, ip in enumerate(s.worker_ips):
+            e.worker_ip[r] = _ip_net(ip)
+        e.configured = 1
+        index = self.b["ar_job_index"]
+        for k in list(index.keys()):
+            if index[k].value == DEFAULT_JOB_INDEX and k.value != s.job:
+                del index[k]
+        self._write(jobs, DEFAULT_JOB_INDEX, e)
+        self._write(index, s.job, index.Leaf(DEFAULT_JOB_INDEX))
+        if self.spec.iface and state_file(self.spec.netns, self.spec.iface).exists():
+            self._save_state()  # a live aggregator: later processes read the spec from there
 
     def _write(self, table, key: int, value) -> None:
         try:
@@ -251,7 +263,7 @@ class Aggregator:
                            f"[{key}] failed: {e}") from e
 
     def reset_slots(self) -> None:
-        """Zero every slot (between jobs). Not safe while workers run."""
+        """Zero every slot. Not needed between runs (epochs keep them apart); for tests."""
         t = self.b["ar_slots"]
         empty = t.Leaf()
         for i in range(self.spec.slots):
@@ -259,20 +271,47 @@ class Aggregator:
 
     def reset_stats(self) -> None:
         t = self.b["ar_stats"]
-        for i in range(len(proto.STATS)):
-            t[t.Key(i)] = t.Leaf(*([0] * len(t[t.Key(i)])))
+        for i in range(proto.MAX_JOBS + 1):
+            t[t.Key(i)] = t.Leaf(*([t.sLeaf()] * t.total_cpu))
 
     # --- inspection ------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self, job: int | None = None) -> dict[str, int]:
+        """Counters summed over CPUs: of one job (wire id), or over every row (``job=None``)."""
         t = self.b["ar_stats"]
-        return {name: int(sum(t[t.Key(i)])) for i, name in enumerate(proto.STATS)}
+        if job is None:
+            rows = range(proto.MAX_JOBS + 1)
+        else:
+            idx = self._job_index(job)
+            rows = [idx + 1]
+        out = dict.fromkeys(proto.STATS, 0)
+        for row in rows:
+            for cpu in t[t.Key(row)]:
+                for i, name in enumerate(proto.STATS):
+                    out[name] += int(cpu.c[i])
+        return out
+
+    def _job_index(self, job: int) -> int:
+        index = self.b["ar_job_index"]
+        try:
+            return int(index[index.Key(job)].value)
+        except KeyError:
+            raise NotFoundError(f"job {job} is not registered on this aggregator") from None
 
     def config(self) -> dict:
-        c = self.b["ar_config"][self.b["ar_config"].Key(0)]
+        """The default job's entry (addresses, ranks, epoch state)."""
+        return self.job_state(self.spec.job)
+
+    def job_state(self, job: int) -> dict:
+        c = self.b["ar_jobs"][self.b["ar_jobs"].Key(self._job_index(job))]
+        n = c.workers
         return {
-            "job": c.job, "workers": c.workers, "worker_mask": c.worker_mask,
+            "job": c.job, "workers": n, "worker_mask": c.worker_mask, "configured": bool(c.configured),
             "agg_ip": _ip_str(c.agg_ip), "group": _ip_str(c.mcast_ip),
-            "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac), "configured": bool(c.configured),
+            "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac),
+            "slot_base": c.slot_base, "slots": c.slot_count,
+            "epoch": c.live, "last_epoch": c.epoch, "joined": c.joined,
+            "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
+            "worker_ips": [_ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
         }
 
     def slot(self, i: int, with_data: bool = False) -> dict:
@@ -283,25 +322,23 @@ class Aggregator:
         sets = []
         for k in range(2):
             s = v.set[k]
+            exp = socket.ntohs(s.exp & 0xFFFF)
             d = {
-                "set": k, "used": bool(s.used), "block": s.block, "bitmap": s.bitmap, "mask": s.mask,
-                "complete": bool(s.complete), "count": s.count, "exp": socket.ntohs(s.exp & 0xFFFF),
-                "op": "max" if s.flags & proto.FLAG_OP_MAX else "sum", "rounds": s.rounds,
-                "next_nz": s.next_nz,
+                "set": k, "used": bool(s.epoch), "epoch": s.epoch, "round": s.round, "bitmap": s.bitmap,
+                "mask": s.mask, "complete": bool(s.complete), "count": s.count,
+                "exp": exp - 0x10000 if exp >= 0x8000 else exp, "op": proto.OPS.get(s.op, str(s.op)),
             }
-            d["exp"] = d["exp"] - 0x10000 if d["exp"] >= 0x8000 else d["exp"]
             if with_data:
                 import numpy as np
 
-                d["acc"] = np.ctypeslib.as_array(s.acc).copy()
+                d["acc"] = np.ctypeslib.as_array(s.acc).view("<i4").copy()
             sets.append(d)
         return {"slot": i, "sets": sets}
 
     def status(self) -> dict:
         return {
             "netns": self.spec.netns, "iface": self.spec.iface, "mode": self.spec.mode,
-            "attached": bpf.xdp_prog_id(self.spec.iface, self.spec.netns) is not None
-            if self.spec.iface != "test" else False,
+            "attached": bool(self.spec.iface) and bpf.xdp_prog_id(self.spec.iface, self.spec.netns) is not None,
             "prog_id": self.spec.prog_id, "workers": self.spec.workers, "slots": self.spec.slots,
             "elems": self.spec.elems, "port": self.spec.port, "job": self.spec.job,
             "group": self.spec.group, "pins": str(pin_dir(self.spec.netns, self.spec.iface)),
@@ -309,9 +346,9 @@ class Aggregator:
 
     # --- test run --------------------------------------------------------------------------
     def run(self, packet: bytes, repeat: int = 1) -> bpf.TestRunResult:
-        if self.fn is None:
+        if self.prog is None:
             raise MapError("this aggregator was opened for inspection; it has no program to run")
-        return bpf.test_run(self.fn.fd, packet, repeat=repeat)
+        return bpf.test_run(self.prog.fd, packet, repeat=repeat)
 
     # --- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -319,8 +356,11 @@ class Aggregator:
         if self._closed:
             return
         self._closed = True
-        if self.spec.iface != "test" or self.spec.netns:
+        if self._owner:
             unload(self.spec.netns, self.spec.iface, missing_ok=True)
+        if self.prog is not None:
+            self.prog.close()
+            self.prog = None
         if self.b is not None:
             self.b.cleanup()
             self.b = None
@@ -360,15 +400,3 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     if not (found or detached) and not missing_ok:
         raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
     return found or detached
-
-
-def loaded() -> list[dict]:
-    """Every aggregator this machine has recorded (state files)."""
-    out = []
-    if STATE_DIR.exists():
-        for f in sorted(STATE_DIR.glob("*.json")):
-            try:
-                out.append(json.loads(f.read_text()))
-            except ValueError:
-                continue
-    return out

@@ -28,6 +28,8 @@ PIN_ROOT = BPFFS / "nicoffload"
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
+#: largest MTU native XDP accepts on veth for a program without frags
+MAX_NATIVE_MTU = 3506
 MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 
 _CLONE_NEWNET = 0x40000000
@@ -261,7 +263,27 @@ class _TestRunOpts(ctypes.Structure):
 _libbpf = None
 
 
+class _ProgLoadOpts(ctypes.Structure):
+    """struct bpf_prog_load_opts of libbpf 1.x (fields up to log_true_size)."""
+    _fields_ = [
+        ("sz", ctypes.c_size_t), ("attempts", ctypes.c_int), ("expected_attach_type", ctypes.c_int),
+        ("prog_btf_fd", ctypes.c_uint32), ("prog_flags", ctypes.c_uint32), ("prog_ifindex", ctypes.c_uint32),
+        ("kern_version", ctypes.c_uint32), ("attach_btf_id", ctypes.c_uint32),
+        ("attach_btf_obj_fd", ctypes.c_uint32), ("attach_prog_fd", ctypes.c_int),
+        ("fd_array", ctypes.c_void_p), ("func_info", ctypes.c_void_p), ("func_info_cnt", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32), ("line_info", ctypes.c_void_p),
+        ("line_info_cnt", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
+        ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32), ("log_buf", ctypes.c_char_p),
+        ("log_true_size", ctypes.c_uint32),
+    ]
+
+
+class _FuncInfo(ctypes.Structure):
+    _fields_ = [("insn_off", ctypes.c_uint32), ("type_id", ctypes.c_uint32)]
+
+
 def libbpf():
+    """Debian's libbpf.so.1 through ctypes: the one binding of the toolkit."""
     global _libbpf
     if _libbpf is None:
         name = ctypes.util.find_library("bpf") or "libbpf.so.1"
@@ -269,14 +291,186 @@ def libbpf():
             lib = ctypes.CDLL(name, use_errno=True)
         except OSError as e:
             raise SetupError("libbpf.so.1 is missing: apt-get install libbpf1") from e
-        lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
-        lib.bpf_prog_test_run_opts.restype = ctypes.c_int
-        lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
-        lib.bpf_obj_pin.restype = ctypes.c_int
-        lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
-        lib.bpf_obj_get.restype = ctypes.c_int
+        vp, ci, cu = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32
+        sigs = {
+            "bpf_prog_test_run_opts": ([ci, ctypes.POINTER(_TestRunOpts)], ci),
+            "bpf_obj_pin": ([ci, ctypes.c_char_p], ci),
+            "bpf_obj_get": ([ctypes.c_char_p], ci),
+            "bpf_prog_load": ([ci, ctypes.c_char_p, ctypes.c_char_p, vp, ctypes.c_size_t,
+                               ctypes.POINTER(_ProgLoadOpts)], ci),
+            "bpf_xdp_attach": ([ci, ci, cu, vp], ci),
+            "bpf_map_update_elem": ([ci, vp, vp, ctypes.c_uint64], ci),
+            "bpf_map_lookup_elem": ([ci, vp, vp], ci),
+            "bpf_map_delete_elem": ([ci, vp], ci),
+            "libbpf_num_possible_cpus": ([], ci),
+            "btf__new_empty": ([], vp),
+            "btf__free": ([vp], None),
+            "btf__add_int": ([vp, ctypes.c_char_p, ctypes.c_size_t, ci], ci),
+            "btf__add_func_proto": ([vp, ci], ci),
+            "btf__add_func_param": ([vp, ctypes.c_char_p, ci], ci),
+            "btf__add_func": ([vp, ctypes.c_char_p, ci, ci], ci),
+            "btf__load_into_kernel": ([vp], ci),
+            "btf__fd": ([vp], ci),
+        }
+        for fname, (args, res) in sigs.items():
+            f = getattr(lib, fname)
+            f.argtypes, f.restype = args, res
         _libbpf = lib
     return _libbpf
+
+
+# --- programs with callbacks (bpf_loop) ---------------------------------------------------------
+BPF_PROG_TYPE_XDP = 6
+BPF_PSEUDO_FUNC = 4
+BPF_F_XDP_HAS_FRAGS = 1 << 5
+_LD_IMM64 = 0x18
+_INSN = 8
+_BTF_FUNC_STATIC, _BTF_FUNC_GLOBAL = 0, 1
+_VERIFIER_LOG_BYTES = 16 << 20
+
+
+@dataclass
+class LoadedProgram:
+    """A program loaded from bcc-compiled instructions: ``fd`` (owned; ``close()`` releases it)."""
+
+    name: str
+    fd: int
+    insns: int
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _function_insns(b, name: str) -> bytes:
+    bcc = import_bcc()
+    start = bcc.lib.bpf_function_start(b.module, name.encode())
+    size = bcc.lib.bpf_function_size(b.module, name.encode())
+    if not start or not size:
+        raise VerifierError(f"bcc compiled no function {name!r} (is it defined, non-static, in the main file?)", "")
+    return ctypes.string_at(start, size)
+
+
+def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, list[int]]:
+    """Append the callbacks after the entry point and turn the entry point's unresolved function
+    references into BPF_PSEUDO_FUNC ones. bcc 0.26 compiles every exported function on its own and
+    leaves a reference to another one as ``ld_imm64 rX, 0`` (src_reg 0, both immediates 0): a
+    constant 0 is never encoded that way, so such an instruction can only be such a reference.
+    With one callback every reference goes to it; the toolkit's programs have at most one."""
+    code = bytearray(entry)
+    starts = [0]
+    for cb in callbacks:
+        starts.append(len(code) // _INSN)
+        code += cb
+    n_entry = len(entry) // _INSN
+    refs = []
+    i = 0
+    while i < n_entry:
+        op, regs = code[_INSN * i], code[_INSN * i + 1]
+        if op == _LD_IMM64:
+            imm = int.from_bytes(code[_INSN * i + 4:_INSN * i + 8], "little")
+            imm2 = int.from_bytes(code[_INSN * (i + 1) + 4:_INSN * (i + 1) + 8], "little")
+            if regs >> 4 == 0 and imm == 0 and imm2 == 0:
+                refs.append(i)
+            i += 2
+            continue
+        i += 1
+    if refs and len(callbacks) != 1:
+        raise VerifierError(f"{len(refs)} function reference(s) in the entry point but {len(callbacks)} "
+                            f"callbacks given; the loader links exactly one", "")
+    for i in refs:
+        code[_INSN * i + 1] = (code[_INSN * i + 1] & 0x0F) | (BPF_PSEUDO_FUNC << 4)
+        code[_INSN * i + 4:_INSN * i + 8] = (starts[1] - (i + 1)).to_bytes(4, "little", signed=True)
+    return code, starts
+
+
+def _func_btf(names: list[str]):
+    """A BTF object holding one FUNC per subprogram (the verifier wants func_info once a program
+    has callbacks). The entry point is global, callbacks are static; the types are nominal
+    (static subprograms are verified from their code, not from their prototypes)."""
+    lib = libbpf()
+    btf = lib.btf__new_empty()
+    if not btf:
+        raise SetupError("libbpf could not create a BTF object")
+    t_int = lib.btf__add_int(btf, b"int", 4, 1)
+    t_long = lib.btf__add_int(btf, b"long", 8, 1)
+    ids = []
+    for k, name in enumerate(names):
+        proto = lib.btf__add_func_proto(btf, t_int if k == 0 else t_long)
+        lib.btf__add_func_param(btf, b"arg0", t_long)
+        if k:
+            lib.btf__add_func_param(btf, b"arg1", t_long)
+        ids.append(lib.btf__add_func(btf, name.encode(), _BTF_FUNC_GLOBAL if k == 0 else _BTF_FUNC_STATIC, proto))
+    if min(ids) < 0 or lib.btf__load_into_kernel(btf) != 0:
+        lib.btf__free(btf)
+        raise SetupError("loading a BTF object into the kernel failed (is CONFIG_DEBUG_INFO_BTF set?)")
+    return btf, ids
+
+
+def load_linked(b, entry: str, callbacks: tuple[str, ...] = (), *, prog_type: int = BPF_PROG_TYPE_XDP,
+                prog_flags: int = 0, source_name: str = "program") -> LoadedProgram:
+    """Load ``entry`` of a bcc module together with its bpf_loop ``callbacks``, which bcc alone
+    cannot link. A verifier rejection raises VerifierError carrying the log."""
+    require_root(f"loading {entry}")
+    code, starts = _link_callbacks(_function_insns(b, entry), [_function_insns(b, c) for c in callbacks])
+    lib = libbpf()
+    btf, ids = _func_btf([entry, *callbacks]) if callbacks else (None, [])
+    try:
+        fi = (_FuncInfo * len(ids))(*[_FuncInfo(s, t) for s, t in zip(starts, ids)])
+        buf = (ctypes.c_char * len(code)).from_buffer(code)
+
+        def attempt(log_level: int, log=None) -> int:
+            o = _ProgLoadOpts()
+            o.sz = ctypes.sizeof(o)
+            o.prog_flags = prog_flags
+            if btf is not None:
+                o.prog_btf_fd = lib.btf__fd(btf)
+                o.func_info = ctypes.cast(fi, ctypes.c_void_p)
+                o.func_info_cnt = len(ids)
+                o.func_info_rec_size = ctypes.sizeof(_FuncInfo)
+            if log is not None:
+                o.log_level, o.log_size = log_level, len(log)
+                o.log_buf = ctypes.cast(log, ctypes.c_char_p)
+            return lib.bpf_prog_load(prog_type, entry[:15].encode(), b"GPL", buf, len(code) // _INSN,
+                                     ctypes.byref(o))
+
+        fd = attempt(0)
+        if fd < 0:
+            err = ctypes.get_errno()
+            if err == errno.EPERM and os.geteuid() != 0:
+                raise PrivilegeError(f"loading {entry} needs root")
+            log = ctypes.create_string_buffer(_VERIFIER_LOG_BYTES)
+            attempt(1, log)
+            text = log.value.decode(errors="replace")
+            tail = "\n".join(text.strip().splitlines()[-25:])
+            raise VerifierError(f"the kernel verifier rejected {entry} from {source_name}: {os.strerror(err)}\n"
+                                f"last lines of the verifier log:\n{tail}", text)
+    finally:
+        if btf is not None:
+            lib.btf__free(btf)
+    return LoadedProgram(entry, fd, len(code) // _INSN)
+
+
+def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") -> XdpAttachment:
+    """Attach a program fd to ``ifname`` inside ``ns``; refuses to replace an existing program."""
+    if mode not in MODES:
+        raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
+    lib = libbpf()
+    with netns(ns):
+        idx = _ifindex(ifname, ns)
+        rc = lib.bpf_xdp_attach(idx, fd, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST, None)
+    if rc != 0:
+        err = -rc if rc < 0 else ctypes.get_errno()
+        where = f"{ifname} in {ns or 'the root namespace'}"
+        if err in (errno.EBUSY, errno.EEXIST):
+            raise AttachError(f"{where} already has an XDP program attached; unload it first")
+        hint = "; try --mode generic" if mode == "native" else ""
+        if err == errno.ERANGE:
+            hint = (f"; the MTU of {ifname} is too large for native XDP on this driver "
+                    f"(veth: at most {MAX_NATIVE_MTU}){hint}")
+        raise AttachError(f"attaching XDP to {where} in {mode} mode failed: {os.strerror(err)}{hint}")
+    return XdpAttachment(ifname, ns, mode)
 
 
 @dataclass

@@ -159,14 +159,15 @@ def _slots(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'slot':>6} {'set':>3} {'block':>10} {'bitmap':>10} {'mask':>10} {'done':>4} {'count':>5} "
-          f"{'exp':>5} {'op':>3} {'rounds':>8}")
+    print(f"{'slot':>6} {'set':>3} {'epoch':>10} {'round':>10} {'bitmap':>10} {'mask':>10} {'done':>4} "
+          f"{'count':>5} {'exp':>5} {'op':>5}")
     for r in rows:
         for s in r["sets"]:
             if not s["used"] and not args.slot:
                 continue
-            print(f"{r['slot']:>6} {s['set']:>3} {s['block']:>10} {s['bitmap']:>#10x} {s['mask']:>#10x} "
-                  f"{'yes' if s['complete'] else 'no':>4} {s['count']:>5} {s['exp']:>5} {s['op']:>3} {s['rounds']:>8}")
+            print(f"{r['slot']:>6} {s['set']:>3} {s['epoch']:>10} {s['round']:>10} {s['bitmap']:>#10x} "
+                  f"{s['mask']:>#10x} {'yes' if s['complete'] else 'no':>4} {s['count']:>5} {s['exp']:>5} "
+                  f"{s['op']:>5}")
     return 0
 
 

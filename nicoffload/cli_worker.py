@@ -267,7 +267,7 @@ def _demo(args) -> int:
                 "aggregator": kind, "seconds": res.seconds, "min_s": min(res.rep_seconds),
                 "goodput_gbps": n * 4 * 8 / res.seconds / 1e9, "max_abs_err": float(err.max()),
                 "within_bound": bool((err <= bound + f32_ulp).all()),
-                "packets_sent": res.totals("packets_sent"), "nulls_sent": res.totals("nulls_sent"),
+                "packets_sent": res.totals("packets_sent"),
                 "retransmissions": res.totals("retransmissions"),
                 "blocks_skipped": res.ranks[0]["stats"]["blocks_skipped"],
             })

@@ -1,14 +1,14 @@
 """Vectorised encoder/decoder of AllReduce datagrams (UDP payloads) for the worker hot path.
 
-A batch of K datagrams is one numpy structured array: each record is the 32-byte header (big-endian
+A batch of K datagrams is one numpy structured array: each record is the 40-byte header (big-endian
 fields at the offsets of ``nicoffload.proto.FIELDS``, i.e. of the C header) followed by ``elems``
 little-endian int32. Encoding fills the header columns from per-block arrays (or scalars) and the
 payload column from a 2-D int32 array, then returns the records as one contiguous buffer: exactly
 what a UDP socket with ``UDP_SEGMENT = datagram_size(elems)`` sends in one call. There is no Python
-loop per element nor per datagram: the only loop is over the 13 header fields.
+loop per element nor per datagram: the only loop is over the 17 header fields.
 
-Null contributions (count 0) carry no payload: encode them as a separate batch with ``elems = 0``
-(a 2-D array of shape (K, 0), or :func:`encode_nulls`); every datagram of a batch has one size.
+Records without a payload (ACK) are a batch with ``elems = 0`` (a 2-D array of shape (K, 0));
+every record of a batch has one size.
 """
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ import numpy as np
 
 from . import proto
 from .errors import InputError, ProtocolError
-
-#: ``next_nz`` value meaning "no further non-zero block"
-NEXT_NZ_NONE = proto.NEXT_NZ_NONE
 
 #: header field names in wire order
 FIELD_NAMES: tuple[str, ...] = tuple(name for name, _, _ in sorted(proto.FIELDS, key=lambda f: f[1]))
@@ -52,7 +49,7 @@ _check_layout()
 
 
 def header_dtype() -> np.dtype:
-    """Structured dtype of the 32-byte header: big-endian fields at the C header's offsets."""
+    """Structured dtype of the 40-byte header: big-endian fields at the C header's offsets."""
     return np.dtype(
         {
             "names": [name for name, _, _ in proto.FIELDS],
@@ -66,7 +63,7 @@ def header_dtype() -> np.dtype:
 def datagram_dtype(elems: int) -> np.dtype:
     """Structured dtype of one datagram: the header, then ``payload`` = ``elems`` x '<i4'.
 
-    With ``elems == 0`` this is the header alone (a null contribution has no payload).
+    With ``elems == 0`` this is the header alone (an ACK record has no payload).
     """
     if elems < 0:
         raise InputError(f"elems must be >= 0, got {elems}")
@@ -112,12 +109,16 @@ def encode_blocks(
     job,
     slot,
     set,  # noqa: A002 - wire field name
-    block,
+    round,  # noqa: A002 - wire field name
     mask,
-    next_nz=NEXT_NZ_NONE,
+    epoch=0,
+    ack=0,
     count=None,
     exp=0,
+    op=proto.OP_SUM,
     flags=0,
+    detail=0,
+    pad=0,
     type=proto.TYPE_CONTRIB,  # noqa: A002 - wire field name
     magic=proto.MAGIC,
     version=proto.VERSION,
@@ -142,8 +143,8 @@ def encode_blocks(
         count = elems
     values = {
         "magic": magic, "version": version, "type": type, "flags": flags, "set": set, "rank": rank,
-        "job": job, "slot": slot, "block": block, "mask": mask, "next_nz": next_nz, "count": count,
-        "exp": exp,
+        "job": job, "epoch": epoch, "slot": slot, "round": round, "mask": mask, "ack": ack,
+        "count": count, "exp": exp, "op": op, "detail": detail, "pad": pad,
     }
     missing = [n for n in FIELD_NAMES if n not in values]
     if missing:  # a field added to the C header must be added here too
@@ -164,12 +165,6 @@ def encode_blocks(
     if elems:
         rec["payload"] = blocks
     return target if out is None else view[:nbytes]
-
-
-def encode_nulls(k: int, **fields) -> bytearray | memoryview:
-    """Encode K null contributions (count 0, header only); ``fields`` as for :func:`encode_blocks`."""
-    fields.setdefault("count", 0)
-    return encode_blocks(np.empty((k, 0), dtype=np.int32), **fields)
 
 
 class Decoded(NamedTuple):

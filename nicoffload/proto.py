@@ -54,14 +54,25 @@ DEFAULT_PORT = C["AR_DEFAULT_PORT"]
 TYPE_CONTRIB = C["AR_TYPE_CONTRIB"]
 TYPE_RESULT = C["AR_TYPE_RESULT"]
 TYPE_STATUS = C["AR_TYPE_STATUS"]
+TYPE_JOIN = C["AR_TYPE_JOIN"]
+TYPE_JOINED = C["AR_TYPE_JOINED"]
+TYPE_ACK = C["AR_TYPE_ACK"]
+TYPE_NOP = C["AR_TYPE_NOP"]
 FLAG_RETX = C["AR_FLAG_RETX"]
-FLAG_OP_MAX = C["AR_FLAG_OP_MAX"]
+FLAG_PULL = C["AR_FLAG_PULL"]
 FLAGS_KNOWN = C["AR_FLAGS_KNOWN"]
+OP_SUM = C["AR_OP_SUM"]
+OP_SUM64 = C["AR_OP_SUM64"]
+OP_MAX = C["AR_OP_MAX"]
+OP_OR = C["AR_OP_OR"]
+OP_COUNT = C["AR_OP__COUNT"]
 RANK_AGG = C["AR_RANK_AGG"]
-NEXT_NZ_NONE = C["AR_NEXT_NZ_NONE"]
 MAX_WORKERS = C["AR_MAX_WORKERS"]
+MAX_JOBS = C["AR_MAX_JOBS"]
 HDR_LEN = C["AR_HDR_LEN"]
+JOIN_PAYLOAD = C["AR_JOIN_PAYLOAD"]
 L2L4_LEN = C["AR_L2L4_LEN"]
+MAX_PACKET_OFF = C["AR_MAX_PACKET_OFF"]
 DEFAULT_ELEMS = C["AR_DEFAULT_ELEMS"]
 MAX_MTU = C["AR_MAX_MTU"]
 
@@ -74,15 +85,21 @@ FIELDS: list[tuple[str, int, str]] = [
     ("set", C["AR_OFF_SET"], "B"),
     ("rank", C["AR_OFF_RANK"], "H"),
     ("job", C["AR_OFF_JOB"], "I"),
+    ("epoch", C["AR_OFF_EPOCH"], "I"),
     ("slot", C["AR_OFF_SLOT"], "I"),
-    ("block", C["AR_OFF_BLOCK"], "I"),
+    ("round", C["AR_OFF_ROUND"], "I"),
     ("mask", C["AR_OFF_MASK"], "I"),
-    ("next_nz", C["AR_OFF_NEXT_NZ"], "I"),
+    ("ack", C["AR_OFF_ACK"], "I"),
     ("count", C["AR_OFF_COUNT"], "H"),
     ("exp", C["AR_OFF_EXP"], "h"),
+    ("op", C["AR_OFF_OP"], "B"),
+    ("detail", C["AR_OFF_DETAIL"], "B"),
+    ("pad", C["AR_OFF_PAD"], "H"),
 ]
 #: struct format of the header (network byte order), derived from FIELDS
 HDR_STRUCT = "!" + "".join(code for _, _, code in FIELDS)
+FIELD_OFFSETS: dict[str, int] = {name: off for name, off, _ in FIELDS}
+
 
 def _named(prefix: str) -> list[str]:
     """Lower-case names of the ``AR_<prefix>_*`` counter slots in index order (no ``__COUNT``)."""
@@ -96,14 +113,30 @@ def _named(prefix: str) -> list[str]:
 
 #: per-CPU counter names in index order, from AR_STAT_*
 STATS: list[str] = _named("STAT")
+#: STATUS detail names by value, from AR_DETAIL_*
+DETAILS: dict[int, str] = {v: k[len("AR_DETAIL_"):].lower() for k, v in C.items() if k.startswith("AR_DETAIL_")}
+DETAIL = {name: v for v, name in DETAILS.items()}
+#: op names by value, from AR_OP_* (without the count)
+OPS: dict[int, str] = {v: k[len("AR_OP_"):].lower() for k, v in C.items()
+                       if k.startswith("AR_OP_") and not k.endswith("__COUNT")}
 STAT = {name: i for i, name in enumerate(STATS)}
 #: fault injector counter names, from AR_FAULT_*
 FAULTS: list[str] = _named("FAULT")
 
 
+def record_size(elems: int) -> int:
+    """Bytes of one record (header + ``elems`` int32): the UDP_SEGMENT size of a batch."""
+    return HDR_LEN + 4 * elems
+
+
 def max_elems_for_mtu(mtu: int) -> int:
-    """Largest int32 payload that fits an IPv4/UDP packet of ``mtu`` bytes."""
-    return (mtu - 20 - 8 - HDR_LEN) // 4
+    """Largest even int32 payload that fits an IPv4/UDP packet of ``mtu`` bytes."""
+    return ((mtu - 20 - 8 - HDR_LEN) // 4) & ~1
+
+
+def max_records(elems: int) -> int:
+    """Records of one frame the XDP program handles (it reaches AR_MAX_PACKET_OFF bytes at most)."""
+    return (MAX_PACKET_OFF - L2L4_LEN) // record_size(elems)
 
 
 def mtu_for_elems(elems: int) -> int:

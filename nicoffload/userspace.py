@@ -1,8 +1,13 @@
 """The user-space aggregator: the same protocol and slot algorithm as xdp/aggregator.c, in numpy.
 The baseline the XDP path is measured against, and the fallback where XDP cannot be loaded.
-Results go out once per round to the multicast group; retransmissions are answered by unicast."""
+
+A datagram holds one or more records (a worker's UDP_SEGMENT batch arrives whole with UDP_GRO).
+Results go out once per round to the job's multicast group; retransmissions, pulls and the
+epoch handshake are answered by unicast to the sender's address and port.
+"""
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -11,20 +16,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import codec, proto
+from .errors import InputError
 from .transport import UdpTransport
 
 
 @dataclass
 class _Set:
-    used: bool = False
-    block: int = 0
+    epoch: int = 0
+    round: int = 0
     bitmap: int = 0
     mask: int = 0
-    flags: int = 0
+    op: int = 0
     exp: int = 0
     count: int = 0
-    next_nz: int = proto.NEXT_NZ_NONE
     complete: bool = False
+
+
+def _serial_after(a: int, b: int) -> bool:
+    return 0 < ((a - b) & 0xFFFFFFFF) < 0x80000000
 
 
 @dataclass
@@ -40,6 +49,11 @@ class UserspaceAggregator:
     stats: dict = field(default_factory=lambda: {k: 0 for k in proto.STATS})
 
     def __post_init__(self):
+        if self.elems < 2 or self.elems % 2:
+            raise InputError(f"elems must be even and at least 2 (SUM64 and OR work on pairs of int32), "
+                             f"not {self.elems}")
+        if not 1 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
         self._t = UdpTransport(self.port, None, self.local_ip)
         s = self._t.sock
         if self.local_ip:
@@ -49,12 +63,17 @@ class UserspaceAggregator:
         self._acc = np.zeros((self.slots, 2, self.elems), dtype=np.int32)
         self._sets = [[_Set(), _Set()] for _ in range(self.slots)]
         self._mask_all = (1 << self.workers) - 1
-        self._dsize = codec.datagram_size(self.elems)
+        self._rsize = proto.record_size(self.elems)
         self._ips = [socket.inet_aton(ip) for ip in self.worker_ips]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hdt = codec.header_dtype()
-        self._ddt = codec.datagram_dtype(self.elems)
+        # epoch state (as in struct ar_job)
+        self.live = 0
+        self.last_epoch = secrets.randbits(32)
+        self.joined = 0
+        self.nonces = [0] * proto.MAX_WORKERS
+        self.acks = [0] * proto.MAX_WORKERS
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> "UserspaceAggregator":
@@ -82,7 +101,7 @@ class UserspaceAggregator:
         self.stop()
 
     def serve(self, until: float | None = None) -> None:
-        buf = bytearray(1 << 20)
+        buf = bytearray(1 << 17)
         view = memoryview(buf)
         while not self._stop.is_set():
             if until is not None and time.monotonic() > until:
@@ -90,105 +109,261 @@ class UserspaceAggregator:
             if not self._t.wait(0.1):
                 continue
             while True:
-                n, seg, addr = self._t.recv_into(buf)
+                n, _seg, addr = self._t.recv_into(buf)
                 if not n:
                     break
-                off = 0
-                while off < n:
-                    k = min(seg, n - off)
-                    self.handle(view[off:off + k], addr)
-                    off += k
+                self.handle_datagram(view[:n], addr)
 
-    # --- the slot algorithm (mirrors xdp/aggregator.c) --------------------------------------
-    def _drop(self, reason: str) -> None:
+    # --- one datagram (mirrors ar_aggregate) -------------------------------------------------
+    def _reject(self, reason: str) -> None:
+        self.stats["records"] += 1
         self.stats[reason] += 1
 
-    def handle(self, pkt: memoryview, addr) -> None:
+    def handle_datagram(self, dgram: memoryview, addr) -> None:
         st = self.stats
         st["rx"] += 1
-        if pkt.nbytes < proto.HDR_LEN:
-            return self._drop("bad_truncated")
-        h = np.frombuffer(pkt[:proto.HDR_LEN], dtype=self._hdt)[0]
+        n = dgram.nbytes
+        if n < proto.HDR_LEN:
+            return self._reject("bad_truncated")
+        h = np.frombuffer(dgram[:proto.HDR_LEN], dtype=self._hdt)[0]
         if int(h["magic"]) != proto.MAGIC:
-            return self._drop("bad_magic")
+            return self._reject("bad_magic")
         if int(h["version"]) != proto.VERSION:
-            return self._drop("bad_version")
-        if int(h["type"]) != proto.TYPE_CONTRIB:
-            return self._drop("bad_type")
-        flags = int(h["flags"])
-        if flags & ~proto.FLAGS_KNOWN:
-            return self._drop("bad_flags")
+            return self._reject("bad_version")
         if int(h["job"]) != self.job:
-            return self._drop("bad_job")
+            return self._reject("bad_job")
         rank = int(h["rank"])
         if rank >= self.workers:
-            return self._drop("bad_rank")
-        slot = int(h["slot"])
-        if slot >= self.slots:
-            return self._drop("bad_slot")
-        v = int(h["set"])
-        if v > 1:
-            return self._drop("bad_set")
-        mask = int(h["mask"])
-        bit = 1 << rank
-        if mask & ~self._mask_all or not mask & bit:
-            return self._drop("bad_mask")
+            return self._reject("bad_rank")
         if self._ips and socket.inet_aton(addr[0]) != self._ips[rank]:
-            return self._drop("bad_src")
-        cnt = int(h["count"])
-        if cnt > self.elems or not (pkt.nbytes == self._dsize or (cnt == 0 and pkt.nbytes == proto.HDR_LEN)):
-            return self._drop("bad_len")
-        if cnt == 0:
-            st["null"] += 1
-        block, exp, op = int(h["block"]), int(h["exp"]), flags & proto.FLAG_OP_MAX
+            return self._reject("bad_src")
+        flags = int(h["flags"])
+        if flags & ~proto.FLAGS_KNOWN:
+            return self._reject("bad_flags")
+        t = int(h["type"])
+        if t == proto.TYPE_JOIN:
+            if n != proto.HDR_LEN + proto.JOIN_PAYLOAD:
+                return self._reject("bad_len")
+            st["records"] += 1
+            return self._join(bytearray(dgram), h, rank, addr)
+        if t == proto.TYPE_ACK:
+            if n != proto.HDR_LEN:
+                return self._reject("bad_len")
+            if not self.live or int(h["epoch"]) != self.live:
+                return self._reject("stale_epoch")
+            st["records"] += 1
+            st["ack"] += 1
+            self._ack(rank, int(h["ack"]))
+            return
+        if t != proto.TYPE_CONTRIB:
+            return self._reject("bad_type")
+        if n % self._rsize or n // self._rsize > proto.max_records(self.elems):
+            return self._reject("bad_len")
+        if self.live and int(h["epoch"]) == self.live:
+            self._ack(rank, int(h["ack"]))
+        out = bytearray(dgram)
+        recs = np.frombuffer(out, dtype=codec.datagram_dtype(self.elems))
+        mcast = answer = False
+        for i in range(len(recs)):
+            o = self._record(recs[i], recs, i, rank, flags_first=flags)
+            mcast |= o == "mcast"
+            answer |= o == "answer"
+        if mcast:
+            st["result_sent"] += 1
+            self._send(out, self.group, addr[1])
+        elif answer:
+            self._send(out, addr[0], addr[1])
+
+    def _ack(self, rank: int, ack: int) -> None:
+        if _serial_after(ack, self.acks[rank]):
+            self.acks[rank] = ack
+
+    def _record(self, r, recs, i, rank: int, flags_first: int) -> str | None:
+        """One CONTRIB record; rewrites it in place (RESULT, STATUS or NOP). Returns "mcast" when
+        it completed a round, "answer" when it answers the sender, None otherwise."""
+        st = self.stats
+        st["records"] += 1
+        bad = self._check(r, rank)
+        if bad:
+            r["type"] = proto.TYPE_NOP
+            st[bad] += 1
+            return None
+        flags = int(r["flags"])
+        if not self.live or int(r["epoch"]) != self.live:
+            st["stale_epoch"] += 1
+            if flags & (proto.FLAG_RETX | proto.FLAG_PULL):
+                self._status(r, 0, "epoch")
+                return "answer"
+            r["type"] = proto.TYPE_NOP
+            return None
+        slot, v = int(r["slot"]), int(r["set"])
         s = self._sets[slot][v]
         acc = self._acc[slot, v]
-        if s.used and s.block == block and s.bitmap & bit:
-            if s.complete:
-                self._send(slot, v, s, addr[0], unicast=True)
-                st["retx_answered"] += 1
-            elif flags & proto.FLAG_RETX:
-                self._send(slot, v, s, addr[0], unicast=True, status=True)
-                st["status_sent"] += 1
-            else:
+        rnd = int(r["round"])
+        bit = 1 << rank
+        same = s.epoch == self.live and s.round == rnd
+        p = recs["payload"][i]
+        if flags & proto.FLAG_PULL:
+            if same and s.complete:
+                p[:] = acc
+                self._result(r, s)
+                st["pull_answered"] += 1
+                return "answer"
+            gone = not same and s.epoch == self.live and _serial_after(s.round, rnd)
+            self._status(r, 0 if gone or not same else s.bitmap, "gone" if gone else "waiting")
+            st["status_sent"] += 1
+            return "answer"
+        if same and s.bitmap & bit:
+            if not flags & proto.FLAG_RETX:
                 st["dup_dropped"] += 1
-            return
-        if not s.used or s.block != block:
-            s.used, s.block, s.bitmap, s.mask, s.flags, s.exp = True, block, 0, mask, op, exp
-            s.count, s.next_nz, s.complete = 0, proto.NEXT_NZ_NONE, False
-        elif s.mask != mask or s.flags != op or s.exp != exp or (cnt and s.count and s.count != cnt):
-            return self._drop("mismatch")
-        first = s.bitmap == 0
-        s.bitmap |= bit
-        self._sets[slot][1 - v].bitmap &= ~bit
-        s.count = max(s.count, cnt)
-        s.next_nz = min(s.next_nz, int(h["next_nz"]))
-        if cnt:
-            payload = np.frombuffer(pkt[proto.HDR_LEN:], dtype="<i4")
-            if first:
-                acc[:] = payload
-            elif op:
-                np.maximum(acc, payload, out=acc)
-            else:
-                acc += payload  # int32 wraps modulo 2^32, like the XDP program
-        elif first:
-            acc[:] = np.iinfo(np.int32).min if op else 0
+                r["type"] = proto.TYPE_NOP
+                return None
+            if s.complete:
+                p[:] = acc
+                self._result(r, s)
+                st["retx_answered"] += 1
+                return "answer"
+            self._status(r, s.bitmap, "waiting")
+            st["status_sent"] += 1
+            return "answer"
+        mask, cnt, op, exp = int(r["mask"]), int(r["count"]), int(r["op"]), int(r["exp"])
+        if not same:
+            if s.epoch == self.live:
+                if not _serial_after(rnd, s.round):
+                    if flags & proto.FLAG_RETX:
+                        self._status(r, 0, "gone")
+                        st["status_sent"] += 1
+                        return "answer"
+                    st["stale_round"] += 1
+                    r["type"] = proto.TYPE_NOP
+                    return None
+                if not all(_serial_after(self.acks[q], s.round) for q in range(self.workers)):
+                    st["early"] += 1
+                    r["type"] = proto.TYPE_NOP
+                    return None
+            s.epoch, s.round, s.bitmap, s.mask, s.count, s.exp, s.op, s.complete = (
+                self.live, rnd, bit, mask, cnt, exp, op, False)
+            acc[:] = p
+        else:
+            if s.mask != mask or s.op != op or s.exp != exp or s.count != cnt:
+                st["mismatch"] += 1
+                r["type"] = proto.TYPE_NOP
+                return None
+            s.bitmap |= bit
+            self._combine(op, acc, p)
         st["aggregated"] += 1
-        if s.bitmap == s.mask:
-            s.complete = True
-            st["completed"] += 1
-            self._send(slot, v, s, self.group, unicast=False)
-            st["result_sent"] += 1
+        if s.bitmap != s.mask:
+            r["type"] = proto.TYPE_NOP
+            return None
+        s.complete = True
+        st["completed"] += 1
+        p[:] = acc
+        self._result(r, s)
+        return "mcast"
 
-    def _send(self, slot: int, v: int, s: _Set, dst: str, unicast: bool, status: bool = False) -> None:
-        hdr = np.zeros(1, dtype=self._hdt)
-        hdr["magic"], hdr["version"] = proto.MAGIC, proto.VERSION
-        hdr["type"] = proto.TYPE_STATUS if status else proto.TYPE_RESULT
-        hdr["flags"], hdr["set"], hdr["rank"], hdr["job"] = s.flags, v, proto.RANK_AGG, self.job
-        hdr["slot"], hdr["block"], hdr["mask"], hdr["next_nz"] = slot, s.block, s.bitmap, s.next_nz
-        hdr["count"], hdr["exp"] = (0 if status else s.count), s.exp
-        data = hdr.tobytes() if status else hdr.tobytes() + self._acc[slot, v].astype("<i4").tobytes()
+    def _check(self, r, rank: int) -> str | None:
+        if int(r["magic"]) != proto.MAGIC:
+            return "bad_magic"
+        if int(r["version"]) != proto.VERSION:
+            return "bad_version"
+        if int(r["type"]) != proto.TYPE_CONTRIB:
+            return "bad_type"
+        flags = int(r["flags"])
+        if flags & ~proto.FLAGS_KNOWN:
+            return "bad_flags"
+        if int(r["job"]) != self.job or int(r["rank"]) != rank:
+            return "bad_mixed"
+        if int(r["slot"]) >= self.slots:
+            return "bad_slot"
+        if int(r["set"]) > 1:
+            return "bad_set"
+        if int(r["op"]) >= proto.OP_COUNT:
+            return "bad_op"
+        mask = int(r["mask"])
+        if not mask or mask & ~self._mask_all:
+            return "bad_mask"
+        cnt = int(r["count"])
+        if flags & proto.FLAG_PULL:
+            return "bad_len" if cnt else None
+        if not mask & (1 << rank):
+            return "bad_mask"
+        if not 1 <= cnt <= self.elems:
+            return "bad_len"
+        return None
+
+    @staticmethod
+    def _combine(op: int, acc: np.ndarray, p: np.ndarray) -> None:
+        if op == proto.OP_SUM:
+            acc += p  # int32 wraps modulo 2^32, like the XDP program
+        elif op == proto.OP_SUM64:
+            w = acc.view("<u8")
+            w += p.view("<u8")
+        elif op == proto.OP_MAX:
+            np.maximum(acc, p, out=acc)
+        else:
+            np.bitwise_or(acc, p, out=acc)
+
+    @staticmethod
+    def _result(r, s: _Set) -> None:
+        r["type"], r["flags"], r["rank"], r["mask"], r["ack"] = proto.TYPE_RESULT, 0, proto.RANK_AGG, s.bitmap, 0
+        r["count"], r["exp"], r["op"], r["detail"] = s.count, s.exp, s.op, 0
+
+    @staticmethod
+    def _status(r, bitmap: int, detail: str) -> None:
+        r["type"], r["flags"], r["mask"], r["ack"], r["count"] = proto.TYPE_STATUS, 0, bitmap, 0, 0
+        r["detail"] = proto.DETAIL[detail]
+
+    # --- JOIN (mirrors join_epoch) ------------------------------------------------------------
+    def _join(self, out: bytearray, h, rank: int, addr) -> None:
+        st = self.stats
+        rec = np.frombuffer(out, dtype=self._hdt, count=1)
+        table = np.frombuffer(out, dtype="<u8", count=proto.MAX_WORKERS, offset=proto.HDR_LEN)
+        if int(h["mask"]) != self._mask_all:
+            self._status(rec[0], self._mask_all, "world")
+            st["status_sent"] += 1
+            return self._send(out, addr[0], addr[1])
+        nonce = (int(h["ack"]) << 32) | int(h["round"])
+        cur = self.nonces[rank]
+        bit = 1 << rank
+        if self.live and nonce == cur:
+            st["join"] += 1
+            self._joined(rec[0], table)
+            return self._send(out, addr[0], addr[1])
+        if cur and nonce < cur:
+            st["stale_join"] += 1
+            if int(h["flags"]) & proto.FLAG_RETX:
+                self._status(rec[0], 0, "superseded")
+                self._send(out, addr[0], addr[1])
+            return
+        st["join"] += 1
+        if not self.live and self.joined & bit and nonce == cur:
+            if int(h["flags"]) & proto.FLAG_RETX:
+                self._status(rec[0], self.joined, "joining")
+                self._send(out, addr[0], addr[1])
+            return
+        if self.live:
+            self.live, self.joined = 0, 0
+        self.nonces[rank] = nonce
+        self.joined |= bit
+        if self.joined == self._mask_all:
+            self.last_epoch = (self.last_epoch + 1) & 0xFFFFFFFF or 1
+            self.live = self.last_epoch
+            self.acks = [0] * proto.MAX_WORKERS
+            st["epoch_formed"] += 1
+            st["result_sent"] += 1
+            self._joined(rec[0], table)
+            self._send(out, self.group, addr[1])
+
+    def _joined(self, r, table: np.ndarray) -> None:
+        r["type"], r["flags"], r["epoch"], r["mask"], r["detail"] = (
+            proto.TYPE_JOINED, 0, self.live, self.joined, 0)
+        table[:] = self.nonces
+
+    def _send(self, data: bytes | bytearray, dst: str, port: int) -> None:
         try:
-            self._t.sock.sendto(data, (dst, self.port))
-        except (BlockingIOError, OSError):
+            if len(data) > self._rsize and len(data) % self._rsize == 0:
+                self._t.send_batch(data, self._rsize, (dst, port))
+            else:
+                self._t.sock.sendto(data, (dst, port))
+        except OSError:
             self.stats["tx_failed"] += 1

@@ -1,23 +1,27 @@
 """The worker library: one :class:`Communicator` per rank; ``allreduce(array)`` returns the
 elementwise sum over all ranks, through the XDP aggregator or the user-space one (same protocol).
 
+Before its first collective a communicator JOINs the job: the aggregator hands out a new epoch
+once every rank of the job has joined with a fresh nonce, and every record carries that epoch,
+so no round of this run can ever be taken for a round of an earlier run (or of a crashed
+worker's), and a run that another run's JOIN has ended fails naming the cause.
+
 One call:
 1. (floats, or sparse mode) a metadata round: per block, each rank's magnitude exponent (or
    ZERO_EXP for an all-zero block), max-reduced by the aggregator (OP_MAX). It yields the
    quantization exponent of every block and which blocks are zero on every rank.
 2. the data round: blocks zero on every rank are skipped (no packet from anyone, no aggregator
-   work). Every other block is one round on a slot; a rank whose block is zero sends a 32-byte
-   null contribution instead of the payload (it keeps its claim to the result, so a lost result is
-   recovered by retransmission like any other).
-Rounds use slot (cursor + i) mod S with the set alternating per use of each slot over the job's
-whole life; a slot is reused only after its previous result arrived (window = S rounds); lost
-packets are retransmitted after a timeout with exponential backoff; after ``timeout`` seconds
-without progress the call fails naming the ranks the aggregator has not heard from.
-Block ids on the wire are a running counter over the job (never repeating), so a late duplicate of
-an earlier call's result can never be taken for a current one.
+   work). Every other block is one round on a slot, with every rank contributing.
+Rounds are numbered over the epoch; round i uses slot i mod S, set (i // S) mod 2; a slot is reused
+only after its previous result arrived (window <= S rounds); lost packets are retransmitted after a
+timeout with exponential backoff; after ``timeout`` seconds without progress the call fails naming
+the ranks the aggregator has not heard from.
 """
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +29,7 @@ import numpy as np
 
 from . import codec, proto, quant
 from .errors import InputError, ProtocolError, TimeoutError_
-from .transport import UdpTransport
+from .transport import SlotReceiver, UdpTransport
 
 DEFAULT_WINDOW = 512
 
@@ -33,7 +37,6 @@ DEFAULT_WINDOW = 512
 @dataclass
 class CallStats:
     packets_sent: int = 0
-    nulls_sent: int = 0
     retransmissions: int = 0
     results: int = 0
     duplicates: int = 0
@@ -78,13 +81,12 @@ class Communicator:
         if self.window > self.slots:
             self.window = self.slots
         self._t = UdpTransport(self.port, self.group, self.local_ip)
-        self._uses = np.zeros(self.slots, dtype=np.int64)  # per-slot use counter -> set bit
-        self._cursor = 0       # next slot
-        self._block_id = 0     # running block id over the job
+        self._round = 0        # next round of the epoch
+        self._epoch = 0        # 0 until joined
         self._all = (1 << self.world) - 1
         self._dsize = codec.datagram_size(self.elems)
-        from .transport import SlotReceiver
-
+        # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
+        self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         self._rx = SlotReceiver(self._t.sock, self._dsize, max(1024, 2 * self.window))
         self._srtt = self.rto
 
@@ -114,6 +116,7 @@ class Communicator:
         n = x.size
         if n == 0:
             return out
+        self.join()
         E = self.elems
         nb = -(-n // E)
         flat = x.reshape(-1)
@@ -123,12 +126,11 @@ class Communicator:
         counts[-1] = n - (nb - 1) * E
         is_float = x.dtype.kind == "f"
 
-        nonzero = np.any(blocks != 0, axis=1)
         if is_float or self.sparse:
             if is_float:
                 local = quant.block_exponents(blocks)
             else:
-                local = np.where(nonzero, 0, quant.ZERO_EXP).astype(np.int32)
+                local = np.where(np.any(blocks != 0, axis=1), 0, quant.ZERO_EXP).astype(np.int32)
             glob = self._meta_round(local)
             active = glob != quant.ZERO_EXP if self.sparse else np.ones(nb, dtype=bool)
         else:
@@ -136,7 +138,6 @@ class Communicator:
             active = np.ones(nb, dtype=bool)
         idx = np.flatnonzero(active)
         self.last.blocks_skipped = int(nb - len(idx))
-        res = np.zeros((nb, E), dtype=np.int32)
         if len(idx):
             if is_float:
                 exps = glob[idx]
@@ -147,16 +148,14 @@ class Communicator:
             else:
                 q = blocks[idx]
                 wire_exp = np.zeros(len(idx), dtype=np.int16)
-            has = nonzero[idx] if self.sparse else np.ones(len(idx), dtype=bool)
-            sums = self._stream(q, counts[idx], has, wire_exp, op_max=False)
+            sums = self._stream(q, counts[idx], wire_exp, proto.OP_SUM)
             if is_float:
-                res_f = quant.dequantize(sums, shifts, x.dtype)
                 outb = np.zeros((nb, E), dtype=x.dtype)
-                outb[idx] = res_f
-                out.reshape(-1)[:] = outb.reshape(-1)[:n]
+                outb[idx] = quant.dequantize(sums, shifts, x.dtype)
             else:
-                res[idx] = sums
-                out.reshape(-1)[:] = res.reshape(-1)[:n]
+                outb = np.zeros((nb, E), dtype=np.int32)
+                outb[idx] = sums
+            out.reshape(-1)[:] = outb.reshape(-1)[:n]
         else:
             out[...] = 0
         self.last.seconds = time.perf_counter() - t0
@@ -167,6 +166,74 @@ class Communicator:
         """Returns once every rank has called it (a one-element allreduce)."""
         self.allreduce(np.zeros(1, dtype=np.int32))
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of this run (0 before :meth:`join`)."""
+        return self._epoch
+
+    def join(self) -> int:
+        """Join the job: returns once every rank of it has joined this run (the aggregator then
+        hands out the run's epoch). Called by the first collective; calling it again is free."""
+        if self._epoch:
+            return self._epoch
+        rec = codec.encode_blocks(
+            np.zeros((1, proto.JOIN_PAYLOAD // 4), np.int32), rank=self.rank, job=self.job, slot=0, set=0,
+            round=self.nonce & 0xFFFFFFFF, ack=self.nonce >> 32, mask=self._all, count=0, type=proto.TYPE_JOIN)
+        dest = (self.aggregator, self.port)
+        buf = bytearray(1 << 16)
+        hdr_dt = codec.header_dtype()
+        deadline = time.monotonic() + self.timeout
+        rto, joined = self.rto, -1
+        while True:
+            self._t.sock.sendto(rec, dest)
+            # from the second send on, ask for the forming epoch's state (who has joined)
+            rec[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
+            until = min(deadline, time.monotonic() + rto)
+            while time.monotonic() < until:
+                if not self._t.wait(until - time.monotonic()):
+                    continue
+                while True:
+                    n, _seg, _addr = self._t.recv_into(buf)
+                    if not n:
+                        break
+                    if n < proto.HDR_LEN:
+                        continue
+                    h = np.frombuffer(buf, dtype=hdr_dt, count=1)[0]
+                    if int(h["magic"]) != proto.MAGIC or int(h["job"]) != self.job:
+                        continue
+                    t = int(h["type"])
+                    if t == proto.TYPE_JOINED and n >= proto.HDR_LEN + proto.JOIN_PAYLOAD:
+                        table = np.frombuffer(buf, dtype="<u8", count=proto.MAX_WORKERS, offset=proto.HDR_LEN)
+                        if int(table[self.rank]) == self.nonce and int(h["epoch"]):
+                            self._epoch = int(h["epoch"])
+                            self._round = 0
+                            return self._epoch
+                    elif t == proto.TYPE_STATUS and int(h["rank"]) == self.rank:
+                        detail = int(h["detail"])
+                        if detail == proto.DETAIL["world"]:
+                            n_agg = bin(int(h["mask"])).count("1")
+                            raise InputError(
+                                f"rank {self.rank}: job {self.job} on the aggregator has {n_agg} ranks, but this "
+                                f"worker was started with world {self.world}")
+                        if detail == proto.DETAIL["superseded"]:
+                            raise ProtocolError(
+                                f"rank {self.rank}: a newer process has joined job {self.job} as rank {self.rank}; "
+                                f"this one gives way")
+                        if detail == proto.DETAIL["joining"]:
+                            joined = int(h["mask"])
+            if time.monotonic() >= deadline:
+                where = f"aggregator {self.aggregator}:{self.port}"
+                if joined >= 0:
+                    missing = [r for r in range(self.world) if not joined >> r & 1]
+                    raise TimeoutError_(
+                        f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s; the {where} "
+                        f"has heard from rank(s) {', '.join(str(r) for r in range(self.world) if joined >> r & 1)}"
+                        f": no JOIN from rank(s) {', '.join(map(str, missing))}")
+                raise TimeoutError_(
+                    f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s: the {where} did "
+                    f"not answer; is the aggregator loaded with job {self.job} for {self.world} workers?")
+            rto = min(rto * 2, self.max_rto)
+
     # --- rounds -----------------------------------------------------------------------------
     def _meta_round(self, local: np.ndarray) -> np.ndarray:
         E = self.elems
@@ -176,37 +243,25 @@ class Communicator:
         counts = np.full(k, E, dtype=np.int64)
         counts[-1] = len(local) - (k - 1) * E
         self.last.meta_rounds += k
-        res = self._stream(vals, counts, np.ones(k, dtype=bool), np.zeros(k, dtype=np.int16),
-                           op_max=True)
+        res = self._stream(vals, counts, np.zeros(k, dtype=np.int16), proto.OP_MAX)
         return res.reshape(-1)[:len(local)].copy()
 
-    def _stream(self, q: np.ndarray, counts: np.ndarray, has_data: np.ndarray, exps: np.ndarray,
-                op_max: bool) -> np.ndarray:
-        """Run K rounds (one per row of q) through the slot pool; return the (K, E) int32 sums."""
+    def _stream(self, q: np.ndarray, counts: np.ndarray, exps: np.ndarray, op: int) -> np.ndarray:
+        """Run K rounds (one per row of q) through the slot pool; return the (K, E) int32 results."""
         K, E, S = len(q), self.elems, self.slots
-        i = np.arange(K)
-        slots = (self._cursor + i) % S
-        sets = (self._uses[slots] + i // S) % 2
-        self._uses += np.bincount(slots, minlength=S)
-        self._cursor = (self._cursor + K) % S
-        base = self._block_id
-        ids = (base + i) & 0xFFFFFFFF
-        self._block_id = (base + K) & 0xFFFFFFFF
-        flags = proto.FLAG_OP_MAX if op_max else 0
-        # id of this rank's next round that carries data (OmniReduce's pointer; the aggregator
-        # returns the minimum over the contributors)
-        data_idx = np.flatnonzero(has_data)
-        next_nz = np.append((base + data_idx) & 0xFFFFFFFF, proto.NEXT_NZ_NONE)[
-            np.searchsorted(data_idx, i, side="right")]
+        base = self._round  # rounds count over the epoch, unwrapped: slot and set follow them
+        rounds = base + np.arange(K, dtype=np.int64)
+        slots = rounds % S
+        sets = (rounds // S) % 2
+        rounds &= 0xFFFFFFFF  # on the wire, serial numbers
+        self._round = base + K
 
-        # One buffer of K equal-sized datagrams: a rank whose block is all zero sends a null
-        # (count 0, zero padding the aggregator does not add; see docs/protocol.md).
         buf = bytearray(K * self._dsize)
-        codec.encode_blocks(q, rank=self.rank, job=self.job, mask=self._all, flags=flags, slot=slots,
-                            set=sets, block=ids, next_nz=next_nz, count=np.where(has_data, counts, 0),
-                            exp=exps, out=buf)
-        rec_flags = np.frombuffer(buf, dtype=codec.datagram_dtype(E))["flags"]
-        nulls_before = np.concatenate([[0], np.cumsum(~has_data)])
+        codec.encode_blocks(q, rank=self.rank, job=self.job, epoch=self._epoch, mask=self._all, op=op,
+                            slot=slots, set=sets, round=rounds, count=counts, exp=exps, ack=base & 0xFFFFFFFF,
+                            out=buf)
+        rec = np.frombuffer(buf, dtype=codec.datagram_dtype(E))
+        rec_flags, rec_ack = rec["flags"], rec["ack"]
 
         out = np.zeros((K, E), dtype=np.int32)
         done = np.zeros(K, dtype=bool)
@@ -226,9 +281,9 @@ class Communicator:
                 return
             if retx:
                 rec_flags[a:b] |= proto.FLAG_RETX
+            rec_ack[a:b] = (base + head) & 0xFFFFFFFF  # this rank's head: its acknowledgement
             self._t.send_batch(view[a * self._dsize:b * self._dsize], self._dsize, dest)
             st.packets_sent += b - a
-            st.nulls_sent += int(nulls_before[b] - nulls_before[a])
 
         def send_rounds(items: np.ndarray) -> None:
             """Retransmit an arbitrary set of rounds, grouped in contiguous runs."""
@@ -303,24 +358,25 @@ class Communicator:
         full = lens == D
         if full.all():
             dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
-            return n, self._take_results(dec, base, K, slots, sets, out, done)
+            return n, self._take_results(dec, base, K, slots, sets, out, done, status_bits)
         for j in np.flatnonzero(~full):
-            if lens[j] == H:
-                self._take_status(rx.view[j * D:j * D + H], base, K, status_bits, hdr_dt)
-            else:
-                self.last.duplicates += 1  # a datagram of a size we never use: not ours
+            self.last.duplicates += 1  # a datagram of a size we never use: not ours
         if full.any():
             dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
             keep = np.flatnonzero(full)
             dec = codec.Decoded({k: v[keep] for k, v in dec.fields.items()}, dec.payload[keep])
-            return n, self._take_results(dec, base, K, slots, sets, out, done)
+            return n, self._take_results(dec, base, K, slots, sets, out, done, status_bits)
         return n, none
 
-    def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done) -> np.ndarray:
+    def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done,
+                      status_bits=None) -> np.ndarray:
         f = dec.fields
-        idx = (f["block"].astype(np.int64) - base) & 0xFFFFFFFF
-        ok = ((f["magic"] == proto.MAGIC) & (f["type"] == proto.TYPE_RESULT) & (f["job"] == self.job)
-              & (idx < K))
+        idx = (f["round"].astype(np.int64) - base) & 0xFFFFFFFF
+        mine = (f["magic"] == proto.MAGIC) & (f["job"] == self.job) & (idx < K)
+        status = mine & (f["type"] == proto.TYPE_STATUS) & (f["rank"] == self.rank)
+        if status.any():
+            self._take_status(f, idx, status, status_bits)
+        ok = mine & (f["type"] == proto.TYPE_RESULT) & (f["epoch"] == self._epoch)
         idx_ok = np.where(ok, idx, 0)
         ok &= (slots[idx_ok] == f["slot"]) & (sets[idx_ok] == f["set"])
         fresh = ok & ~done[idx_ok]
@@ -333,13 +389,19 @@ class Communicator:
         self.last.duplicates += int(len(idx) - len(sel))
         return sel
 
-    def _take_status(self, buf: memoryview, base: int, K: int, status_bits, hdr_dt) -> None:
-        h = np.frombuffer(buf[:proto.HDR_LEN], dtype=hdr_dt)[0]
-        if int(h["magic"]) != proto.MAGIC or int(h["type"]) != proto.TYPE_STATUS:
-            return
-        i = (int(h["block"]) - base) & 0xFFFFFFFF
-        if i < K:
-            status_bits[i] = int(h["mask"])
+    def _take_status(self, f: dict, idx: np.ndarray, which: np.ndarray, status_bits) -> None:
+        """STATUS records addressed to this rank: who has contributed to a waiting round, or why
+        the aggregator cannot answer at all."""
+        details = f["detail"][which]
+        epochs = f["epoch"][which]
+        if (details == proto.DETAIL["epoch"]).any():
+            e = int(epochs[details == proto.DETAIL["epoch"]][0])
+            raise ProtocolError(
+                f"rank {self.rank}: the aggregator no longer runs epoch {e} of job {self.job}: another run "
+                f"of the job has started (a rank joined again, e.g. a restarted worker) or the aggregator was "
+                f"reloaded; this run's results are gone")
+        wait = details == proto.DETAIL["waiting"]
+        status_bits[idx[which][wait]] = f["mask"][which][wait]
 
     def _fail(self, done, sent, status_bits) -> None:
         pending = np.flatnonzero(~done[:sent])

@@ -22,10 +22,13 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
     agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
                               worker_ips=[gen.worker_ip(r) for r in range(workers)])
     try:
+        fd = agg.prog.fd
+        for f in gen.join_frames(workers):
+            bpf.test_run(fd, f)
+        epoch = agg.job_state(agg.spec.job)["epoch"]
         arrays = gen.sample_arrays(workers, rounds * elems, seed=1, elems=elems)
-        frames = gen.contributions(arrays, slots=slots, elems=elems)
+        frames = gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch)
         by_pos: dict[str, list[int]] = {"first": [], "add": [], "complete": []}
-        fd = agg.fn.fd
         for i, f in enumerate(frames):
             pos = i % workers
             r = bpf.test_run(fd, f)
@@ -35,7 +38,7 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
         out["per_packet"] = float(np.mean(by_pos["first"] + by_pos["add"] + by_pos["complete"]))
         # paths measured with BPF_PROG_TEST_RUN's own repeat loop
         out["duplicate"] = bpf.test_run(fd, frames[0], repeat=100000).duration_ns
-        retx = gen.contributions(arrays, slots=slots, elems=elems, retx=True)[workers - 1]
+        retx = gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch, retx=True)[workers - 1]
         out["retx_answer"] = bpf.test_run(fd, retx, repeat=100000).duration_ns
         out["pass"] = bpf.test_run(fd, gen.foreign()[1][1], repeat=100000).duration_ns
         return out

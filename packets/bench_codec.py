@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     k = a.packets
     blocks = rng.integers(-(2**31), 2**31, size=(k, a.elems), dtype=np.int32)
     fields = dict(
-        rank=3, job=7, slot=np.arange(k) % 512, set=(np.arange(k) // 512) % 2, block=np.arange(k),
-        mask=0xF, next_nz=np.arange(1, k + 1), exp=-12,
+        rank=3, job=7, epoch=99, slot=np.arange(k) % 512, set=(np.arange(k) // 512) % 2, round=np.arange(k),
+        mask=0xF, ack=0, exp=-12,
     )
     out = bytearray(k * datagram_size(a.elems))
 

@@ -1,6 +1,7 @@
 """Deterministic packet generators: contributions of N workers, the results the aggregator must
-send, malformed packets of every kind (with the counter that must count them) and foreign traffic
-that must pass untouched.
+send, the epoch handshake (JOIN / JOINED), pulls and acks, batches of records in one frame,
+malformed packets of every kind (with the counter that must count them) and foreign traffic that
+must pass untouched.
 
 Same inputs, same bytes: no randomness (except :func:`sample_arrays`, seeded), no clock, and every
 address is explicit (scapy is never asked to resolve a MAC or a route). Frames are returned as
@@ -21,7 +22,7 @@ from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Packet, Raw
 
 from nicoffload import proto
-from nicoffload.codec import NEXT_NZ_NONE, datagram_size, encode_blocks, encode_nulls
+from nicoffload.codec import datagram_size, encode_blocks
 from nicoffload.errors import InputError
 
 from . import layers  # noqa: F401 - registers the AllReduce layer for Ether(frame) dissection
@@ -34,6 +35,8 @@ AGG_MAC = "02:00:00:00:00:64"
 GROUP_IP = "239.77.0.1"
 #: an address that belongs to no rank (for 'bad_src')
 STRANGER_IP = "10.0.0.200"
+#: the epoch the test helpers form first (any non-zero value works; tests read the real one)
+PORT = proto.DEFAULT_PORT
 
 
 def worker_ip(rank: int) -> str:
@@ -61,8 +64,8 @@ def frame(
     dst_mac: str,
     src_ip: str,
     dst_ip: str,
-    sport: int = proto.DEFAULT_PORT,
-    dport: int = proto.DEFAULT_PORT,
+    sport: int = PORT,
+    dport: int = PORT,
 ) -> bytes:
     """Wrap a datagram in Ethernet / IPv4 (no options, id 0, ttl 64) / UDP, checksums computed."""
     pkt = (
@@ -81,30 +84,36 @@ def result_frame(
     dst_mac: str | None = None,
     agg_ip: str = AGG_IP,
     agg_mac: str = AGG_MAC,
-    port: int = proto.DEFAULT_PORT,
+    port: int = PORT,
+    dport: int | None = None,
+    checksum: int = 0,
 ) -> bytes:
-    """A RESULT or STATUS datagram framed the way the XDP aggregator sends it: from the
-    aggregator, IPv4 id 0, DF, ttl 64, UDP checksum 0, port to port. ``dst_mac`` defaults to the
-    multicast MAC of ``dst_ip`` (so the defaults give the multicast result of a round)."""
+    """A datagram framed the way the XDP aggregator sends it: from the aggregator, IPv4 id 0, DF,
+    ttl 64, from ``port`` to ``dport`` (the sender's port; default the same), UDP checksum
+    ``checksum`` (0 for a single record). ``dst_mac`` defaults to the multicast MAC of
+    ``dst_ip`` (so the defaults give the multicast result of a round)."""
     pkt = (
         Ether(src=agg_mac, dst=dst_mac or multicast_mac(dst_ip))
         / IP(src=agg_ip, dst=dst_ip, id=0, ttl=64, flags="DF")
-        / UDP(sport=port, dport=port, chksum=0)
+        / UDP(sport=port, dport=port if dport is None else dport, chksum=checksum)
         / Raw(udp_payload)
     )
     return bytes(pkt)
 
 
-def slot_schedule(nblocks: int, slots: int, first_use: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """SwitchML slot schedule: block i -> slot i % slots, set (first_use + i // slots) % 2.
+def unicast_frame(udp_payload: bytes, rank: int, **kw) -> bytes:
+    """An answer of the aggregator to ``rank`` (default addressing)."""
+    return result_frame(udp_payload, dst_ip=kw.pop("dst_ip", worker_ip(rank)),
+                        dst_mac=kw.pop("dst_mac", worker_mac(rank)), **kw)
 
-    ``first_use`` is how many times each slot was used before this tensor (every slot the same
-    number of times, as when the previous tensors filled whole rows of the pool).
-    """
+
+def slot_schedule(rounds: int, slots: int, first_round: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """SwitchML's schedule of the worker: round i -> slot i % slots, set (i // slots) % 2 (rounds
+    count over the epoch, so a tensor that starts at ``first_round`` continues the pattern)."""
     if slots <= 0:
         raise InputError(f"slots must be positive, got {slots}")
-    i = np.arange(nblocks, dtype=np.int64)
-    return (i % slots).astype(np.uint32), ((first_use + i // slots) % 2).astype(np.uint8)
+    i = np.arange(first_round, first_round + rounds, dtype=np.int64)
+    return (i % slots).astype(np.uint32), ((i // slots) % 2).astype(np.uint8)
 
 
 def split_blocks(array: np.ndarray, elems: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,14 +126,6 @@ def split_blocks(array: np.ndarray, elems: int) -> tuple[np.ndarray, np.ndarray]
     if nblocks and a.size % elems:
         counts[-1] = a.size % elems
     return blocks, counts
-
-
-def next_nonzero(blocks: np.ndarray) -> np.ndarray:
-    """For each block i, the index of the next block after i with a non-zero element (or NONE)."""
-    nz = np.flatnonzero(np.any(blocks != 0, axis=1))
-    pos = np.searchsorted(nz, np.arange(blocks.shape[0]), side="right")
-    padded = np.append(nz, NEXT_NZ_NONE).astype(np.uint32)
-    return padded[pos]
 
 
 def _split(buf, size: int) -> list[bytes]:
@@ -144,147 +145,208 @@ def _as_int32(a, what: str) -> np.ndarray:
 
 
 class _Plan(NamedTuple):
-    ranks: list[int]
-    mask: int
+    workers: int
     blocks: dict[int, np.ndarray]  # rank -> (B, elems)
-    ids: np.ndarray  # (B,) block ids on the wire
     counts: np.ndarray  # (B,)
+    rounds: np.ndarray  # (B,) round numbers on the wire
     slot: np.ndarray
     set: np.ndarray
-    nonnull: dict[int, np.ndarray]  # rank -> (B,) bool: sends a payload (False: null contribution)
-    next_nz: dict[int, np.ndarray]  # rank -> (B,) next non-zero block id, or NONE
+    masks: np.ndarray  # (B,) contributors of each round
 
 
-def _plan(arrays, slots, elems, mask, first_use, first_block, sparse) -> _Plan:
+def _plan(arrays, slots, elems, masks, first_round) -> _Plan:
     workers = len(arrays)
     if not 1 <= workers <= proto.MAX_WORKERS:
         raise InputError(f"need 1..{proto.MAX_WORKERS} workers, got {workers}")
     if not 1 <= elems <= 0xFFFF:
         raise InputError(f"elems must be in 1..65535, got {elems}")
     full = (1 << workers) - 1
-    mask = full if mask is None else int(mask)
-    if mask == 0 or mask & ~full:
-        raise InputError(f"mask {mask:#x} must be a non-empty subset of the {workers} ranks ({full:#x})")
-    ranks = [r for r in range(workers) if mask >> r & 1]
-    split = {r: split_blocks(arrays[r], elems) for r in ranks}
-    sizes = {int(np.asarray(arrays[r]).size) for r in ranks}
+    present = [r for r in range(workers) if arrays[r] is not None]
+    if not present:
+        raise InputError("no rank has an array")
+    split = {r: split_blocks(arrays[r], elems) for r in present}
+    sizes = {int(np.asarray(arrays[r]).size) for r in present}
     if len(sizes) != 1:
-        raise InputError(f"the contributing ranks' arrays differ in length: {sorted(sizes)}")
-    counts = split[ranks[0]][1]
-    slot, set_ = slot_schedule(counts.size, slots, first_use)
-    blocks = {r: split[r][0] for r in ranks}
-    nonnull = {
-        r: (np.any(blocks[r] != 0, axis=1) if sparse else np.ones(counts.size, bool)) for r in ranks
-    }
-    ids = np.arange(counts.size, dtype=np.int64) + first_block
-    if counts.size and (first_block < 0 or ids[-1] >= NEXT_NZ_NONE):
-        raise InputError(f"block ids {first_block}..{int(ids[-1])} do not fit below {NEXT_NZ_NONE:#x}")
-
-    def next_ids(r: int) -> np.ndarray:
-        nxt = next_nonzero(blocks[r]).astype(np.int64)
-        return np.where(nxt == NEXT_NZ_NONE, NEXT_NZ_NONE, nxt + first_block)
-
-    return _Plan(ranks, mask, blocks, ids, counts, slot, set_, nonnull, {r: next_ids(r) for r in ranks})
+        raise InputError(f"the ranks' arrays differ in length: {sorted(sizes)}")
+    counts = split[present[0]][1]
+    nb = counts.size
+    if masks is None:
+        masks = np.full(nb, full, dtype=np.int64)
+    else:
+        masks = np.asarray(masks, dtype=np.int64)
+        if masks.ndim > 1 or (masks.ndim == 1 and masks.size != nb):
+            raise InputError(f"masks must be one mask or one per round ({nb}), got shape {masks.shape}")
+        masks = np.broadcast_to(masks, (nb,)).copy()
+    if nb and (masks.min() <= 0 or (masks & ~full).any()):
+        raise InputError(f"every round's mask must be a non-empty subset of the {workers} ranks ({full:#x})")
+    for r in range(workers):
+        if (masks >> r & 1).any() and r not in split:
+            raise InputError(f"rank {r} contributes to some round but has no array")
+    slot, set_ = slot_schedule(nb, slots, first_round)
+    rounds = (np.arange(nb, dtype=np.int64) + first_round) & 0xFFFFFFFF
+    return _Plan(workers, {r: split[r][0] for r in split}, counts, rounds, slot, set_, masks)
 
 
 def contributions(
     arrays: Sequence[np.ndarray | None],
     *,
     slots: int,
+    epoch: int,
     elems: int = proto.DEFAULT_ELEMS,
     job: int = 1,
-    port: int = proto.DEFAULT_PORT,
+    port: int = PORT,
     src_ips: Sequence[str] | None = None,
     src_macs: Sequence[str] | None = None,
     dst_ip: str = AGG_IP,
     dst_mac: str = AGG_MAC,
-    mask: int | None = None,
-    first_use: int = 0,
-    first_block: int = 0,
+    masks=None,
+    first_round: int = 0,
     exp: int = 0,
-    op_max: bool = False,
+    op: int = proto.OP_SUM,
     retx: bool = False,
-    sparse: bool = False,
+    ack: int = 0,
     as_scapy: bool = False,
 ) -> list[bytes] | list[Packet]:
-    """Contribution frames of every rank in ``mask`` for every block of the tensor.
+    """Contribution frames (one record each) of every rank for every block of the tensor.
 
-    ``arrays[r]`` is rank r's int32 tensor (all the same length; entries of ranks outside ``mask``
-    may be None). ``mask=None`` is dense mode: every rank contributes to every round. Blocks hold
-    ``elems`` elements; the tail block has ``count`` < elems and a zero-padded payload. Block i goes
-    to slot i % slots, set (first_use + i // slots) % 2, with block id ``first_block + i`` on the
-    wire. ``next_nz`` is the id of the sender's next non-zero block. ``sparse=True``: a rank whose
-    block is all zero sends a null contribution (count 0, no payload) instead. Every contribution
-    carries ``exp`` and the op (``op_max``); ``retx`` sets the RETX flag. Order: block-major (all
-    ranks of block 0 in rank order, then block 1, ...).
+    ``arrays[r]`` is rank r's int32 tensor (all the same length; a rank that contributes to no
+    round may be None). ``masks``: the contributors of each round (scalar or one per block; None:
+    every rank, dense); a rank sends a record for round b only if it is in ``masks[b]``. Blocks
+    hold ``elems`` elements; the tail block has ``count`` < elems and a zero-padded payload.
+    Block i is round ``first_round + i`` on slot (first_round + i) % slots, set
+    ((first_round + i) // slots) % 2, in ``epoch``. Every record carries ``exp``, ``op``, ``ack``;
+    ``retx`` sets the RETX flag. Order: round-major (the contributors of round 0 in rank order,
+    then round 1, ...).
     """
-    plan = _plan(arrays, slots, elems, mask, first_use, first_block, sparse)
-    flags = (proto.FLAG_OP_MAX if op_max else 0) | (proto.FLAG_RETX if retx else 0)
-    nb = plan.counts.size
-    per_rank: dict[int, list[bytes]] = {}
-    for r in plan.ranks:
-        nn = plan.nonnull[r]
-        common = dict(rank=r, job=job, mask=plan.mask, exp=exp, flags=flags, type=proto.TYPE_CONTRIB)
-        full = iter(_split(encode_blocks(
-            plan.blocks[r][nn], slot=plan.slot[nn], set=plan.set[nn], block=plan.ids[nn],
-            next_nz=plan.next_nz[r][nn], count=plan.counts[nn], **common,
-        ), datagram_size(elems)))
-        null = iter(_split(encode_nulls(
-            int((~nn).sum()), slot=plan.slot[~nn], set=plan.set[~nn], block=plan.ids[~nn],
-            next_nz=plan.next_nz[r][~nn], **common,
-        ), datagram_size(0)))
-        per_rank[r] = [next(full) if nn[b] else next(null) for b in range(nb)]
-
-    src_ips = src_ips or [worker_ip(r) for r in range(len(arrays))]
-    src_macs = src_macs or [worker_mac(r) for r in range(len(arrays))]
-    out = [
-        frame(
-            per_rank[r][b], src_mac=src_macs[r], dst_mac=dst_mac, src_ip=src_ips[r], dst_ip=dst_ip,
-            sport=port, dport=port,
-        )
-        for b in range(nb)
-        for r in plan.ranks
-    ]
+    plan = _plan(arrays, slots, elems, masks, first_round)
+    src_ips = src_ips or [worker_ip(r) for r in range(plan.workers)]
+    src_macs = src_macs or [worker_mac(r) for r in range(plan.workers)]
+    flags = proto.FLAG_RETX if retx else 0
+    out = []
+    for b in range(plan.counts.size):
+        for r in range(plan.workers):
+            if not plan.masks[b] >> r & 1:
+                continue
+            rec = encode_blocks(
+                plan.blocks[r][b:b + 1], rank=r, job=job, epoch=epoch, slot=plan.slot[b], set=plan.set[b],
+                round=plan.rounds[b], mask=plan.masks[b], ack=ack, count=plan.counts[b], exp=exp, op=op,
+                flags=flags,
+            )
+            out.append(frame(bytes(rec), src_mac=src_macs[r], dst_mac=dst_mac, src_ip=src_ips[r],
+                             dst_ip=dst_ip, sport=port, dport=port))
     return [Ether(f) for f in out] if as_scapy else out
+
+
+def combine(op: int, payloads: np.ndarray) -> np.ndarray:
+    """What the aggregator computes from the (R, elems) int32 payloads of one round's contributors."""
+    p = np.asarray(payloads, dtype=np.int32)
+    if op in (proto.OP_SUM64, proto.OP_OR) and p.shape[-1] % 2:
+        raise InputError(f"{proto.OPS[op].upper()} works on pairs of int32: elems must be even, not {p.shape[-1]}")
+    if op == proto.OP_SUM:
+        return p.sum(axis=0, dtype=np.int32)  # int32 accumulation wraps modulo 2^32
+    if op == proto.OP_SUM64:
+        words = p.view("<u8")
+        return words.sum(axis=0, dtype=np.uint64).view("<i4")  # wraps modulo 2^64
+    if op == proto.OP_MAX:
+        return p.max(axis=0)
+    if op == proto.OP_OR:
+        return np.bitwise_or.reduce(p, axis=0)
+    raise InputError(f"unknown op {op}")
 
 
 def expected_results(
     arrays: Sequence[np.ndarray | None],
     *,
     slots: int,
+    epoch: int,
     elems: int = proto.DEFAULT_ELEMS,
     job: int = 1,
-    mask: int | None = None,
-    first_use: int = 0,
-    first_block: int = 0,
+    masks=None,
+    first_round: int = 0,
     exp: int = 0,
-    op_max: bool = False,
-    sparse: bool = False,
+    op: int = proto.OP_SUM,
 ) -> list[bytes]:
-    """The RESULT datagrams (UDP payloads) the aggregator sends for :func:`contributions` with the
+    """The RESULT records (UDP payloads) the aggregator sends for :func:`contributions` with the
     same arguments, one per block in block order (frame them with :func:`result_frame`).
 
-    rank AGG, mask = the contributors, next_nz = their minimum, slot/set/block/exp as sent, count =
-    the largest count of the round, flags = the op (OP_MAX or none; never RETX), payload = the
-    element-wise int32 sum wrapping modulo 2^32 (or max) of the contributions that carry data. A
-    result always carries the full payload: for a round in which every contributor was null it is
-    the identity of the op (0 for sum, INT32_MIN for max) and count is 0.
+    rank AGG, mask = the round's contributors, epoch/slot/set/round/exp/op as sent, count as sent,
+    flags, ack and detail 0, payload = :func:`combine` of the contributors' payloads.
     """
-    plan = _plan(arrays, slots, elems, mask, first_use, first_block, sparse)
-    stack = np.stack([plan.blocks[r] for r in plan.ranks])  # (R, B, elems)
-    live = np.stack([plan.nonnull[r] for r in plan.ranks])  # (R, B)
-    if op_max:  # null contributions take no part in the max
-        acc = np.where(live[:, :, None], stack, np.iinfo(np.int32).min).max(axis=0)
-    else:  # null contributions are all zero (sparse mode): they add nothing
-        acc = stack.sum(axis=0, dtype=np.int32)  # int32 accumulation wraps modulo 2^32
-    any_data = live.any(axis=0)
+    plan = _plan(arrays, slots, elems, masks, first_round)
+    acc = np.stack([
+        combine(op, np.stack([plan.blocks[r][b] for r in range(plan.workers) if plan.masks[b] >> r & 1]))
+        for b in range(plan.counts.size)
+    ]) if plan.counts.size else np.zeros((0, elems), np.int32)
     return _split(encode_blocks(
-        acc, rank=proto.RANK_AGG, job=job, mask=plan.mask, exp=exp,
-        flags=proto.FLAG_OP_MAX if op_max else 0, type=proto.TYPE_RESULT,
-        slot=plan.slot, set=plan.set, block=plan.ids,
-        next_nz=np.min(np.stack([plan.next_nz[r] for r in plan.ranks]), axis=0),
-        count=np.where(any_data, plan.counts, 0),
+        acc, rank=proto.RANK_AGG, job=job, epoch=epoch, mask=plan.masks, exp=exp, op=op,
+        type=proto.TYPE_RESULT, slot=plan.slot, set=plan.set, round=plan.rounds, count=plan.counts,
     ), datagram_size(elems))
+
+
+def record(*, rank: int, round: int, slots: int, epoch: int, mask: int, elems: int = proto.DEFAULT_ELEMS,  # noqa: A002
+           job: int = 1, payload=None, count: int | None = None, flags: int = 0, op: int = proto.OP_SUM,
+           exp: int = 0, ack: int = 0, type: int = proto.TYPE_CONTRIB) -> bytes:  # noqa: A002
+    """One record (header + ``elems`` int32) on the worker's schedule for ``round``."""
+    slot, set_ = slot_schedule(1, slots, round)
+    data = np.zeros((1, elems), np.int32) if payload is None else np.asarray(payload, np.int32).reshape(1, elems)
+    return bytes(encode_blocks(data, rank=rank, job=job, epoch=epoch, slot=slot[0], set=set_[0], round=round,
+                               mask=mask, ack=ack, count=elems if count is None else count, flags=flags,
+                               op=op, exp=exp, type=type))
+
+
+def pull(rank: int, round: int, *, slots: int, epoch: int, mask: int, **kw) -> bytes:  # noqa: A002
+    """A PULL record: ``rank`` asks for the result of ``round`` without contributing (full size,
+    payload ignored, count 0)."""
+    return record(rank=rank, round=round, slots=slots, epoch=epoch, mask=mask, count=0,
+                  flags=proto.FLAG_PULL | kw.pop("flags", 0), **kw)
+
+
+def batch(records: Sequence[bytes], rank: int, **kw) -> bytes:
+    """One frame carrying several records back to back (a UDP_SEGMENT send seen whole)."""
+    return frame(b"".join(records), src_mac=kw.pop("src_mac", worker_mac(rank)), dst_mac=kw.pop("dst_mac", AGG_MAC),
+                 src_ip=kw.pop("src_ip", worker_ip(rank)), dst_ip=kw.pop("dst_ip", AGG_IP), **kw)
+
+
+def nonce_of(rank: int, run: int = 1) -> int:
+    """A deterministic 64-bit nonce for ``rank`` in the ``run``-th process start (later runs are
+    larger, as the worker's clock-based nonces are)."""
+    return (run << 40) | (rank + 1)
+
+
+def join_record(rank: int, workers: int, nonce: int, *, job: int = 1, retx: bool = False,
+                mask: int | None = None) -> bytes:
+    """A JOIN: ``rank`` of a ``workers``-rank job asks to join with ``nonce`` (u64)."""
+    hdr = encode_blocks(
+        np.zeros((1, proto.JOIN_PAYLOAD // 4), np.int32), rank=rank, job=job, slot=0, set=0,
+        round=nonce & 0xFFFFFFFF, ack=nonce >> 32, mask=(1 << workers) - 1 if mask is None else mask,
+        count=0, type=proto.TYPE_JOIN, flags=proto.FLAG_RETX if retx else 0,
+    )
+    return bytes(hdr)
+
+
+def join_frames(workers: int, nonces: Sequence[int] | None = None, *, job: int = 1,
+                ranks: Sequence[int] | None = None, retx: bool = False, **kw) -> list[bytes]:
+    """JOIN frames of ``ranks`` (default: every rank) with their nonces (default :func:`nonce_of`)."""
+    nonces = list(nonces) if nonces is not None else [nonce_of(r) for r in range(workers)]
+    return [frame(join_record(r, workers, nonces[r], job=job, retx=retx), src_mac=worker_mac(r), dst_mac=AGG_MAC,
+                  src_ip=worker_ip(r), dst_ip=AGG_IP, **kw) for r in (ranks if ranks is not None else range(workers))]
+
+
+def joined_record(rank: int, workers: int, nonce: int, epoch: int, table: Sequence[int], *, job: int = 1) -> bytes:
+    """The JOINED the aggregator makes of ``rank``'s JOIN: ``epoch`` formed with every rank's nonce."""
+    tab = np.zeros(proto.MAX_WORKERS, "<u8")
+    tab[:len(table)] = table
+    return bytes(encode_blocks(
+        tab.view("<i4").reshape(1, -1), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=nonce & 0xFFFFFFFF,
+        ack=nonce >> 32, mask=(1 << workers) - 1, count=0, type=proto.TYPE_JOINED,
+    ))
+
+
+def ack_frame(rank: int, ack: int, *, epoch: int, job: int = 1, **kw) -> bytes:
+    """A header-only ACK: ``rank`` holds the result of every round below ``ack``."""
+    rec = encode_blocks(np.zeros((1, 0), np.int32), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0,
+                        mask=1 << rank, ack=ack, count=0, type=proto.TYPE_ACK)
+    return frame(bytes(rec), src_mac=worker_mac(rank), dst_mac=AGG_MAC, src_ip=worker_ip(rank), dst_ip=AGG_IP, **kw)
 
 
 def sample_arrays(
@@ -292,7 +354,7 @@ def sample_arrays(
     zero_blocks: float = 0.0, bound: int = 1 << 20,
 ) -> list[np.ndarray]:
     """Seeded int32 tensors for ``workers`` ranks; a fraction ``zero_blocks`` of each rank's blocks
-    is all zero (for sparse mode). Values lie in [-bound, bound)."""
+    is all zero. Values lie in [-bound, bound)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(workers):
@@ -324,21 +386,22 @@ def malformed_cases(
     slots: int = 8,
     elems: int = proto.DEFAULT_ELEMS,
     job: int = 1,
-    port: int = proto.DEFAULT_PORT,
+    epoch: int = 1,
+    port: int = PORT,
     rank: int = 1,
     src_ips: Sequence[str] | None = None,
     src_macs: Sequence[str] | None = None,
     dst_ip: str = AGG_IP,
     dst_mac: str = AGG_MAC,
 ) -> list[MalformedCase]:
-    """Malformed contributions for a job (``workers`` ranks, ``slots`` slots, ``elems`` per packet),
-    each with exactly one fault, sent by ``rank`` from its registered address unless the fault is
-    the address. Every ``bad_*`` counter of the C header is covered (a test checks it).
+    """Malformed contributions for a job (``workers`` ranks, ``slots`` slots, ``elems`` per record)
+    in ``epoch``, each with exactly one fault, sent by ``rank`` from its registered address unless
+    the fault is the address. Every ``bad_*`` counter of the C header is covered (a test checks it).
 
-    Truncation comes two ways: a datagram shorter than the header (its IP and UDP lengths say so;
+    Truncation comes two ways: a datagram shorter than one header (its IP and UDP lengths say so;
     ``cut`` False), and a frame cut in transit, shorter than its IP and UDP lengths (``cut`` True),
     at every header field boundary and inside the payload. A datagram whose lengths are consistent
-    but whose payload is not exactly ``elems`` int32 (or absent when count is 0) is ``bad_len``.
+    but that is not a whole number of records is ``bad_len``; so is a count of 0 or above elems.
     """
     if not 0 <= rank < workers <= proto.MAX_WORKERS:
         raise InputError(f"need 0 <= rank < workers <= {proto.MAX_WORKERS}, got rank={rank} workers={workers}")
@@ -351,8 +414,8 @@ def malformed_cases(
     cases: list[MalformedCase] = []
 
     def hdr(**over) -> AllReduce:
-        f = dict(type=proto.TYPE_CONTRIB, rank=rank, job=job, slot=0, set=0, block=0, mask=full_mask,
-                 next_nz=NEXT_NZ_NONE, exp=0, flags=0)
+        f = dict(type=proto.TYPE_CONTRIB, rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0,
+                 mask=full_mask, ack=0, exp=0, flags=0, op=proto.OP_SUM)
         f.update(over)
         return AllReduce(**f)
 
@@ -391,29 +454,31 @@ def malformed_cases(
         bytes(hdr(magic=((proto.MAGIC & 0xFF) << 8) | proto.MAGIC >> 8) / payload))
     add("bad_magic", "magic zero", bytes(hdr(magic=0) / payload))
     add("bad_version", f"version {proto.VERSION + 1}", bytes(hdr(version=proto.VERSION + 1) / payload))
-    add("bad_version", "version 0", bytes(hdr(version=0) / payload))
+    add("bad_version", "version 1 (the previous wire format)", bytes(hdr(version=1) / payload))
     types = {v: k[len("AR_TYPE_"):] for k, v in proto.C.items() if k.startswith("AR_TYPE_")}
     for t in (0, max(types) + 1, 0xFF):
         add("bad_type", f"unknown type {t}", bytes(hdr(type=t) / payload))
     for t, name in sorted(types.items()):
-        if t != proto.TYPE_CONTRIB:
+        if t not in (proto.TYPE_CONTRIB, proto.TYPE_JOIN, proto.TYPE_ACK):
             add("bad_type", f"a {name} sent to the aggregator", bytes(hdr(type=t) / payload))
     unknown = ~proto.FLAGS_KNOWN & 0xFF
     add("bad_flags", f"lowest unknown flag bit {unknown & -unknown:#x}",
         bytes(hdr(flags=unknown & -unknown) / payload))
     add("bad_flags", "all flag bits", bytes(hdr(flags=0xFF) / payload))
-    add("bad_job", f"job {job + 1} instead of {job}", bytes(hdr(job=(job + 1) & 0xFFFFFFFF) / payload))
+    add("bad_job", f"job {job + 1}, not registered", bytes(hdr(job=(job + 1) & 0xFFFFFFFF) / payload))
     add("bad_rank", f"rank {workers} of {workers} workers", bytes(hdr(rank=workers) / payload))
     add("bad_rank", "rank AGG (0xffff)", bytes(hdr(rank=proto.RANK_AGG) / payload))
     add("bad_slot", f"slot {slots} of {slots}", bytes(hdr(slot=slots) / payload))
     add("bad_slot", "slot 0xffffffff", bytes(hdr(slot=0xFFFFFFFF) / payload))
     add("bad_set", "set 2", bytes(hdr(set=2) / payload))
     add("bad_set", "set 255", bytes(hdr(set=0xFF) / payload))
+    add("bad_op", f"op {proto.OP_COUNT}", bytes(hdr(op=proto.OP_COUNT) / payload))
+    add("bad_op", "op 255", bytes(hdr(op=0xFF) / payload))
     add("bad_len", f"count {elems + 1} > elems {elems}", bytes(hdr(count=elems + 1) / payload))
     add("bad_len", "count 0xffff", bytes(hdr(count=0xFFFF) / payload))
+    add("bad_len", "count 0 without the PULL flag", bytes(hdr(count=0) / payload))
+    add("bad_len", "a PULL with count 1", bytes(hdr(count=1, flags=proto.FLAG_PULL) / payload))
     add("bad_len", f"count {elems} without payload", bytes(hdr(count=elems)))
-    add("bad_len", "count 0 with a payload that is neither empty nor full padding",
-        bytes(hdr(count=0) / payload[:4 * (elems // 2)]))
     add("bad_len", f"count {elems}, payload of one element", bytes(hdr(count=elems) / payload[:4]))
     add("bad_len", f"count {elems}, payload of {elems // 2} elements",
         bytes(hdr(count=elems) / payload[: 4 * (elems // 2)]))
@@ -421,6 +486,8 @@ def malformed_cases(
     add("bad_len", "tail block (count 1) with a payload sized to count, not to elems",
         bytes(hdr(count=1) / payload[:4]))
     add("bad_len", "payload one element longer than elems", bytes(hdr(count=elems) / (payload + payload[:4])))
+    add("bad_len", "a JOIN without its nonce table", bytes(hdr(type=proto.TYPE_JOIN, count=0)))
+    add("bad_len", "an ACK with a payload", bytes(hdr(type=proto.TYPE_ACK, count=0) / payload))
     if workers < 32:
         add("bad_mask", f"mask has rank {workers} (>= workers)", bytes(hdr(mask=full_mask | 1 << workers) / payload))
         add("bad_mask", "mask 0xffffffff", bytes(hdr(mask=0xFFFFFFFF) / payload))
@@ -429,7 +496,11 @@ def malformed_cases(
     other = (rank + 1) % workers
     if other != rank:
         add("bad_src", f"from rank {other}'s address", good, src_ip=src_ips[other])
+        add("bad_mixed", f"a batch whose second record claims rank {other}",
+            good + bytes(hdr(rank=other) / payload))
     add("bad_src", f"from {STRANGER_IP}, no rank's address", good, src_ip=STRANGER_IP)
+    add("bad_mixed", f"a batch whose second record is of job {job + 1}",
+        good + bytes(hdr(job=(job + 1) & 0xFFFFFFFF) / payload))
     return cases
 
 
@@ -440,7 +511,7 @@ def malformed(**kwargs) -> list[tuple[str, bytes]]:
 
 def foreign(
     *,
-    port: int = proto.DEFAULT_PORT,
+    port: int = PORT,
     src_ip: str = "10.0.0.1",
     src_mac: str = "02:00:00:00:00:01",
     dst_ip: str = AGG_IP,
@@ -458,4 +529,5 @@ def foreign(
         ("udp_other_port", bytes(eth / IP(src=src_ip, dst=dst_ip, id=0) / UDP(sport=other, dport=other) / Raw(ar))),
         ("udp_from_port_to_other", bytes(eth / IP(src=src_ip, dst=dst_ip, id=0) / UDP(sport=port, dport=other) / Raw(ar))),
         ("tcp_to_port", bytes(eth / IP(src=src_ip, dst=dst_ip, id=0) / TCP(sport=40000, dport=port, flags="PA", seq=1, ack=1) / Raw(ar))),
+        ("ipv4_fragment_to_port", bytes(eth / IP(src=src_ip, dst=dst_ip, id=7, flags="MF") / UDP(sport=port, dport=port) / Raw(ar))),
     ]

@@ -1,15 +1,18 @@
-"""Scapy layer for the nicoffload AllReduce header (32 bytes) and its int32 payload.
+"""Scapy layer for the nicoffload AllReduce record header (40 bytes) and its int32 payload.
 
 Field order, sizes and offsets come from ``nicoffload.proto.FIELDS`` (which reads them from
 xdp/nicoffload_proto.h); nothing here retypes a number of the wire format. ``magic``, ``version``
 and ``count`` default to None and are filled in by ``post_build`` (count = payload bytes / 4), so a
 test sets them explicitly to build a bad packet. The payload is a ``Raw`` layer of little-endian int32.
 
-    >>> p = AllReduce(rank=2, slot=5, set=1, block=17, mask=0xF) / bytes(1024)
+    >>> p = AllReduce(rank=2, epoch=9, slot=5, set=1, round=17, mask=0xF) / bytes(1024)
     >>> p.mysummary()
-    'AllReduce CONTRIB rank=2 slot=5 set=1 block=17 count=256'
+    'AllReduce CONTRIB rank=2 epoch=9 slot=5 set=1 round=17 count=256 op=SUM'
     >>> len(bytes(p)), payload_array(p)[:3].tolist()
-    (1056, [0, 0, 0])
+    (1064, [0, 0, 0])
+
+A batch (several records in one datagram) is dissected one record at a time: see
+:func:`split_records`.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_top_down, split_bottom_up
 
 from nicoffload import proto
-from nicoffload.codec import NEXT_NZ_NONE
 
 #: field name -> struct code, offset (the single source: proto.FIELDS)
 _CODES: dict[str, str] = {name: code for name, _, code in proto.FIELDS}
@@ -60,13 +62,17 @@ def _flag_names() -> list[str]:
 
 
 AR_FLAGS: list[str] = _flag_names()
+#: AR_OP_* value -> name
+AR_OPS: dict[int, str] = {v: k.upper() for v, k in proto.OPS.items()}
+#: AR_DETAIL_* value -> name
+AR_DETAILS: dict[int, str] = {0: "NONE", **{v: k.upper() for v, k in proto.DETAILS.items()}}
 
 # --- fields --------------------------------------------------------------------------------
 
 _PLAIN = {"B": ByteField, "H": ShortField, "I": IntField, "h": SignedShortField}
 
-#: types the aggregator answers a contribution with (every AR_TYPE_* but CONTRIB)
-_ANSWERS = frozenset(AR_TYPES) - {proto.TYPE_CONTRIB}
+#: types the aggregator answers a contribution with
+_ANSWERS = frozenset({proto.TYPE_RESULT, proto.TYPE_STATUS})
 
 #: fields computed in post_build when left None
 _COMPUTED = ("magic", "version", "count")
@@ -82,7 +88,8 @@ def _make_field(name: str, code: str) -> Field:
         "flags": lambda: FlagsField(name, 0, 8 * struct.calcsize("!" + code), AR_FLAGS),
         "rank": lambda: ShortEnumField(name, 0, {proto.RANK_AGG: "AGG"}),
         "mask": lambda: XIntField(name, 0),
-        "next_nz": lambda: IntField(name, NEXT_NZ_NONE),
+        "op": lambda: ByteEnumField(name, proto.OP_SUM, AR_OPS),
+        "detail": lambda: ByteEnumField(name, 0, AR_DETAILS),
     }
     fld = special[name]() if name in special else _PLAIN[code](name, 0)
     ok = fld.sz == struct.calcsize("!" + code)  # bytes on the wire (bit fields: bits / 8)
@@ -127,23 +134,28 @@ class AllReduce(Packet):
         kind = AR_TYPES.get(self.type, f"type{self.type}")
         rank = "AGG" if self.rank == proto.RANK_AGG else str(self.rank)
         s = (
-            f"AllReduce {kind} rank={rank} slot={self.slot} set={self.set} block={self.block} "
-            f"count={self._count()}"
+            f"AllReduce {kind} rank={rank} epoch={self.epoch} slot={self.slot} set={self.set} "
+            f"round={self.round} count={self._count()} op={AR_OPS.get(self.op, self.op)}"
         )
         if int(self.flags):
             s += f" flags={self.flags}"
+        if self.type == proto.TYPE_STATUS:
+            s += f" detail={AR_DETAILS.get(self.detail, self.detail)}"
         return s
 
+    def _round_key(self) -> tuple:
+        return (self.job, self.epoch, self.slot, self.set, self.round)
+
     def hashret(self) -> bytes:
-        return struct.pack("!IIIB", self.job, self.slot, self.block, self.set)
+        return struct.pack("!IIIIB", self.job, self.epoch, self.slot, self.round, self.set)
 
     def answers(self, other: Packet) -> int:
-        """A RESULT or STATUS answers the CONTRIBs of its round (same job, slot, set, block)."""
+        """A RESULT or STATUS answers the CONTRIBs of its round (same job, epoch, slot, set, round)."""
         return int(
             isinstance(other, AllReduce)
             and self.type in _ANSWERS
             and other.type == proto.TYPE_CONTRIB
-            and (self.job, self.slot, self.set, self.block) == (other.job, other.slot, other.set, other.block)
+            and self._round_key() == other._round_key()
         )
 
 
@@ -158,6 +170,14 @@ def payload_array(pkt: Packet, valid_only: bool = False) -> np.ndarray:
         raise ValueError(f"AllReduce payload of {len(data)} bytes is not a whole number of int32")
     arr = np.frombuffer(data, dtype="<i4").astype(np.int32)
     return arr[: layer._count()] if valid_only else arr
+
+
+def split_records(datagram: bytes, record_size: int) -> list[AllReduce]:
+    """Dissect a datagram that holds several records of ``record_size`` bytes (a batch)."""
+    if record_size <= 0 or len(datagram) % record_size:
+        raise ValueError(f"a datagram of {len(datagram)} bytes is not a whole number of "
+                         f"{record_size}-byte records")
+    return [AllReduce(datagram[i:i + record_size]) for i in range(0, len(datagram), record_size)]
 
 
 def bind_port(port: int, default: bool = False) -> None:

@@ -2,8 +2,8 @@
  * (which compiles only these definitions to reopen the pinned maps with bcc's typed tables).
  *
  * Build-time sizes (bcc -D, set by nicoffload/aggregator.py):
- *   AR_ELEMS  int32 elements per packet (default AR_DEFAULT_ELEMS = 256, i.e. 1 KiB)
- *   AR_SLOTS  slots in the pool (count)
+ *   AR_ELEMS    int32 elements per record (default AR_DEFAULT_ELEMS = 256, i.e. 1 KiB; even)
+ *   AR_SLOTS    slots in the pool, shared by every job (count)
  *   AR_PIN_DIR  optional bpffs directory (string literal); when set, maps are pinned there
  */
 #ifndef NICOFFLOAD_AGG_MAPS_H
@@ -17,41 +17,49 @@
 #ifndef AR_SLOTS
 #define AR_SLOTS 1024
 #endif
+#if AR_ELEMS % 2
+#error "AR_ELEMS must be even (AR_OP_SUM64 and AR_OP_OR work on 64-bit words)"
+#endif
+#define AR_WORDS (AR_ELEMS / 2)
 
-/* Job configuration, written by the control plane (one entry). Addresses in network order. */
-struct ar_config {
-    u32 job;
-    u32 workers;      /* number of ranks, 1..AR_MAX_WORKERS */
-    u32 worker_mask;  /* (1 << workers) - 1 */
-    u32 agg_ip;       /* source address of results */
-    u32 mcast_ip;     /* destination of results (IP multicast group) */
+/* One registered job: its ranks, addresses, share of the slot pool and epoch state. Written
+ * by the control plane (addresses in network order); the epoch fields change under `lock`
+ * when workers JOIN. */
+struct ar_job {
+    struct bpf_spin_lock lock; /* guards live, epoch, joined, nonce */
+    u32 job;                   /* wire job id */
+    u32 configured;            /* 1 once the control plane has written the entry */
+    u32 workers;               /* ranks, 1..AR_MAX_WORKERS */
+    u32 worker_mask;           /* (1 << workers) - 1 */
+    u32 slot_base;             /* the job's share of the pool: slots [base, base + count) */
+    u32 slot_count;
+    u32 agg_ip;                /* source address of results */
+    u32 mcast_ip;              /* results go to this IP multicast group */
     u8 agg_mac[6];
-    u8 mcast_mac[6];  /* 01:00:5e + low 23 bits of mcast_ip */
-    u32 configured;   /* 0 until the control plane has written a job */
-};
-
-/* A worker's registered address; ip 0 means "not checked". */
-struct ar_worker {
-    u32 ip;
-    u8 mac[6];
-    u16 pad;
+    u8 mcast_mac[6];           /* 01:00:5e + low 23 bits of mcast_ip */
+    u32 live;                  /* the epoch records must carry; 0 while none is formed */
+    u32 epoch;                 /* the last epoch handed out (the next one is epoch + 1) */
+    u32 joined;                /* ranks that have joined the forming epoch */
+    u32 pad;
+    u64 nonce[AR_MAX_WORKERS];     /* per rank: the nonce of the process that joined */
+    u32 ack[AR_MAX_WORKERS];       /* per rank: it holds every result below this round */
+    u32 worker_ip[AR_MAX_WORKERS]; /* per rank: registered source address; 0: not checked */
 };
 
 /* One of the two sets of a slot. While a round runs, acc is the Rx accumulator; once the round
- * is complete it is this set's Tx spot, kept until the next round of the same set begins. */
+ * is complete it is this set's Tx spot, kept until a later round of the slot takes the set,
+ * which happens only after every rank of the job has acknowledged the result. */
 struct ar_set {
-    u32 block;     /* block of the current round */
-    u32 bitmap;    /* ranks that contributed */
-    u32 mask;      /* ranks expected */
-    u32 next_nz;   /* minimum next non-zero block over the contributors */
-    u16 count;     /* valid elements (max over contributors) */
-    s16 exp;       /* quantization exponent of the round */
-    u8 flags;      /* op flags of the round (AR_FLAG_OP_MAX) */
+    u32 epoch;    /* epoch of the round held here (0: never used) */
+    u32 round;    /* the round held here */
+    u32 bitmap;   /* ranks that contributed */
+    u32 mask;     /* ranks expected */
+    u16 count;    /* valid elements of the round */
+    s16 exp;      /* quantization exponent of the round (wire order) */
+    u8 op;        /* AR_OP_* of the round */
     u8 complete;
-    u8 used;       /* a round has begun on this set at least once */
-    u8 pad;
-    u32 rounds;    /* completed rounds on this set (diagnostics) */
-    s32 acc[AR_ELEMS];
+    u16 pad;
+    u64 acc[AR_WORDS];
 };
 
 struct ar_slot {
@@ -60,15 +68,20 @@ struct ar_slot {
     struct ar_set set[2];
 };
 
+/* Per-job counters (index AR_STAT_*), per CPU: one row per job, row 0 for traffic of no job. */
+struct ar_counters {
+    u64 c[AR_STAT__COUNT];
+};
+
 #ifdef AR_PIN_DIR
 #define AR_TABLE(_type, _k, _v, _name, _n) BPF_TABLE_PINNED(_type, _k, _v, _name, _n, AR_PIN_DIR "/" #_name)
 #else
 #define AR_TABLE(_type, _k, _v, _name, _n) BPF_TABLE(_type, _k, _v, _name, _n)
 #endif
 
-AR_TABLE("array", u32, struct ar_config, ar_config, 1);
-AR_TABLE("array", u32, struct ar_worker, ar_workers, AR_MAX_WORKERS);
+AR_TABLE("array", u32, struct ar_job, ar_jobs, AR_MAX_JOBS);
+AR_TABLE("hash", u32, u32, ar_job_index, AR_MAX_JOBS);  /* wire job id -> ar_jobs index */
 AR_TABLE("array", u32, struct ar_slot, ar_slots, AR_SLOTS);
-AR_TABLE("percpu_array", u32, u64, ar_stats, AR_STAT__COUNT);
+AR_TABLE("percpu_array", u32, struct ar_counters, ar_stats, AR_MAX_JOBS + 1);
 
 #endif

@@ -1,18 +1,30 @@
 /* nicoffload XDP aggregator: in-kernel AllReduce over a slot pool with two sets per slot.
  *
- * Entry: parse Ethernet/IPv4/UDP on AR_PORT, validate every AllReduce field (counted by reason,
- * dropped), then the slot algorithm under the slot's spin lock (see docs/protocol.md):
- *   retransmission (rank already in the set's bitmap, same block): answer from the Tx spot
- *     if complete (unicast XDP_TX), else drop;
- *   otherwise: a new block on the set starts a new round; first contributor writes, later add
- *     (or max); set the rank's bit in set v, clear it in set 1-v; the last completes the round
- *     and its own packet becomes the RESULT, sent once as IP multicast (XDP_TX).
- * Traffic that is not ours passes untouched.
+ * One program run handles one frame. A frame is one datagram of the wire protocol
+ * (nicoffload_proto.h): in native mode a single record; in generic mode on a UDP_SEGMENT send
+ * (or a UDP GRO batch) a whole super-packet of equal records, which ar_record() walks with
+ * bpf_loop, each record under its own slot's spin lock:
+ *
+ *   parse      Ethernet / IPv4 (no options) / UDP to AR_PORT; anything else passes untouched
+ *   frame      the first record names the job and rank: job table lookup, source address
+ *   JOIN       epoch formation under the job's lock (join_epoch)
+ *   ACK        the sender's head, for the Tx-spot rule (below)
+ *   CONTRIB    per record: validate, then the slot algorithm (slot_update):
+ *                a contribution for (slot, set) in the job's current epoch starts a round (the
+ *                set's previous round is overwritten only once every rank has acknowledged its
+ *                result), is added (SUM, SUM64, MAX, OR), or completes the round, whose record
+ *                becomes the RESULT; a contribution already counted is a retransmission
+ *                (answered from the Tx spot once complete, with a STATUS if it asks and the
+ *                round still waits, else dropped); a PULL asks for a round without contributing.
+ *   emit       records that need no answer become NOP; if any round completed, the whole frame
+ *              goes out once to the job's multicast group (XDP_TX); else if a record answers the
+ *              sender, back to it; else the frame is dropped.
+ * Every record ends in exactly one counter of its job's row (ar_stats); malformed ones are
+ * counted by reason and never touch a slot.
  *
  * Build-time constants (bcc -D): AR_ELEMS, AR_SLOTS, AR_PORT, optional AR_PIN_DIR.
  */
 #include <uapi/linux/bpf.h>
-#include <uapi/linux/in.h>
 
 #include "parse.h"
 #include "agg_maps.h"
@@ -21,310 +33,609 @@
 #define AR_PORT AR_DEFAULT_PORT
 #endif
 
-#define AR_PAYLOAD_BYTES (AR_ELEMS * 4)
+#define AR_REC_LEN (AR_HDR_LEN + AR_ELEMS * 4)  /* bytes of one record */
+#define AR_JOIN_LEN (AR_HDR_LEN + AR_JOIN_PAYLOAD)
+/* records of one frame: the verifier reaches at most AR_MAX_PACKET_OFF bytes into a packet */
+#define AR_MAX_RECS ((AR_MAX_PACKET_OFF - AR_L2L4_LEN) / AR_REC_LEN)
+#define AR_INT32_MIN ((s32)0x80000000)
 
-enum ar_action {
-    ACT_DROP_DUP,
-    ACT_STATUS,
-    ACT_AGGREGATED,
-    ACT_COMPLETE,
-    ACT_RETX_ANSWER,
-    ACT_MISMATCH,
+_Static_assert(AR_MAX_RECS >= 1, "a record must fit the verifier's packet window");
+
+enum outcome {
+    OUT_AGGREGATED,  /* added; the round still waits */
+    OUT_COMPLETE,    /* added; the round is complete: the record carries the result */
+    OUT_RETX_ANSWER, /* a retransmission of a completed round: the record carries the result */
+    OUT_PULL_ANSWER, /* a pull of a completed round: the record carries the result */
+    OUT_STATUS,      /* the record carries a STATUS (detail set) */
+    OUT_DUP,         /* a duplicate of a counted contribution */
+    OUT_MISMATCH,    /* a contribution that disagrees with its round (op, exp, count, mask) */
+    OUT_EARLY,       /* would overwrite a result some rank has not acknowledged yet */
+    OUT_STALE,       /* for a round older than the one its set holds */
 };
 
-static __always_inline void count(u32 idx)
+/* What ar_record() needs of the frame (lives on ar_aggregate's stack). */
+struct frame {
+    struct xdp_md *ctx;
+    struct ar_job *job;
+    struct ar_counters *st;
+    u32 job_id;  /* wire order */
+    u32 live;    /* the job's current epoch, host order (0: none) */
+    u16 rank;    /* wire order */
+    u16 pad;
+    u32 bit;     /* 1 << rank */
+    u32 mcast;   /* some round completed: the frame goes to the group */
+    u32 answer;  /* some record answers the sender */
+};
+
+/* Make the compiler forget how `var` was computed, so it cannot rematerialise a checked packet
+ * pointer from data + offset (the verifier would see a new pointer without the checked range). */
+#define barrier_var(var) asm volatile("" : "+r"(var))
+
+static __always_inline int serial_after(u32 a, u32 b)
 {
-    u64 *v = ar_stats.lookup(&idx);
-    if (v)
-        *v += 1;
+    return (s32)(a - b) > 0;
 }
 
-static __always_inline int drop(u32 reason)
+static __always_inline void count(struct ar_counters *st, u32 idx)
 {
-    count(reason);
+    if (idx < AR_STAT__COUNT)
+        st->c[idx] += 1;
+}
+
+/* --- payload operations (the slot's lock is held; no helper calls) ------------------------- */
+
+static __always_inline void acc_write(u64 *acc, u64 *p)
+{
+#pragma unroll
+    for (int k = 0; k < AR_WORDS; k++)
+        acc[k] = p[k];
+}
+
+static __always_inline void acc_read(u64 *acc, u64 *p)
+{
+#pragma unroll
+    for (int k = 0; k < AR_WORDS; k++)
+        p[k] = acc[k];
+}
+
+/* acc op= p; with `out` the result is also written into the packet (the completing record). */
+static __always_inline void acc_combine(u8 op, u64 *acc, u64 *p, int out)
+{
+    if (op == AR_OP_SUM64) {
+        if (out) {
+#pragma unroll
+            for (int k = 0; k < AR_WORDS; k++) {
+                u64 x = acc[k] + p[k];
+                acc[k] = x;
+                p[k] = x;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < AR_WORDS; k++)
+                acc[k] += p[k];
+        }
+    } else if (op == AR_OP_SUM) {
+        u32 *a = (u32 *)acc, *q = (u32 *)p;
+        if (out) {
+#pragma unroll
+            for (int k = 0; k < AR_ELEMS; k++) {
+                u32 x = a[k] + q[k]; /* wraps modulo 2^32 */
+                a[k] = x;
+                q[k] = x;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < AR_ELEMS; k++)
+                a[k] += q[k];
+        }
+    } else if (op == AR_OP_OR) {
+        for (int k = 0; k < AR_WORDS; k++) {
+            u64 x = acc[k] | p[k];
+            acc[k] = x;
+            if (out)
+                p[k] = x;
+        }
+    } else { /* AR_OP_MAX */
+        s32 *a = (s32 *)acc, *q = (s32 *)p;
+        for (int k = 0; k < AR_ELEMS; k++) {
+            s32 x = a[k] > q[k] ? a[k] : q[k];
+            a[k] = x;
+            if (out)
+                q[k] = x;
+        }
+    }
+}
+
+/* --- the slot algorithm ----------------------------------------------------------------------- */
+
+/* Has every rank of the job acknowledged (holds the result of) `round`? */
+static __always_inline int acked_by_all(struct ar_job *job, u32 round)
+{
+    u32 mask = job->worker_mask;
+#pragma unroll
+    for (int r = 0; r < AR_MAX_WORKERS; r++) {
+        if ((mask >> r) & 1 && !serial_after(job->ack[r], round))
+            return 0;
+    }
+    return 1;
+}
+
+/* A RESULT record: the round's state as the aggregator holds it. */
+static __always_inline void to_result(struct ar_hdr *h, struct ar_set *s)
+{
+    h->type = AR_TYPE_RESULT;
+    h->flags = 0;
+    h->rank = bpf_htons(AR_RANK_AGG);
+    h->mask = bpf_htonl(s->bitmap);
+    h->ack = 0;
+    h->count = bpf_htons(s->count);
+    h->exp = s->exp;
+    h->op = s->op;
+    h->detail = 0;
+}
+
+static __always_inline void to_status(struct ar_hdr *h, u32 bitmap, u8 detail)
+{
+    h->type = AR_TYPE_STATUS;
+    h->flags = 0;
+    h->mask = bpf_htonl(bitmap);
+    h->ack = 0;
+    h->count = 0;
+    h->detail = detail;
+}
+
+/* One validated CONTRIB record against its set, under the slot's lock. */
+static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_job *job,
+                                                struct ar_hdr *h, u64 *p, u32 epoch, u32 bit)
+{
+    struct ar_set *s = &slot->set[h->set & 1];
+    u32 round = bpf_ntohl(h->round);
+    int same = s->epoch == epoch && s->round == round;
+
+    if (h->flags & AR_FLAG_PULL) {
+        if (same && s->complete) {
+            acc_read(s->acc, p);
+            to_result(h, s);
+            return OUT_PULL_ANSWER;
+        }
+        if (!same && s->epoch == epoch && serial_after(s->round, round))
+            to_status(h, 0, AR_DETAIL_GONE);
+        else
+            to_status(h, same ? s->bitmap : 0, AR_DETAIL_WAITING);
+        return OUT_STATUS;
+    }
+
+    if (same && (s->bitmap & bit)) { /* already counted: a retransmission or a duplicate */
+        if (!(h->flags & AR_FLAG_RETX))
+            return OUT_DUP;
+        if (s->complete) {
+            acc_read(s->acc, p);
+            to_result(h, s);
+            return OUT_RETX_ANSWER;
+        }
+        to_status(h, s->bitmap, AR_DETAIL_WAITING);
+        return OUT_STATUS;
+    }
+
+    u32 mask = bpf_ntohl(h->mask);
+    u16 cnt = bpf_ntohs(h->count);
+    u8 op = h->op;
+    if (!same) {
+        if (s->epoch == epoch) {
+            if (!serial_after(round, s->round)) {
+                if (!(h->flags & AR_FLAG_RETX))
+                    return OUT_STALE;
+                to_status(h, 0, AR_DETAIL_GONE);
+                return OUT_STATUS;
+            }
+            /* The set's Tx spot may still be needed: overwrite it only once every rank holds
+             * its result (a rank that does not contribute to a round cannot say so otherwise). */
+            if (!acked_by_all(job, s->round))
+                return OUT_EARLY;
+        }
+        s->epoch = epoch;
+        s->round = round;
+        s->bitmap = bit;
+        s->mask = mask;
+        s->count = cnt;
+        s->exp = h->exp;
+        s->op = op;
+        s->complete = 0;
+        acc_write(s->acc, p);
+    } else {
+        if (s->mask != mask || s->op != op || s->exp != h->exp || s->count != cnt)
+            return OUT_MISMATCH;
+        u32 now = s->bitmap | bit;
+        s->bitmap = now;
+        acc_combine(op, s->acc, p, now == s->mask);
+    }
+    if (s->bitmap != s->mask)
+        return OUT_AGGREGATED;
+    s->complete = 1;
+    to_result(h, s); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
+    return OUT_COMPLETE;
+}
+
+/* --- one record of a CONTRIB frame (bpf_loop callback) --------------------------------------- */
+
+/* Validate a record's own fields against the frame; 0 when it may touch a slot, else the
+ * counter that rejects it. */
+static __always_inline u32 check_record(struct frame *f, struct ar_job *job, struct ar_hdr *h)
+{
+    if (h->magic != bpf_htons(AR_MAGIC))
+        return AR_STAT_BAD_MAGIC;
+    if (h->version != AR_VERSION)
+        return AR_STAT_BAD_VERSION;
+    if (h->type != AR_TYPE_CONTRIB)
+        return AR_STAT_BAD_TYPE;
+    if (h->flags & ~AR_FLAGS_KNOWN)
+        return AR_STAT_BAD_FLAGS;
+    if (h->job != f->job_id)
+        return AR_STAT_BAD_MIXED;
+    if (h->rank != f->rank)
+        return AR_STAT_BAD_MIXED;
+    if (bpf_ntohl(h->slot) >= job->slot_count)
+        return AR_STAT_BAD_SLOT;
+    if (h->set > 1)
+        return AR_STAT_BAD_SET;
+    if (h->op >= AR_OP__COUNT)
+        return AR_STAT_BAD_OP;
+    u32 mask = bpf_ntohl(h->mask);
+    if (!mask || (mask & ~job->worker_mask))
+        return AR_STAT_BAD_MASK;
+    u16 cnt = bpf_ntohs(h->count);
+    if (h->flags & AR_FLAG_PULL)
+        return cnt ? AR_STAT_BAD_LEN : 0;
+    if (!(mask & f->bit))
+        return AR_STAT_BAD_MASK;
+    if (cnt == 0 || cnt > AR_ELEMS)
+        return AR_STAT_BAD_LEN;
+    return 0;
+}
+
+/* bpf_loop callback: record i of the frame. bcc rewrites the parameters of a function it
+ * exports, so this one takes only the index and reads bpf_loop's context pointer from r2. */
+long ar_record(u64 i)
+{
+    struct frame *f;
+    asm volatile("%0 = r2" : "=r"(f));
+
+    struct xdp_md *ctx = f->ctx;
+    struct ar_job *job = f->job;
+    struct ar_counters *st = f->st;
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    u32 off = AR_L2L4_LEN + (u32)i * AR_REC_LEN;
+    if (off > AR_MAX_PACKET_OFF - AR_REC_LEN)
+        return 1;
+    struct ar_hdr *h = data + off;
+    barrier_var(h);
+    count(st, AR_STAT_RECORDS);
+    if ((void *)h + AR_REC_LEN > end) {
+        count(st, AR_STAT_BAD_TRUNCATED);
+        return 1;
+    }
+    u64 *p = (void *)(h + 1);
+
+    u32 bad = check_record(f, job, h);
+    if (bad) {
+        h->type = AR_TYPE_NOP;
+        count(st, bad);
+        return 0;
+    }
+    if (!f->live || bpf_ntohl(h->epoch) != f->live) {
+        count(st, AR_STAT_STALE_EPOCH);
+        if (h->flags & (AR_FLAG_RETX | AR_FLAG_PULL)) {
+            /* tell the sender why nothing will answer it (its run was ended by a restart) */
+            to_status(h, 0, AR_DETAIL_EPOCH);
+            f->answer = 1;
+        } else {
+            h->type = AR_TYPE_NOP;
+        }
+        return 0;
+    }
+
+    u32 idx = job->slot_base + bpf_ntohl(h->slot);
+    struct ar_slot *slot = ar_slots.lookup(&idx);
+    if (!slot) {
+        h->type = AR_TYPE_NOP;
+        count(st, AR_STAT_BAD_SLOT);
+        return 0;
+    }
+    bpf_spin_lock(&slot->lock);
+    enum outcome o = slot_update(slot, job, h, p, f->live, f->bit);
+    bpf_spin_unlock(&slot->lock);
+
+    switch (o) {
+    case OUT_COMPLETE:
+        count(st, AR_STAT_AGGREGATED);
+        count(st, AR_STAT_COMPLETED);
+        f->mcast = 1;
+        return 0;
+    case OUT_RETX_ANSWER:
+        count(st, AR_STAT_RETX_ANSWERED);
+        f->answer = 1;
+        return 0;
+    case OUT_PULL_ANSWER:
+        count(st, AR_STAT_PULL_ANSWERED);
+        f->answer = 1;
+        return 0;
+    case OUT_STATUS:
+        count(st, AR_STAT_STATUS_SENT);
+        f->answer = 1;
+        return 0;
+    case OUT_AGGREGATED:
+        count(st, AR_STAT_AGGREGATED);
+        break;
+    case OUT_DUP:
+        count(st, AR_STAT_DUP_DROPPED);
+        break;
+    case OUT_MISMATCH:
+        count(st, AR_STAT_MISMATCH);
+        break;
+    case OUT_EARLY:
+        count(st, AR_STAT_EARLY);
+        break;
+    default:
+        count(st, AR_STAT_STALE_ROUND);
+        break;
+    }
+    h->type = AR_TYPE_NOP;
+    return 0;
+}
+
+/* --- JOIN: epoch formation --------------------------------------------------------------------- */
+
+enum join_outcome { JOIN_WAIT, JOIN_FORMED, JOIN_ANSWER, JOIN_STATUS, JOIN_SUPERSEDED };
+
+/* Copy the nonce table into a JOINED record (the job's lock is held). */
+static __always_inline void to_joined(struct ar_hdr *h, u64 *table, struct ar_job *job)
+{
+    h->type = AR_TYPE_JOINED;
+    h->flags = 0;
+    h->epoch = bpf_htonl(job->live);
+    h->mask = bpf_htonl(job->joined);
+    h->detail = 0;
+#pragma unroll
+    for (int r = 0; r < AR_MAX_WORKERS; r++)
+        table[r] = job->nonce[r];
+}
+
+/* A run's epoch forms once every rank of the job has joined with a fresh nonce; a JOIN from a
+ * newer process of a rank ends the current epoch (its rounds can no longer complete, and their
+ * senders learn why from a STATUS). */
+static __always_inline enum join_outcome join_epoch(struct ar_job *job, struct ar_hdr *h, u64 *table,
+                                                    u32 rank, u32 bit)
+{
+    u64 nonce = ((u64)bpf_ntohl(h->ack) << 32) | bpf_ntohl(h->round);
+    enum join_outcome o;
+    rank &= AR_MAX_WORKERS - 1;
+
+    bpf_spin_lock(&job->lock);
+    u64 cur = job->nonce[rank];
+    if (job->live && nonce == cur) {
+        to_joined(h, table, job); /* the JOINED was lost: answer again */
+        o = JOIN_ANSWER;
+    } else if (cur && nonce < cur) {
+        o = JOIN_SUPERSEDED;
+    } else if (!job->live && (job->joined & bit) && nonce == cur) {
+        o = (h->flags & AR_FLAG_RETX) ? JOIN_STATUS : JOIN_WAIT;
+        to_status(h, job->joined, AR_DETAIL_JOINING);
+    } else {
+        if (job->live) { /* a new process of this rank: a new run begins */
+            job->live = 0;
+            job->joined = 0;
+        }
+        job->nonce[rank] = nonce;
+        job->joined |= bit;
+        if (job->joined == job->worker_mask) {
+            u32 e = job->epoch + 1;
+            if (!e)
+                e = 1;
+            job->epoch = e;
+            job->live = e;
+#pragma unroll
+            for (int r = 0; r < AR_MAX_WORKERS; r++)
+                job->ack[r] = 0;
+            to_joined(h, table, job);
+            o = JOIN_FORMED;
+        } else {
+            o = JOIN_WAIT;
+        }
+    }
+    bpf_spin_unlock(&job->lock);
+    return o;
+}
+
+/* --- emit: the frame goes out once --------------------------------------------------------------- */
+
+static __always_inline int emit(struct xdp_md *ctx, struct ar_job *job, int mcast, u32 records)
+{
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = data + sizeof(*eth);
+    struct udphdr *udp = (void *)ip + AR_IPV4_LEN;
+    if ((void *)(udp + 1) > end)
+        return -1;
+    if (mcast) {
+        __builtin_memcpy(eth->h_dest, job->mcast_mac, ETH_ALEN);
+        ip->daddr = job->mcast_ip;
+    } else {
+        __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+        ip->daddr = ip->saddr;
+    }
+    __builtin_memcpy(eth->h_source, job->agg_mac, ETH_ALEN);
+    ip->saddr = job->agg_ip;
+    ip->ttl = AR_TTL;
+    ip->id = 0;
+    ip->frag_off = bpf_htons(AR_IP_DF);
+    ip->check = 0;
+    ip->check = ipv4_csum(ip);
+    udp->dest = udp->source; /* the sender's port: where its socket listens */
+    udp->source = bpf_htons(AR_PORT);
+    /* A batch is a GSO skb (CHECKSUM_PARTIAL): keep its pseudo-header sum consistent with the
+     * new addresses. A single datagram goes out without a checksum (optional in IPv4), which
+     * any receiver accepts whatever path the frame takes. */
+    udp->check = records > 1 ? udp_pseudo_partial(ip, udp) : 0;
+    return XDP_TX;
+}
+
+/* --- entry ------------------------------------------------------------------------------------------ */
+
+static __always_inline struct ar_counters *stats_row(u32 row)
+{
+    return ar_stats.lookup(&row);
+}
+
+/* A frame rejected as a whole counts as one record of its row. */
+static __always_inline int reject(struct ar_counters *st, u32 reason)
+{
+    count(st, AR_STAT_RECORDS);
+    count(st, reason);
     return XDP_DROP;
 }
 
-/* Turn the packet into a RESULT for `dst_ip`/`dst_mac`, from the aggregator. */
-static __always_inline void to_result(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
-                                      struct ar_hdr *ar, struct ar_config *cfg, u32 dst_ip,
-                                      const u8 *dst_mac, u32 contributors, u32 next_nz, u16 cnt,
-                                      u8 flags, u8 type, u32 payload_bytes)
+/* The same before the frame's job is known: row 0 also counts its arrival. */
+static __always_inline int reject_unattributed(struct ar_counters *st0, u32 reason)
 {
-    ip->tot_len = bpf_htons(sizeof(struct iphdr) + sizeof(struct udphdr) + AR_HDR_LEN + payload_bytes);
-    udp->len = bpf_htons(sizeof(struct udphdr) + AR_HDR_LEN + payload_bytes);
-    __builtin_memcpy(eth->h_dest, dst_mac, 6);
-    __builtin_memcpy(eth->h_source, cfg->agg_mac, 6);
-    ip->saddr = cfg->agg_ip;
-    ip->daddr = dst_ip;
-    ip->ttl = 64;
-    ip->id = 0;
-    ip->frag_off = bpf_htons(0x4000); /* DF */
-    ip->check = 0;
-    ip->check = ipv4_csum(ip);
-    udp->source = bpf_htons(AR_PORT);
-    udp->dest = bpf_htons(AR_PORT);
-    udp->check = 0; /* optional for UDP over IPv4 */
-    ar->type = type;
-    ar->flags = flags & AR_FLAG_OP_MAX;
-    ar->rank = bpf_htons(AR_RANK_AGG);
-    ar->mask = bpf_htonl(contributors);
-    ar->next_nz = bpf_htonl(next_nz);
-    ar->count = bpf_htons(cnt);
+    count(st0, AR_STAT_RX);
+    return reject(st0, reason);
 }
 
 int ar_aggregate(struct xdp_md *ctx)
 {
-    struct cursor c = {.pos = (void *)(long)ctx->data, .end = (void *)(long)ctx->data_end};
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct cursor c = {.pos = data, .end = end};
     struct ethhdr *eth = parse_eth(&c);
+    struct ar_counters *st0 = stats_row(0);
+    if (!st0)
+        return XDP_PASS;
     if (!eth || eth->h_proto != bpf_htons(ETH_P_IP))
         goto pass;
     struct iphdr *ip = parse_ipv4(&c);
-    if (!ip || ip->protocol != IPPROTO_UDP)
-        goto pass;
-    if (ip->frag_off & bpf_htons(0x3fff)) /* fragments are not ours to reassemble */
-        goto pass;
+    if (!ip || ip->protocol != IPPROTO_UDP || (ip->frag_off & bpf_htons(AR_IP_MF_OFFSET)))
+        goto pass; /* fragments are not ours to reassemble */
     u32 ihl = ip->ihl;
-    if (ihl < 5)
+    if (ihl < AR_IPV4_IHL)
         goto pass; /* not a valid IPv4 header: the stack drops it */
-    c.pos = (void *)ip + ihl * 4; /* skip options to find the port */
+    c.pos = (void *)ip + ihl * 4;
     struct udphdr *udp = parse_udp(&c);
     if (!udp || udp->dest != bpf_htons(AR_PORT))
         goto pass;
 
-    /* From here on the packet is ours: it is aggregated, answered, or counted and dropped. */
-    count(AR_STAT_RX);
-    if (ihl != 5) /* results are rewritten in place: no IP options */
-        return drop(AR_STAT_BAD_LEN);
-    struct ar_hdr *ar = parse_ar(&c);
-    if (!ar)
-        return drop(AR_STAT_BAD_TRUNCATED);
-    if (ar->magic != bpf_htons(AR_MAGIC))
-        return drop(AR_STAT_BAD_MAGIC);
-    if (ar->version != AR_VERSION)
-        return drop(AR_STAT_BAD_VERSION);
-    if (ar->type != AR_TYPE_CONTRIB)
-        return drop(AR_STAT_BAD_TYPE);
-    u8 flags = ar->flags;
-    if (flags & ~AR_FLAGS_KNOWN)
-        return drop(AR_STAT_BAD_FLAGS);
-
-    u32 zero = 0;
-    struct ar_config *cfg = ar_config.lookup(&zero);
-    if (!cfg || !cfg->configured)
-        return drop(AR_STAT_NO_JOB);
-    if (ar->job != bpf_htonl(cfg->job))
-        return drop(AR_STAT_BAD_JOB);
-    u32 rank = bpf_ntohs(ar->rank);
-    if (rank >= cfg->workers || rank >= AR_MAX_WORKERS)
-        return drop(AR_STAT_BAD_RANK);
-    u32 slot_idx = bpf_ntohl(ar->slot);
-    if (slot_idx >= AR_SLOTS)
-        return drop(AR_STAT_BAD_SLOT);
-    u32 v = ar->set;
-    if (v > 1)
-        return drop(AR_STAT_BAD_SET);
-    u32 mask = bpf_ntohl(ar->mask);
-    u32 bit = 1u << rank;
-    if ((mask & ~cfg->worker_mask) || !(mask & bit))
-        return drop(AR_STAT_BAD_MASK);
-    struct ar_worker *wk = ar_workers.lookup(&rank);
-    if (!wk)
-        return drop(AR_STAT_BAD_RANK);
-    if (wk->ip && wk->ip != ip->saddr)
-        return drop(AR_STAT_BAD_SRC);
-
-    /* Length: a data contribution carries exactly AR_ELEMS int32. A null one (count 0) carries
-     * either nothing or AR_ELEMS int32 of padding that is not added; only the padded form can
-     * carry a result on every driver (veth leaves no tailroom to grow into). */
-    u16 cnt = bpf_ntohs(ar->count);
+    /* From here on the frame is ours: it is aggregated, answered, or counted and dropped
+     * (in its job's row once the job is known, in row 0 before). */
+    if (ihl != AR_IPV4_IHL) /* results are rewritten in place: no IP options */
+        return reject_unattributed(st0, AR_STAT_BAD_LEN);
     u32 udp_len = bpf_ntohs(udp->len);
-    u32 full = sizeof(struct udphdr) + AR_HDR_LEN + AR_PAYLOAD_BYTES;
-    u32 bare = sizeof(struct udphdr) + AR_HDR_LEN;
-    if (cnt > AR_ELEMS || !(udp_len == full || (cnt == 0 && udp_len == bare)))
-        return drop(AR_STAT_BAD_LEN);
-    if (bpf_ntohs(ip->tot_len) != udp_len + sizeof(struct iphdr))
-        return drop(AR_STAT_BAD_LEN);
-    if (cnt == 0)
-        count(AR_STAT_NULL);
-    if (udp_len == bare) {
-        /* A bare null may have to carry a result: grow it to full size first
-         * (no helper may run under the lock). */
-        if (bpf_xdp_adjust_tail(ctx, AR_PAYLOAD_BYTES))
-            return drop(AR_STAT_TX_FAILED);
-        c.pos = (void *)(long)ctx->data;
-        c.end = (void *)(long)ctx->data_end;
-        eth = c.pos;
-        ip = (void *)(eth + 1);
-        udp = (void *)(ip + 1);
-        ar = (void *)(udp + 1);
-        if ((void *)(ar + 1) > c.end)
-            return drop(AR_STAT_TX_FAILED);
-    }
-    s32 *p = (void *)(ar + 1);
-    if ((void *)(p + AR_ELEMS) > c.end)
-        return drop(AR_STAT_BAD_TRUNCATED);
+    if (bpf_ntohs(ip->tot_len) != udp_len + AR_IPV4_LEN || udp_len < sizeof(*udp))
+        return reject_unattributed(st0, AR_STAT_BAD_LEN);
+    u32 len = udp_len - sizeof(*udp); /* bytes of records */
+    struct ar_hdr *h = parse_ar(&c);
+    if (!h || len < AR_HDR_LEN)
+        return reject_unattributed(st0, AR_STAT_BAD_TRUNCATED);
+    if (h->magic != bpf_htons(AR_MAGIC))
+        return reject_unattributed(st0, AR_STAT_BAD_MAGIC);
+    if (h->version != AR_VERSION)
+        return reject_unattributed(st0, AR_STAT_BAD_VERSION);
 
-    struct ar_slot *slot = ar_slots.lookup(&slot_idx);
-    if (!slot)
-        return drop(AR_STAT_BAD_SLOT);
+    u32 job_id = bpf_ntohl(h->job);
+    u32 *jidx = ar_job_index.lookup(&job_id);
+    if (!jidx)
+        return reject_unattributed(st0, AR_STAT_BAD_JOB);
+    u32 ji = *jidx;
+    struct ar_job *job = ar_jobs.lookup(&ji);
+    struct ar_counters *st = stats_row(ji + 1);
+    if (!job || !st || !job->configured)
+        return reject_unattributed(st0, AR_STAT_BAD_JOB);
+    count(st, AR_STAT_RX);
+    u32 rank = bpf_ntohs(h->rank);
+    if (rank >= job->workers || rank >= AR_MAX_WORKERS)
+        return reject(st, AR_STAT_BAD_RANK);
+    u32 wip = job->worker_ip[rank & (AR_MAX_WORKERS - 1)];
+    if (wip && wip != ip->saddr)
+        return reject(st, AR_STAT_BAD_SRC);
+    if (h->flags & ~AR_FLAGS_KNOWN)
+        return reject(st, AR_STAT_BAD_FLAGS);
+    u32 bit = 1u << rank;
+    u32 live = *(volatile u32 *)&job->live;
 
-    u32 block = bpf_ntohl(ar->block);
-    u32 next_nz = bpf_ntohl(ar->next_nz);
-    s16 exp = ar->exp; /* compared in wire order */
-    u8 op = flags & AR_FLAG_OP_MAX;
-    u32 contributors = 0, res_next = 0;
-    u16 res_cnt = 0;
-    int action;
+    if (h->type == AR_TYPE_JOIN) {
+        if (len != AR_JOIN_LEN)
+            return reject(st, AR_STAT_BAD_LEN);
+        u64 *table = (void *)(h + 1);
+        if ((void *)table + AR_JOIN_PAYLOAD > end)
+            return reject(st, AR_STAT_BAD_TRUNCATED);
+        count(st, AR_STAT_RECORDS);
+        if (bpf_ntohl(h->mask) != job->worker_mask) {
+            /* this worker counts a different number of ranks than the job has */
+            to_status(h, job->worker_mask, AR_DETAIL_WORLD);
+            count(st, AR_STAT_STATUS_SENT);
+            return emit(ctx, job, 0, 1);
+        }
+        enum join_outcome o = join_epoch(job, h, table, rank, bit);
+        if (o == JOIN_SUPERSEDED) {
+            count(st, AR_STAT_STALE_JOIN);
+            if (!(h->flags & AR_FLAG_RETX))
+                return XDP_DROP;
+            to_status(h, 0, AR_DETAIL_SUPERSEDED);
+            return emit(ctx, job, 0, 1);
+        }
+        count(st, AR_STAT_JOIN);
+        if (o == JOIN_FORMED) {
+            count(st, AR_STAT_EPOCH_FORMED);
+            count(st, AR_STAT_RESULT_SENT);
+            return emit(ctx, job, 1, 1);
+        }
+        if (o == JOIN_WAIT)
+            return XDP_DROP;
+        return emit(ctx, job, 0, 1);
+    }
 
-    bpf_spin_lock(&slot->lock);
-    struct ar_set *s = &slot->set[v & 1];
-    if (s->used && s->block == block && (s->bitmap & bit)) {
-        /* Retransmission of a contribution already counted. */
-        if (s->complete) {
-            action = ACT_RETX_ANSWER;
-            contributors = s->bitmap;
-            res_next = s->next_nz;
-            res_cnt = s->count;
-            op = s->flags;
-#pragma clang loop unroll_count(16)
-            for (int i = 0; i < AR_ELEMS; i++)
-                p[i] = s->acc[i];
-        } else if (flags & AR_FLAG_RETX) {
-            /* An explicit retransmission to a round still waiting: tell the sender who has
-             * contributed, so a worker that gives up can name the missing ranks. */
-            action = ACT_STATUS;
-            contributors = s->bitmap;
-            res_next = s->next_nz;
-        } else {
-            action = ACT_DROP_DUP;
-        }
-        bpf_spin_unlock(&slot->lock);
-        goto act;
+    if (h->type == AR_TYPE_ACK) {
+        if (len != AR_HDR_LEN)
+            return reject(st, AR_STAT_BAD_LEN);
+        if (!live || bpf_ntohl(h->epoch) != live)
+            return reject(st, AR_STAT_STALE_EPOCH);
+        count(st, AR_STAT_RECORDS);
+        count(st, AR_STAT_ACK);
+        u32 *ack = &job->ack[rank & (AR_MAX_WORKERS - 1)];
+        u32 a = bpf_ntohl(h->ack);
+        if (serial_after(a, *ack))
+            *ack = a;
+        return XDP_DROP;
     }
-    if (!s->used || s->block != block) {
-        /* A new round on this set: the previous result here is no longer needed by anyone
-         * (every contributor of it has since used the other set). */
-        s->used = 1;
-        s->block = block;
-        s->bitmap = 0;
-        s->mask = mask;
-        s->flags = op;
-        s->exp = exp;
-        s->count = 0;
-        s->next_nz = AR_NEXT_NZ_NONE;
-        s->complete = 0;
-    } else if (s->mask != mask || s->flags != op || s->exp != exp ||
-               (cnt && s->count && s->count != cnt)) {
-        bpf_spin_unlock(&slot->lock);
-        action = ACT_MISMATCH;
-        goto act;
-    }
-    u32 first = s->bitmap == 0;
-    u32 now = s->bitmap | bit;
-    s->bitmap = now;
-    slot->set[(v & 1) ^ 1].bitmap &= ~bit; /* frees the other set's Tx spot for this rank */
-    if (cnt > s->count)
-        s->count = cnt;
-    if (next_nz < s->next_nz)
-        s->next_nz = next_nz;
-    int last = now == s->mask;
 
-    if (cnt == 0) {
-        if (first) {
-            s32 init = op ? (s32)0x80000000 : 0;
-#pragma clang loop unroll_count(16)
-            for (int i = 0; i < AR_ELEMS; i++)
-                s->acc[i] = init;
-        }
-        if (last) {
-#pragma clang loop unroll_count(16)
-            for (int i = 0; i < AR_ELEMS; i++)
-                p[i] = s->acc[i];
-        }
-    } else if (first) {
-#pragma clang loop unroll_count(16)
-        for (int i = 0; i < AR_ELEMS; i++)
-            s->acc[i] = p[i];
-    } else if (!op) {
-        if (last) {
-#pragma clang loop unroll_count(16)
-            for (int i = 0; i < AR_ELEMS; i++) {
-                s32 x = (s32)((u32)s->acc[i] + (u32)p[i]); /* wraps modulo 2^32 */
-                s->acc[i] = x;
-                p[i] = x;
-            }
-        } else {
-#pragma clang loop unroll_count(16)
-            for (int i = 0; i < AR_ELEMS; i++)
-                s->acc[i] = (s32)((u32)s->acc[i] + (u32)p[i]);
-        }
-    } else {
-#pragma clang loop unroll_count(16)
-        for (int i = 0; i < AR_ELEMS; i++) {
-            s32 x = s->acc[i] > p[i] ? s->acc[i] : p[i];
-            s->acc[i] = x;
-            p[i] = x;
-        }
-    }
-    if (last) {
-        s->complete = 1;
-        s->rounds++;
-        contributors = now;
-        res_next = s->next_nz;
-        res_cnt = s->count;
-        action = ACT_COMPLETE;
-    } else {
-        action = ACT_AGGREGATED;
-    }
-    bpf_spin_unlock(&slot->lock);
+    if (h->type != AR_TYPE_CONTRIB)
+        return reject(st, AR_STAT_BAD_TYPE);
+    if (len % AR_REC_LEN || len / AR_REC_LEN > AR_MAX_RECS)
+        return reject(st, AR_STAT_BAD_LEN);
+    if (data + AR_L2L4_LEN + len > end)
+        return reject(st, AR_STAT_BAD_TRUNCATED); /* cut short of its own lengths */
+    u32 n = len / AR_REC_LEN;
 
-act:
-    switch (action) {
-    case ACT_DROP_DUP:
-        return drop(AR_STAT_DUP_DROPPED);
-    case ACT_MISMATCH:
-        return drop(AR_STAT_MISMATCH);
-    case ACT_AGGREGATED:
-        return drop(AR_STAT_AGGREGATED);
-    case ACT_STATUS: {
-        /* header-only answer: shrink to the header (a null was grown above), re-derive pointers */
-        if (bpf_xdp_adjust_tail(ctx, -(int)AR_PAYLOAD_BYTES))
-            return drop(AR_STAT_TX_FAILED);
-        void *d = (void *)(long)ctx->data, *e = (void *)(long)ctx->data_end;
-        struct ethhdr *eth2 = d;
-        struct iphdr *ip2 = (void *)(eth2 + 1);
-        struct udphdr *udp2 = (void *)(ip2 + 1);
-        struct ar_hdr *ar2 = (void *)(udp2 + 1);
-        if ((void *)(ar2 + 1) > e)
-            return drop(AR_STAT_TX_FAILED);
-        u8 smac[6];
-        __builtin_memcpy(smac, eth2->h_source, 6);
-        u32 sip = ip2->saddr;
-        to_result(eth2, ip2, udp2, ar2, cfg, sip, smac, contributors, res_next, 0, op,
-                  AR_TYPE_STATUS, 0);
-        count(AR_STAT_STATUS_SENT);
-        return XDP_TX;
+    /* the sender's head (same in every record of its batch) before any round may begin */
+    if (live && bpf_ntohl(h->epoch) == live) {
+        u32 *ack = &job->ack[rank & (AR_MAX_WORKERS - 1)];
+        u32 a = bpf_ntohl(h->ack);
+        if (serial_after(a, *ack))
+            *ack = a;
     }
-    case ACT_RETX_ANSWER: {
-        u8 dmac[6];
-        __builtin_memcpy(dmac, eth->h_source, 6);
-        u32 dip = ip->saddr;
-        to_result(eth, ip, udp, ar, cfg, dip, dmac, contributors, res_next, res_cnt, op,
-                  AR_TYPE_RESULT, AR_PAYLOAD_BYTES);
-        count(AR_STAT_RETX_ANSWERED);
-        return XDP_TX;
+
+    struct frame f = {
+        .ctx = ctx, .job = job, .st = st, .job_id = h->job, .live = live, .rank = h->rank,
+        .bit = bit, .mcast = 0, .answer = 0,
+    };
+    bpf_loop(n, ar_record, &f, 0);
+
+    if (f.mcast) {
+        count(st, AR_STAT_RESULT_SENT);
+        return emit(ctx, job, 1, n);
     }
-    default: /* ACT_COMPLETE: this packet becomes the multicast result */
-        count(AR_STAT_AGGREGATED);
-        count(AR_STAT_COMPLETED);
-        to_result(eth, ip, udp, ar, cfg, cfg->mcast_ip, cfg->mcast_mac, contributors, res_next,
-                  res_cnt, op, AR_TYPE_RESULT, AR_PAYLOAD_BYTES);
-        count(AR_STAT_RESULT_SENT);
-        return XDP_TX;
-    }
+    if (f.answer)
+        return emit(ctx, job, 0, n);
+    return XDP_DROP;
 
 pass:
-    count(AR_STAT_PASSED);
+    count(st0, AR_STAT_PASSED);
     return XDP_PASS;
 }

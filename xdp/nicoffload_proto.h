@@ -8,45 +8,88 @@
  * array of little-endian int32 (the byte order of every host that runs the toolkit, so neither
  * the worker nor the XDP program converts per element).
  *
- * Header (32 bytes) after Ethernet / IPv4 (no options) / UDP (dst port AR_DEFAULT_PORT):
+ * A datagram (UDP payload, destination port AR_DEFAULT_PORT or the one the aggregator was
+ * built with) is one or more RECORDS of equal size, back to back: a worker's UDP_SEGMENT send
+ * is such a batch until something segments it. Record = header (40 bytes) + payload.
  *   off size field    meaning
  *    0   2   magic    AR_MAGIC
  *    2   1   version  AR_VERSION
- *    3   1   type     AR_TYPE_CONTRIB | AR_TYPE_RESULT | AR_TYPE_STATUS
- *    4   1   flags    AR_FLAG_RETX | AR_FLAG_OP_MAX
+ *    3   1   type     AR_TYPE_*
+ *    4   1   flags    AR_FLAG_RETX | AR_FLAG_PULL
  *    5   1   set      0 or 1: which of the slot's two sets (double buffering)
- *    6   2   rank     sender rank (AR_RANK_AGG in results)
- *    8   4   job      job id
- *   12   4   slot     aggregation slot index, < slots of the job
- *   16   4   block    block index in the tensor (all contributors of a round send the same)
- *   20   4   mask     ranks expected in this round (bit r = rank r); result: ranks that contributed
- *   24   4   next_nz  sender's next non-zero block; result: minimum over the contributors
- *   28   2   count    valid elements in the payload (0: a null contribution without payload)
- *   30   2   exp      int16 quantization exponent: value = element * 2^-exp (echoed in results)
- *   32       payload  elems x int32 little endian (elems fixed per job; 0 when count == 0)
+ *    6   2   rank     sender rank (AR_RANK_AGG in results; the requester's rank in a STATUS)
+ *    8   4   job      job id (the aggregator's job table)
+ *   12   4   epoch    the run this record belongs to (JOINED hands it out; 0 in a JOIN)
+ *   16   4   slot     slot index inside the job's share of the pool, < slots of the job
+ *   20   4   round    round number within the epoch (running counter; JOIN: nonce low word)
+ *   24   4   mask     ranks expected in the round (bit r = rank r); RESULT/STATUS: ranks that
+ *                     contributed; JOIN: every rank of the job as the worker sees it
+ *   28   4   ack      sender's head: it holds the result of every round below this one
+ *                     (JOIN: nonce high word)
+ *   32   2   count    valid elements in the payload (results: as contributed)
+ *   34   2   exp      int16 quantization exponent, echoed in results
+ *   36   1   op       AR_OP_*: how the round combines payloads
+ *   37   1   detail   STATUS only: AR_DETAIL_*, why the round cannot be answered
+ *   38   2   pad      0
+ *   40       payload  CONTRIB/RESULT/STATUS: elems x int32 (elems fixed per aggregator build);
+ *                     JOIN/JOINED: AR_JOIN_PAYLOAD bytes (JOINED: the nonce of every rank,
+ *                     u64 little endian, index = rank); ACK: none
  */
 #ifndef NICOFFLOAD_PROTO_H
 #define NICOFFLOAD_PROTO_H
 
 /* --- shared: begin --- */
 #define AR_MAGIC 0x4E58
-#define AR_VERSION 1
+#define AR_VERSION 2
 #define AR_DEFAULT_PORT 48879
 
+/* record types */
 #define AR_TYPE_CONTRIB 1
 #define AR_TYPE_RESULT 2
 #define AR_TYPE_STATUS 3
+#define AR_TYPE_JOIN 4
+#define AR_TYPE_JOINED 5
+#define AR_TYPE_ACK 6
+/* a record of a batch that needs no answer: every receiver skips it */
+#define AR_TYPE_NOP 7
 
+/* flags of a CONTRIB */
 #define AR_FLAG_RETX 0x01
-#define AR_FLAG_OP_MAX 0x02
+/* a request for a round's result from a rank that does not contribute to it (payload ignored) */
+#define AR_FLAG_PULL 0x02
 #define AR_FLAGS_KNOWN 0x03
 
-#define AR_RANK_AGG 0xFFFF
-/* next_nz value meaning: no further non-zero block */
-#define AR_NEXT_NZ_NONE 0xFFFFFFFF
-#define AR_MAX_WORKERS 32
+/* ops: how a round combines the contributors' payloads */
+/* int32 lanes, wrapping modulo 2^32 */
+#define AR_OP_SUM 0
+/* 64-bit words (two int32 lanes each); the sender guarantees that no lane carries */
+#define AR_OP_SUM64 1
+/* signed int32 maximum */
+#define AR_OP_MAX 2
+/* bitwise or */
+#define AR_OP_OR 3
+#define AR_OP__COUNT 4
 
-#define AR_HDR_LEN 32
+/* STATUS details */
+/* the round has not completed: mask = who has contributed */
+#define AR_DETAIL_WAITING 1
+/* the record's epoch is not the job's current one (the job was restarted or reloaded) */
+#define AR_DETAIL_EPOCH 2
+/* a JOIN whose mask is not the job's set of ranks */
+#define AR_DETAIL_WORLD 3
+/* a JOIN from an older process of a rank that a newer process has taken over */
+#define AR_DETAIL_SUPERSEDED 4
+/* the round's result was overwritten by a later round of the slot */
+#define AR_DETAIL_GONE 5
+/* an epoch is forming: mask = the ranks that have joined */
+#define AR_DETAIL_JOINING 6
+
+#define AR_RANK_AGG 0xFFFF
+#define AR_MAX_WORKERS 32
+/* jobs one aggregator serves at once (job table entries) */
+#define AR_MAX_JOBS 16
+
+#define AR_HDR_LEN 40
 #define AR_OFF_MAGIC 0
 #define AR_OFF_VERSION 2
 #define AR_OFF_TYPE 3
@@ -54,47 +97,64 @@
 #define AR_OFF_SET 5
 #define AR_OFF_RANK 6
 #define AR_OFF_JOB 8
-#define AR_OFF_SLOT 12
-#define AR_OFF_BLOCK 16
-#define AR_OFF_MASK 20
-#define AR_OFF_NEXT_NZ 24
-#define AR_OFF_COUNT 28
-#define AR_OFF_EXP 30
+#define AR_OFF_EPOCH 12
+#define AR_OFF_SLOT 16
+#define AR_OFF_ROUND 20
+#define AR_OFF_MASK 24
+#define AR_OFF_ACK 28
+#define AR_OFF_COUNT 32
+#define AR_OFF_EXP 34
+#define AR_OFF_OP 36
+#define AR_OFF_DETAIL 37
+#define AR_OFF_PAD 38
+/* JOIN and JOINED carry the nonce table: AR_MAX_WORKERS x u64 (bytes) */
+#define AR_JOIN_PAYLOAD 256
 
-/* Ethernet + IPv4 without options + UDP, bytes before the AllReduce header */
+/* Ethernet + IPv4 without options + UDP, bytes before the first record */
 #define AR_L2L4_LEN 42
+/* the largest offset the verifier lets a program reach in a packet (bytes) */
+#define AR_MAX_PACKET_OFF 65535
 
-/* Default elements per packet (int32): 256 = 1 KiB of payload */
+/* Default elements per record (int32): 256 = 1 KiB of payload; elems must be even */
 #define AR_DEFAULT_ELEMS 256
 /* Largest MTU native XDP accepts on veth (bytes); payload bound = MTU - 20 - 8 - AR_HDR_LEN */
 #define AR_MAX_MTU 3506
 
-/* Per-CPU counters (stats map index). */
+/* Counters, per job and per CPU (stats map row = job index + 1; row 0: no job known). */
 #define AR_STAT_RX 0
-#define AR_STAT_AGGREGATED 1
-#define AR_STAT_COMPLETED 2
-#define AR_STAT_RESULT_SENT 3
-#define AR_STAT_RETX_ANSWERED 4
-#define AR_STAT_DUP_DROPPED 5
-#define AR_STAT_PASSED 6
-#define AR_STAT_BAD_TRUNCATED 7
-#define AR_STAT_BAD_MAGIC 8
-#define AR_STAT_BAD_VERSION 9
-#define AR_STAT_BAD_TYPE 10
-#define AR_STAT_BAD_FLAGS 11
-#define AR_STAT_BAD_JOB 12
-#define AR_STAT_BAD_RANK 13
-#define AR_STAT_BAD_SLOT 14
-#define AR_STAT_BAD_SET 15
-#define AR_STAT_BAD_LEN 16
-#define AR_STAT_BAD_MASK 17
-#define AR_STAT_BAD_SRC 18
-#define AR_STAT_MISMATCH 19
-#define AR_STAT_NO_JOB 20
-#define AR_STAT_TX_FAILED 21
-#define AR_STAT_NULL 22
-#define AR_STAT_STATUS_SENT 23
-#define AR_STAT__COUNT 24
+#define AR_STAT_RECORDS 1
+#define AR_STAT_AGGREGATED 2
+#define AR_STAT_COMPLETED 3
+#define AR_STAT_RESULT_SENT 4
+#define AR_STAT_RETX_ANSWERED 5
+#define AR_STAT_PULL_ANSWERED 6
+#define AR_STAT_STATUS_SENT 7
+#define AR_STAT_DUP_DROPPED 8
+#define AR_STAT_PASSED 9
+#define AR_STAT_JOIN 10
+#define AR_STAT_EPOCH_FORMED 11
+#define AR_STAT_ACK 12
+#define AR_STAT_BAD_TRUNCATED 13
+#define AR_STAT_BAD_MAGIC 14
+#define AR_STAT_BAD_VERSION 15
+#define AR_STAT_BAD_TYPE 16
+#define AR_STAT_BAD_FLAGS 17
+#define AR_STAT_BAD_JOB 18
+#define AR_STAT_BAD_RANK 19
+#define AR_STAT_BAD_SLOT 20
+#define AR_STAT_BAD_SET 21
+#define AR_STAT_BAD_LEN 22
+#define AR_STAT_BAD_MASK 23
+#define AR_STAT_BAD_SRC 24
+#define AR_STAT_BAD_OP 25
+#define AR_STAT_BAD_MIXED 26
+#define AR_STAT_STALE_EPOCH 27
+#define AR_STAT_STALE_ROUND 28
+#define AR_STAT_STALE_JOIN 29
+#define AR_STAT_EARLY 30
+#define AR_STAT_MISMATCH 31
+#define AR_STAT_TX_FAILED 32
+#define AR_STAT__COUNT 33
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0

@@ -1,13 +1,23 @@
-/* Cursor-based parsing for the aggregator: each step checks bounds, advances, and returns a
- * pointer to the header or NULL. Byte order: wire fields are big endian (see nicoffload_proto.h). */
+/* Parsing for the aggregator: a cursor over the frame (each step checks bounds, advances and
+ * returns a pointer to the header or NULL), the record header's C view, and checksums.
+ * Byte order: wire fields are big endian, payloads little endian (see nicoffload_proto.h). */
 #ifndef NICOFFLOAD_PARSE_H
 #define NICOFFLOAD_PARSE_H
 
 #include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/udp.h>
 
 #include "nicoffload_proto.h"
+
+/* IPv4 header without options (bytes); results are rewritten in place, so only ihl 5 is ours */
+#define AR_IPV4_LEN 20
+#define AR_IPV4_IHL 5
+/* frag_off bits: "more fragments" and the fragment offset; DF alone is fine */
+#define AR_IP_MF_OFFSET 0x3fff
+#define AR_IP_DF 0x4000
+#define AR_TTL 64
 
 struct cursor {
     void *pos;
@@ -22,24 +32,40 @@ struct ar_hdr {
     u8 set;
     u16 rank;
     u32 job;
+    u32 epoch;
     u32 slot;
-    u32 block;
+    u32 round;
     u32 mask;
-    u32 next_nz;
+    u32 ack;
     u16 count;
     s16 exp;
+    u8 op;
+    u8 detail;
+    u16 pad;
 } __attribute__((packed));
 
+/* The wire layout is checked here, against the shared constants, by the compiler: the one
+ * place the C view of a record is tied to AR_OFF_* (Python derives its view from AR_OFF_*). */
 _Static_assert(sizeof(struct ar_hdr) == AR_HDR_LEN, "ar_hdr size drifted from AR_HDR_LEN");
+_Static_assert(__builtin_offsetof(struct ar_hdr, magic) == AR_OFF_MAGIC, "magic offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, version) == AR_OFF_VERSION, "version offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, type) == AR_OFF_TYPE, "type offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, flags) == AR_OFF_FLAGS, "flags offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, set) == AR_OFF_SET, "set offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, rank) == AR_OFF_RANK, "rank offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, job) == AR_OFF_JOB, "job offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, epoch) == AR_OFF_EPOCH, "epoch offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, slot) == AR_OFF_SLOT, "slot offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, block) == AR_OFF_BLOCK, "block offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, round) == AR_OFF_ROUND, "round offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, mask) == AR_OFF_MASK, "mask offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, next_nz) == AR_OFF_NEXT_NZ, "next_nz offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, ack) == AR_OFF_ACK, "ack offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, count) == AR_OFF_COUNT, "count offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, exp) == AR_OFF_EXP, "exp offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, set) == AR_OFF_SET, "set offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, op) == AR_OFF_OP, "op offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, detail) == AR_OFF_DETAIL, "detail offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, pad) == AR_OFF_PAD, "pad offset");
+_Static_assert(AR_JOIN_PAYLOAD == AR_MAX_WORKERS * 8, "JOIN payload holds one u64 nonce per rank");
+_Static_assert(AR_L2L4_LEN == sizeof(struct ethhdr) + AR_IPV4_LEN + sizeof(struct udphdr), "L2-L4 length");
 
 static __always_inline struct ethhdr *parse_eth(struct cursor *c)
 {
@@ -50,12 +76,13 @@ static __always_inline struct ethhdr *parse_eth(struct cursor *c)
     return eth;
 }
 
+/* The fixed part of an IPv4 header; the caller decides what options mean for it. */
 static __always_inline struct iphdr *parse_ipv4(struct cursor *c)
 {
     struct iphdr *ip = c->pos;
     if ((void *)(ip + 1) > c->end)
         return NULL;
-    c->pos = ip + 1; /* options are rejected by the caller (ihl must be 5) */
+    c->pos = ip + 1;
     return ip;
 }
 
@@ -77,17 +104,32 @@ static __always_inline struct ar_hdr *parse_ar(struct cursor *c)
     return ar;
 }
 
-/* IPv4 header checksum over exactly 20 bytes (ihl 5). */
+static __always_inline u32 csum_fold(u32 sum)
+{
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return sum;
+}
+
+/* IPv4 header checksum over exactly AR_IPV4_LEN bytes (ihl 5). */
 static __always_inline u16 ipv4_csum(struct iphdr *ip)
 {
     u32 sum = 0;
     u16 *w = (u16 *)ip;
 #pragma unroll
-    for (int i = 0; i < 10; i++)
+    for (int i = 0; i < AR_IPV4_LEN / 2; i++)
         sum += w[i];
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    return ~sum;
+    return ~csum_fold(sum);
+}
+
+/* The UDP checksum field of a CHECKSUM_PARTIAL (GSO) skb holds the folded, uncomplemented
+ * pseudo-header sum; the stack adds the payload when it segments or transmits. Recomputed from
+ * the (rewritten) addresses and length, in wire order. */
+static __always_inline u16 udp_pseudo_partial(struct iphdr *ip, struct udphdr *udp)
+{
+    u32 sum = (ip->saddr & 0xffff) + (ip->saddr >> 16) + (ip->daddr & 0xffff) + (ip->daddr >> 16);
+    sum += bpf_htons(IPPROTO_UDP) + udp->len;
+    return csum_fold(sum);
 }
 
 #endif

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from nicoffload import bpf
 from nicoffload.aggregator import Aggregator
 from packets import generators as gen
 
@@ -17,7 +18,8 @@ def _agg_cache():
 @pytest.fixture
 def make_agg(_agg_cache):
     """Test aggregators (loaded, not attached), compiled once per shape and returned with every
-    slot, counter and the job configuration reset, so each test starts from a clean program."""
+    slot, counter and the job entry reset (no epoch formed), so each test starts from a clean
+    program."""
 
     def make(workers=4, slots=8, elems=256, **kw):
         kw.setdefault("worker_ips", [gen.worker_ip(r) for r in range(workers)])
@@ -35,3 +37,19 @@ def make_agg(_agg_cache):
         return agg
 
     return make
+
+
+def form_epoch(agg, workers: int | None = None, run: int = 1, job: int | None = None) -> int:
+    """Every rank JOINs with the nonces of process start ``run``; returns the epoch handed out."""
+    workers = workers or agg.spec.workers
+    job = agg.spec.job if job is None else job
+    outs = [agg.run(f) for f in gen.join_frames(workers, [gen.nonce_of(r, run) for r in range(workers)], job=job)]
+    assert [o.verdict for o in outs] == [bpf.XDP_DROP] * (workers - 1) + [bpf.XDP_TX]
+    epoch = agg.job_state(job)["epoch"]
+    assert epoch
+    return epoch
+
+
+@pytest.fixture
+def joined():
+    return form_epoch

@@ -10,19 +10,21 @@ import threading
 
 import numpy as np
 import pytest
-from scapy.layers.inet import IP
+from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
 from nicoffload import bpf, proto
 from nicoffload.bpf import XDP_DROP, XDP_PASS, XDP_TX
 from packets import generators as gen
-from packets.layers import AllReduce
+from packets.layers import AllReduce, split_records
+
 
 NONE = 0xFFFFFFFF
 
 
-def hdr_of(frame: bytes) -> dict:
-    vals = struct.unpack(proto.HDR_STRUCT, frame[proto.L2L4_LEN:proto.L2L4_LEN + proto.HDR_LEN])
+def hdr_of(frame: bytes, offset: int = 0) -> dict:
+    at = proto.L2L4_LEN + offset
+    vals = struct.unpack(proto.HDR_STRUCT, frame[at:at + proto.HDR_LEN])
     return dict(zip([f[0] for f in proto.FIELDS], vals))
 
 
@@ -30,236 +32,438 @@ def run_all(agg, frames):
     return [agg.run(f) for f in frames]
 
 
-def test_n_contributions_produce_one_exact_result(make_agg):
+def outcome_total(st: dict) -> int:
+    """Every record ends in exactly one of these counters."""
+    keys = ["aggregated", "retx_answered", "pull_answered", "status_sent", "dup_dropped", "join", "ack",
+            "stale_epoch", "stale_round", "stale_join", "early", "mismatch"]
+    return sum(st[k] for k in keys) + sum(v for k, v in st.items() if k.startswith("bad_"))
+
+
+# --- the epoch handshake ------------------------------------------------------------------------
+
+
+def test_join_forms_an_epoch_when_every_rank_has_joined(make_agg, joined):
+    agg = make_agg(workers=3)
+    frames = gen.join_frames(3)
+    outs = run_all(agg, frames)
+    assert [o.verdict for o in outs] == [XDP_DROP, XDP_DROP, XDP_TX]
+    js = agg.job_state(1)
+    assert js["epoch"] and js["joined"] == 0b111 and js["nonces"] == [gen.nonce_of(r) for r in range(3)]
+    # the last JOIN became the JOINED, multicast, with every rank's nonce
+    want = gen.joined_record(2, 3, gen.nonce_of(2), js["epoch"], [gen.nonce_of(r) for r in range(3)])
+    assert outs[-1].data == gen.result_frame(want)
+    # a JOIN repeated after formation (its JOINED was lost) is answered by unicast
+    again = agg.run(frames[0])
+    assert again.verdict == XDP_TX
+    assert again.data == gen.unicast_frame(gen.joined_record(0, 3, gen.nonce_of(0), js["epoch"],
+                                                             [gen.nonce_of(r) for r in range(3)]), 0)
+    st = agg.stats()
+    assert st["join"] == 4 and st["epoch_formed"] == 1 and st["records"] == outcome_total(st) == 4
+
+
+def test_joining_status_names_who_has_joined_and_world_mismatch(make_agg, joined):
+    agg = make_agg(workers=3)
+    agg.run(gen.join_frames(3, ranks=[1])[0])
+    # a repeated JOIN of rank 1 before the others: dropped, unless it asks (RETX)
+    assert agg.run(gen.join_frames(3, ranks=[1])[0]).verdict == XDP_DROP
+    out = agg.run(gen.join_frames(3, ranks=[1], retx=True)[0])
+    assert out.verdict == XDP_TX
+    h = hdr_of(out.data)
+    assert h["type"] == proto.TYPE_STATUS and h["detail"] == proto.DETAIL["joining"] and h["mask"] == 0b010
+    # a worker that counts 4 ranks in a 3-rank job is told so
+    out = agg.run(gen.frame(gen.join_record(0, 4, gen.nonce_of(0)), src_mac=gen.worker_mac(0), dst_mac=gen.AGG_MAC,
+                            src_ip=gen.worker_ip(0), dst_ip=gen.AGG_IP))
+    h = hdr_of(out.data)
+    assert out.verdict == XDP_TX and h["type"] == proto.TYPE_STATUS and h["detail"] == proto.DETAIL["world"]
+    assert h["mask"] == 0b111 and Ether(out.data)[IP].dst == gen.worker_ip(0)
+    assert agg.job_state(1)["joined"] == 0b010
+
+
+def test_a_rerun_never_sees_the_results_of_the_previous_run(make_agg, joined):
+    """The bug this protocol fixes: a second run of the same job starts its rounds at 0 again;
+    the aggregator still holds the first run's completed rounds with every rank's bit set."""
+    agg = make_agg(workers=3, slots=8)
+    first = gen.sample_arrays(3, 256 * 5, seed=1)
+    e1 = joined(agg, 3, run=1)
+    outs = run_all(agg, gen.contributions(first, slots=8, epoch=e1))
+    assert sum(o.verdict == XDP_TX for o in outs) == 5
+    # the same command again, new processes (newer nonces), new inputs, rounds from 0
+    second = gen.sample_arrays(3, 256 * 5, seed=2)
+    e2 = joined(agg, 3, run=2)
+    assert e2 != e1
+    outs = run_all(agg, gen.contributions(second, slots=8, epoch=e2))
+    got = [o.data for o in outs if o.verdict == XDP_TX]
+    want = gen.expected_results(second, slots=8, epoch=e2)
+    assert got == [gen.result_frame(w) for w in want]
+    st = agg.stats()
+    assert st["retx_answered"] == 0 and st["dup_dropped"] == 0 and st["completed"] == 10
+
+
+def test_a_restarted_rank_ends_the_running_epoch_and_stale_senders_learn_why(make_agg, joined):
+    agg = make_agg(workers=3, slots=8)
+    arrays = gen.sample_arrays(3, 256 * 2, seed=3)
+    e1 = joined(agg, 3, run=1)
+    f = gen.contributions(arrays, slots=8, epoch=e1)
+    run_all(agg, f[:2])  # ranks 0 and 1 of round 0
+    # rank 2 crashed and its new process joins: the run is over
+    assert agg.run(gen.join_frames(3, [0, 0, gen.nonce_of(2, run=2)], ranks=[2])[0]).verdict == XDP_DROP
+    js = agg.job_state(1)
+    assert js["epoch"] == 0 and js["joined"] == 0b100
+    # the old processes' records are stale; a retransmission is told why nothing will answer
+    assert agg.run(f[2]).verdict == XDP_DROP
+    r = gen.contributions(arrays, slots=8, epoch=e1, retx=True)
+    out = agg.run(r[0])
+    h = hdr_of(out.data)
+    assert out.verdict == XDP_TX and h["type"] == proto.TYPE_STATUS and h["detail"] == proto.DETAIL["epoch"]
+    assert Ether(out.data)[IP].dst == gen.worker_ip(0)
+    # the old process of rank 2 (older nonce) asking to join is superseded
+    out = agg.run(gen.join_frames(3, [0, 0, gen.nonce_of(2, run=1)], ranks=[2], retx=True)[0])
+    h = hdr_of(out.data)
+    assert out.verdict == XDP_TX and h["detail"] == proto.DETAIL["superseded"]
+    st = agg.stats()
+    assert st["stale_epoch"] == 2 and st["stale_join"] == 1 and st["records"] == outcome_total(st)
+
+
+def test_records_before_any_epoch_are_stale(make_agg, joined):
+    agg = make_agg(workers=2)
+    arrays = gen.sample_arrays(2, 256, seed=4)
+    outs = run_all(agg, gen.contributions(arrays, slots=8, epoch=12345))
+    assert [o.verdict for o in outs] == [XDP_DROP, XDP_DROP]
+    assert agg.stats()["stale_epoch"] == 2 and not agg.slot(0)["sets"][0]["used"]
+
+
+# --- the slot algorithm -------------------------------------------------------------------------
+
+
+def test_n_contributions_produce_one_exact_result(make_agg, joined):
     n, elems = 4, 256
     agg = make_agg(workers=n, slots=8)
+    ep = joined(agg)
     arrays = gen.sample_arrays(n, elems * 3 - 17, seed=1)  # 3 blocks, the last one partial
-    frames = gen.contributions(arrays, slots=8)
-    outs = run_all(agg, frames)
-    verdicts = [o.verdict for o in outs]
-    assert verdicts == ([XDP_DROP] * (n - 1) + [XDP_TX]) * 3
-    want = gen.expected_results(arrays, slots=8)
+    outs = run_all(agg, gen.contributions(arrays, slots=8, epoch=ep))
+    assert [o.verdict for o in outs] == ([XDP_DROP] * (n - 1) + [XDP_TX]) * 3
+    want = gen.expected_results(arrays, slots=8, epoch=ep)
     got = [o.data for o in outs if o.verdict == XDP_TX]
-    for g, w in zip(got, want):
-        assert g == gen.result_frame(w), "the result frame differs from the expected bytes"
+    assert got == [gen.result_frame(w) for w in want]
     total = np.sum(np.stack(arrays), axis=0, dtype=np.int32)
     res = np.concatenate([np.frombuffer(g[proto.L2L4_LEN + proto.HDR_LEN:], "<i4") for g in got])
     assert np.array_equal(res[:total.size], total)
     st = agg.stats()
-    assert st["rx"] == 12 and st["aggregated"] == 12 and st["completed"] == 3 and st["result_sent"] == 3
+    assert st["aggregated"] == 12 and st["completed"] == 3 and st["result_sent"] == 4  # + the JOINED
+    assert st["records"] == outcome_total(st) == 12 + 4
     s = agg.slot(2)["sets"][0]
     assert s["complete"] and s["bitmap"] == 0xF and s["mask"] == 0xF and s["count"] == elems - 17
+    assert s["epoch"] == ep and s["round"] == 2
 
 
-def test_duplicate_before_completion_is_dropped(make_agg):
+def test_duplicate_before_completion_is_dropped(make_agg, joined):
     agg = make_agg(workers=3)
+    ep = joined(agg)
     arrays = gen.sample_arrays(3, 256, seed=2)
-    f = gen.contributions(arrays, slots=8)
+    f = gen.contributions(arrays, slots=8, epoch=ep)
     assert agg.run(f[0]).verdict == XDP_DROP
     assert agg.run(f[0]).verdict == XDP_DROP  # same rank again: duplicate
     st = agg.stats()
     assert st["dup_dropped"] == 1 and st["aggregated"] == 1
     assert agg.slot(0)["sets"][0]["bitmap"] == 0b001
-    # the duplicate did not add twice: completing gives the exact sum
     assert agg.run(f[1]).verdict == XDP_DROP
     out = agg.run(f[2])
     assert out.verdict == XDP_TX
-    assert out.data == gen.result_frame(gen.expected_results(arrays, slots=8)[0])
+    assert out.data == gen.result_frame(gen.expected_results(arrays, slots=8, epoch=ep)[0])
 
 
-def test_explicit_retransmission_before_completion_gets_status(make_agg):
+def test_retransmissions_get_status_before_and_the_result_after_completion(make_agg, joined):
     agg = make_agg(workers=3)
+    ep = joined(agg)
     arrays = gen.sample_arrays(3, 256, seed=3)
-    f = gen.contributions(arrays, slots=8)
-    r = gen.contributions(arrays, slots=8, retx=True)
+    f = gen.contributions(arrays, slots=8, epoch=ep)
+    r = gen.contributions(arrays, slots=8, epoch=ep, retx=True)
     agg.run(f[0]), agg.run(f[1])
     out = agg.run(r[1])  # rank 1 retransmits while rank 2 is missing
-    assert out.verdict == XDP_TX
     h = hdr_of(out.data)
-    assert h["type"] == proto.TYPE_STATUS and h["mask"] == 0b011 and h["count"] == 0
-    pkt = Ether(out.data)
-    assert pkt[IP].dst == gen.worker_ip(1) and pkt.dst == gen.worker_mac(1)
-    assert len(out.data) == proto.L2L4_LEN + proto.HDR_LEN
-    assert pkt[IP].len == 20 + 8 + proto.HDR_LEN
-    assert agg.stats()["status_sent"] == 1
-
-
-def test_retransmission_after_completion_gets_stored_result_by_unicast(make_agg):
-    agg = make_agg(workers=2)
-    arrays = gen.sample_arrays(2, 256, seed=4)
-    f = gen.contributions(arrays, slots=8)
-    run_all(agg, f)
-    out = agg.run(gen.contributions(arrays, slots=8, retx=True)[0])
     assert out.verdict == XDP_TX
-    want = gen.result_frame(gen.expected_results(arrays, slots=8)[0], dst_ip=gen.worker_ip(0),
-                            dst_mac=gen.worker_mac(0))
-    assert out.data == want
+    assert h["type"] == proto.TYPE_STATUS and h["detail"] == proto.DETAIL["waiting"] and h["mask"] == 0b011
+    assert h["rank"] == 1 and Ether(out.data)[IP].dst == gen.worker_ip(1)
+    agg.run(f[2])
+    out = agg.run(r[0])  # rank 0 lost the result
+    want = gen.expected_results(arrays, slots=8, epoch=ep)[0]
+    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(want, 0)
     st = agg.stats()
-    assert st["retx_answered"] == 1 and st["completed"] == 1
+    assert st["retx_answered"] == 1 and st["status_sent"] == 1 and st["aggregated"] == 3
 
 
-def test_sets_alternate_over_many_rounds(make_agg):
-    """Two slots, 40 blocks: each slot runs 20 rounds alternating set 0 and 1; every result exact."""
-    n, slots = 3, 2
-    agg = make_agg(workers=n, slots=slots)
-    arrays = gen.sample_arrays(n, 256 * 40, seed=5)
-    frames = gen.contributions(arrays, slots=slots)
-    outs = run_all(agg, frames)
+def test_sets_alternate_over_many_rounds(make_agg, joined):
+    agg = make_agg(workers=2, slots=4)
+    ep = joined(agg, 2)
+    arrays = gen.sample_arrays(2, 256 * 13, seed=5)
+    outs = run_all(agg, gen.contributions(arrays, slots=4, epoch=ep, ack=0))
+    # round r+8 reuses round r's set: allowed once both ranks acknowledged round r; these
+    # records all claim ack 0, so from round 8 on the aggregator keeps the Tx spots
+    assert sum(o.verdict == XDP_TX for o in outs) == 8
+    assert agg.stats()["early"] == 10  # both ranks' records of rounds 8..12
+    # with the acknowledgements a worker really sends (its head), every round completes
+    agg2 = make_agg(workers=2, slots=4)
+    ep = joined(agg2, 2)
+    frames = []
+    for b in range(13):
+        frames += gen.contributions([a[b * 256:(b + 1) * 256] for a in arrays], slots=4, epoch=ep,
+                                    first_round=b, ack=b)
+    outs = run_all(agg2, frames)
     got = [o.data for o in outs if o.verdict == XDP_TX]
-    want = [gen.result_frame(w) for w in gen.expected_results(arrays, slots=slots)]
-    assert got == want
-    for s in range(slots):
-        sets = agg.slot(s)["sets"]
-        assert [x["rounds"] for x in sets] == [10, 10]
-        # the last round ran on set 1; contributing there cleared every rank's bit in set 0
-        assert sets[1]["bitmap"] == 0b111 and sets[0]["bitmap"] == 0
-    assert agg.stats()["completed"] == 40
+    want = gen.expected_results(arrays, slots=4, epoch=ep)
+    assert len(got) == 13 and all(g[proto.L2L4_LEN + proto.HDR_LEN:] == w[proto.HDR_LEN:] for g, w in zip(got, want))
+    assert [agg2.slot(i)["sets"][k]["round"] for i in range(4) for k in range(2)] == [8, 12, 9, 5, 10, 6, 11, 7]
 
 
-def test_reuse_of_a_slot_after_both_sets_with_same_block_ids(make_agg):
-    """A later call with the same block ids on the same (slot, set) is a new round, not a retx,
-    because contributing to the other set in between cleared the ranks' bits."""
+def test_ack_records_release_a_tx_spot(make_agg, joined):
+    """A set's previous round is overwritten only once every rank's acknowledgement is past it;
+    a rank that contributes to nothing says so with an ACK record."""
     agg = make_agg(workers=2, slots=1)
-    a1 = gen.sample_arrays(2, 256 * 2, seed=6)
-    a2 = gen.sample_arrays(2, 256 * 2, seed=7)
-    run_all(agg, gen.contributions(a1, slots=1))
-    outs = run_all(agg, gen.contributions(a2, slots=1, first_use=2))
+    ep = joined(agg, 2)
+    a = gen.sample_arrays(2, 256 * 5, seed=6)
+
+    def contrib(b, masks=0b11, ack=None):
+        return gen.contributions([x[b * 256:(b + 1) * 256] for x in a], slots=1, epoch=ep, first_round=b,
+                                 masks=masks, ack=b if ack is None else ack)
+
+    for b in range(3):  # rounds 0, 1, 2: both ranks, each acknowledging what it holds
+        assert [o.verdict for o in run_all(agg, contrib(b))] == [XDP_DROP, XDP_TX]
+    assert agg.job_state(1)["acks"] == [2, 2]
+    # round 3 (rank 0 alone) takes round 1's set: both ranks are past round 1
+    assert agg.run(contrib(3, masks=0b01)[0]).verdict == XDP_TX
+    # round 4 (rank 0 alone) would take round 2's set, but rank 1 has not said it holds round 2
+    assert agg.run(contrib(4, masks=0b01)[0]).verdict == XDP_DROP
+    assert agg.stats()["early"] == 1 and agg.slot(0)["sets"][0]["round"] == 2
+    assert agg.run(gen.ack_frame(1, 4, epoch=ep)).verdict == XDP_DROP
+    assert agg.job_state(1)["acks"] == [4, 4]
+    out = agg.run(contrib(4, masks=0b01)[0])  # the retry of round 4 goes through
+    assert out.verdict == XDP_TX and hdr_of(out.data)["round"] == 4 and hdr_of(out.data)["mask"] == 0b01
+    # an ACK of another epoch is not taken
+    assert agg.run(gen.ack_frame(1, 9, epoch=ep + 1)).verdict == XDP_DROP
+    st = agg.stats()
+    assert agg.job_state(1)["acks"] == [4, 4] and st["stale_epoch"] == 1
+    assert st["ack"] == 1 and st["records"] == outcome_total(st)
+
+
+def test_sparse_rounds_and_pulls(make_agg, joined):
+    """A round completes with its contributors only; a rank outside the round pulls its result."""
+    agg = make_agg(workers=3, slots=8)
+    ep = joined(agg, 3)
+    arrays = gen.sample_arrays(3, 256 * 3, seed=7)
+    masks = [0b001, 0b110, 0b111]
+    outs = run_all(agg, gen.contributions(arrays, slots=8, epoch=ep, masks=masks))
+    assert [o.verdict for o in outs] == [XDP_TX, XDP_DROP, XDP_TX, XDP_DROP, XDP_DROP, XDP_TX]
+    want = gen.expected_results(arrays, slots=8, epoch=ep, masks=masks)
+    assert [o.data for o in outs if o.verdict == XDP_TX] == [gen.result_frame(w) for w in want]
+    # rank 0 did not take part in round 1 and lost its result: it pulls it
+    out = agg.run(gen.batch([gen.pull(0, 1, slots=8, epoch=ep, mask=0b110)], 0))
+    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(want[1], 0)
+    # a pull of a round that has not begun, and of a round still waiting
+    out = agg.run(gen.batch([gen.pull(0, 3, slots=8, epoch=ep, mask=0b011)], 0))
+    h = hdr_of(out.data)
+    assert h["type"] == proto.TYPE_STATUS and h["detail"] == proto.DETAIL["waiting"] and h["mask"] == 0
+    agg.run(gen.contributions(gen.sample_arrays(3, 256, seed=8), slots=8, epoch=ep, first_round=3, masks=0b011)[0])
+    h = hdr_of(agg.run(gen.batch([gen.pull(2, 3, slots=8, epoch=ep, mask=0b011)], 2)).data)
+    assert h["mask"] == 0b001 and h["rank"] == 2
+    st = agg.stats()
+    assert st["pull_answered"] == 1 and st["status_sent"] == 2 and st["records"] == outcome_total(st)
+
+
+def test_int32_overflow_wraps_modulo_2_32(make_agg, joined):
+    agg = make_agg(workers=2)
+    ep = joined(agg, 2)
+    big = np.full(256, 2**31 - 1, np.int32)
+    outs = run_all(agg, gen.contributions([big, big], slots=8, epoch=ep))
+    res = np.frombuffer(outs[-1].data[proto.L2L4_LEN + proto.HDR_LEN:], "<i4")
+    assert (res == -2).all()
+
+
+@pytest.mark.parametrize("op", [proto.OP_SUM64, proto.OP_MAX, proto.OP_OR])
+def test_ops(make_agg, joined, op):
+    agg = make_agg(workers=3)
+    ep = joined(agg, 3)
+    rng = np.random.default_rng(op)
+    if op == proto.OP_SUM64:  # lanes the worker keeps carry-free: non-negative, sum below 2^32
+        arrays = [rng.integers(0, 2**30, 256 * 2, dtype=np.int64).astype(np.int32) for _ in range(3)]
+    else:
+        arrays = [rng.integers(-(2**31), 2**31 - 1, 256 * 2, dtype=np.int32) for _ in range(3)]
+    outs = run_all(agg, gen.contributions(arrays, slots=8, epoch=ep, op=op))
     got = [o.data for o in outs if o.verdict == XDP_TX]
-    assert got == [gen.result_frame(w) for w in gen.expected_results(a2, slots=1, first_use=2)]
+    want = gen.expected_results(arrays, slots=8, epoch=ep, op=op)
+    assert got == [gen.result_frame(w) for w in want]
+    ref = {proto.OP_SUM64: lambda s: s.astype(np.int64).sum(0).astype(np.int32),
+           proto.OP_MAX: lambda s: s.max(0), proto.OP_OR: lambda s: np.bitwise_or.reduce(s, 0)}[op]
+    res = np.concatenate([np.frombuffer(g[proto.L2L4_LEN + proto.HDR_LEN:], "<i4") for g in got])
+    assert np.array_equal(res, ref(np.stack(arrays)))
 
 
-@pytest.mark.parametrize("case", gen.malformed_cases(workers=4, slots=8), ids=lambda c: f"{c.reason}:{c.what}")
-def test_every_malformed_reason_is_counted_and_dropped(make_agg, case):
+def test_a_contribution_that_disagrees_with_its_round_is_rejected(make_agg, joined):
+    agg = make_agg(workers=2)
+    ep = joined(agg, 2)
+    arrays = gen.sample_arrays(2, 256, seed=9)
+    a = gen.contributions(arrays, slots=8, epoch=ep, exp=5)
+    b = gen.contributions(arrays, slots=8, epoch=ep, exp=6)
+    c = gen.contributions(arrays, slots=8, epoch=ep, exp=5, op=proto.OP_MAX)
+    assert agg.run(a[0]).verdict == XDP_DROP
+    assert agg.run(b[1]).verdict == XDP_DROP and agg.run(c[1]).verdict == XDP_DROP
+    assert agg.stats()["mismatch"] == 2
+    assert agg.run(a[1]).verdict == XDP_TX
+
+
+def test_stale_rounds_are_dropped(make_agg, joined):
+    agg = make_agg(workers=2, slots=2)
+    ep = joined(agg, 2)
+    a = gen.sample_arrays(2, 256 * 5, seed=10)
+    frames = []
+    for b in range(5):
+        frames += gen.contributions([x[b * 256:(b + 1) * 256] for x in a], slots=2, epoch=ep, first_round=b, ack=b)
+    run_all(agg, frames)
+    old = gen.contributions([x[:256] for x in a], slots=2, epoch=ep, first_round=0)
+    assert agg.run(old[0]).verdict == XDP_DROP and agg.stats()["stale_round"] == 1
+    out = agg.run(gen.contributions([x[:256] for x in a], slots=2, epoch=ep, first_round=0, retx=True)[0])
+    assert hdr_of(out.data)["detail"] == proto.DETAIL["gone"]
+
+
+# --- batches: several records in one frame ------------------------------------------------------
+
+
+def test_a_batch_is_one_frame_out(make_agg, joined):
+    E = 16
+    agg = make_agg(workers=2, slots=8, elems=E)
+    ep = joined(agg, 2)
+    a = gen.sample_arrays(2, E * 6, seed=11, elems=E)
+    recs = {r: [gen.record(rank=r, round=b, slots=8, epoch=ep, mask=0b11, elems=E, payload=a[r][b * E:(b + 1) * E])
+                for b in range(6)] for r in range(2)}
+    # rank 0's batch completes nothing: dropped
+    assert agg.run(gen.batch(recs[0], 0)).verdict == XDP_DROP
+    # rank 1's batch completes every round: one multicast frame with six results
+    out = agg.run(gen.batch(recs[1], 1))
+    assert out.verdict == XDP_TX
+    want = gen.expected_results(a, slots=8, epoch=ep, elems=E)
+    p = Ether(out.data)
+    assert p[IP].dst == gen.GROUP_IP and p[UDP].chksum != 0  # a GSO batch keeps a partial checksum
+    assert bytes(p[UDP].payload) == b"".join(want)
+    st = agg.stats()
+    assert st["completed"] == 6 and st["result_sent"] == 2 and st["records"] == outcome_total(st) == 14
+
+
+def test_a_batch_that_completes_some_rounds_marks_the_others_nop(make_agg, joined):
+    E = 16
+    agg = make_agg(workers=2, slots=8, elems=E)
+    ep = joined(agg, 2)
+    a = gen.sample_arrays(2, E * 4, seed=12, elems=E)
+    rec = lambda r, b, **kw: gen.record(rank=r, round=b, slots=8, epoch=ep, mask=0b11, elems=E,  # noqa: E731
+                                        payload=a[r][b * E:(b + 1) * E], **kw)
+    agg.run(gen.batch([rec(0, 0), rec(0, 2)], 0))
+    out = agg.run(gen.batch([rec(1, 0), rec(1, 1), rec(1, 2), rec(1, 3)], 1))
+    assert out.verdict == XDP_TX and Ether(out.data)[IP].dst == gen.GROUP_IP
+    types = [r.type for r in split_records(bytes(Ether(out.data)[UDP].payload), proto.record_size(E))]
+    assert types == [proto.TYPE_RESULT, proto.TYPE_NOP, proto.TYPE_RESULT, proto.TYPE_NOP]
+    # a batch of retransmissions and new contributions: answers go back to the sender only
+    out = agg.run(gen.batch([rec(0, 0, flags=proto.FLAG_RETX), rec(0, 1), rec(0, 4 - 1)], 0))
+    assert out.verdict == XDP_TX and Ether(out.data)[IP].dst == gen.GROUP_IP  # round 1 and 3 completed
+    out = agg.run(gen.batch([rec(0, 0, flags=proto.FLAG_RETX), rec(0, 2, flags=proto.FLAG_RETX)], 0))
+    p = Ether(out.data)
+    assert out.verdict == XDP_TX and p[IP].dst == gen.worker_ip(0) and p[Ether].dst == gen.worker_mac(0)
+    assert [r.type for r in split_records(bytes(p[UDP].payload), proto.record_size(E))] == [proto.TYPE_RESULT] * 2
+
+
+def test_a_batch_mixing_ranks_or_jobs_only_loses_the_odd_records(make_agg, joined):
+    E = 16
+    agg = make_agg(workers=2, slots=8, elems=E)
+    ep = joined(agg, 2)
+    good = gen.record(rank=0, round=0, slots=8, epoch=ep, mask=0b11, elems=E)
+    other_rank = gen.record(rank=1, round=1, slots=8, epoch=ep, mask=0b11, elems=E)
+    other_job = gen.record(rank=0, round=2, slots=8, epoch=ep, mask=0b11, elems=E, job=2)
+    assert agg.run(gen.batch([good, other_rank, other_job], 0)).verdict == XDP_DROP
+    st = agg.stats()
+    assert st["aggregated"] == 1 and st["bad_mixed"] == 2 and not agg.slot(1)["sets"][0]["used"]
+
+
+# --- malformed, foreign, unconfigured -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", gen.malformed_cases(epoch=7), ids=lambda c: f"{c.reason}:{c.what}")
+def test_every_malformed_reason_is_counted_and_dropped(make_agg, joined, case):
     agg = make_agg(workers=4, slots=8)
+    joined(agg, 4)
     out = agg.run(case.frame)
     assert out.verdict == XDP_DROP, case.what
     st = agg.stats()
-    assert st[case.reason] == 1, f"{case.what}: counted under {[k for k, v in st.items() if v and k != 'rx']}"
-    assert st["aggregated"] == 0 and st["passed"] == 0
-    assert all(not s["used"] for s in agg.slot(0)["sets"])
+    assert st[case.reason] == 1, (case.what, {k: v for k, v in st.items() if v})
+    assert st["records"] == outcome_total(st)
+    for i in range(8):
+        for s in agg.slot(i)["sets"]:
+            assert not s["used"], f"{case.what} touched slot {i}"
 
 
 def test_malformed_cases_cover_every_bad_counter():
-    reasons = {c.reason for c in gen.malformed_cases()}
-    assert {s for s in proto.STATS if s.startswith("bad_")} <= reasons
+    covered = {c.reason for c in gen.malformed_cases()}
+    assert covered == {s for s in proto.STATS if s.startswith("bad_")}
 
 
 @pytest.mark.parametrize("name,frame", gen.foreign(), ids=lambda x: x if isinstance(x, str) else "")
-def test_foreign_traffic_passes_untouched(make_agg, name, frame):
-    agg = make_agg(workers=2)
+def test_foreign_traffic_passes_untouched(make_agg, joined, name, frame):
+    agg = make_agg()
     out = agg.run(frame)
-    assert out.verdict == XDP_PASS
-    assert out.data == frame
+    assert out.verdict == XDP_PASS and out.data == frame
     st = agg.stats()
     assert st["passed"] == 1 and st["rx"] == 0
 
 
-def test_int32_overflow_wraps_modulo_2_32(make_agg):
-    agg = make_agg(workers=3)
-    big = np.full(256, 2**31 - 1, dtype=np.int32)
-    small = np.full(256, -(2**31), dtype=np.int32)
-    arrays = [big, big, small]
-    outs = run_all(agg, gen.contributions(arrays, slots=8))
-    res = np.frombuffer(outs[-1].data[proto.L2L4_LEN + proto.HDR_LEN:], "<i4")
-    want = (2 * (2**31 - 1) - 2**31 + 2**32) % 2**32
-    want = want - 2**32 if want >= 2**31 else want
-    assert (res == want).all()
-    with np.errstate(over="ignore"):
-        assert np.array_equal(res, np.sum(np.stack(arrays), axis=0, dtype=np.int32))
-
-
-def test_max_round(make_agg):
-    agg = make_agg(workers=4)
-    arrays = gen.sample_arrays(4, 256, seed=8)
-    outs = run_all(agg, gen.contributions(arrays, slots=8, op_max=True))
-    assert outs[-1].data == gen.result_frame(gen.expected_results(arrays, slots=8, op_max=True)[0])
-    res = np.frombuffer(outs[-1].data[proto.L2L4_LEN + proto.HDR_LEN:], "<i4")
-    assert np.array_equal(res, np.max(np.stack(arrays), axis=0))
-
-
-@pytest.mark.parametrize("null_last", [False, True])
-def test_null_contributions(make_agg, null_last):
-    """Sparse mode: ranks with an all-zero block send a header-only null; a null may complete the
-    round, and then its packet grows to carry the result."""
-    agg = make_agg(workers=3)
-    arrays = gen.sample_arrays(3, 256 * 4, seed=9)
-    zero_rank = 2 if null_last else 0
-    arrays[zero_rank][:] = 0
-    frames = gen.contributions(arrays, slots=8, sparse=True)
-    outs = run_all(agg, frames)
-    got = [o.data for o in outs if o.verdict == XDP_TX]
-    assert got == [gen.result_frame(w) for w in gen.expected_results(arrays, slots=8, sparse=True)]
-    st = agg.stats()
-    assert st["null"] == 4 and st["completed"] == 4
-
-
-def test_mismatched_exponent_is_rejected(make_agg):
+def test_an_unregistered_job_is_counted_in_row_zero(make_agg, joined):
     agg = make_agg(workers=2)
-    arrays = gen.sample_arrays(2, 256, seed=10)
-    a = gen.contributions(arrays, slots=8, exp=3)
-    b = gen.contributions(arrays, slots=8, exp=4)
-    assert agg.run(a[0]).verdict == XDP_DROP
-    assert agg.run(b[1]).verdict == XDP_DROP
-    st = agg.stats()
-    assert st["mismatch"] == 1 and st["completed"] == 0
+    ep = joined(agg, 2)
+    arrays = gen.sample_arrays(2, 256, seed=13)
+    assert agg.run(gen.contributions(arrays, slots=8, epoch=ep, job=99)[0]).verdict == XDP_DROP
+    assert agg.stats()["bad_job"] == 1 and agg.stats(job=1)["bad_job"] == 0
 
 
-def test_unconfigured_program_drops_with_no_job(make_agg):
-    agg = make_agg(workers=2)
-    cfg = agg.b["ar_config"]
-    c = cfg[cfg.Key(0)]
-    c.configured = 0
-    cfg[cfg.Key(0)] = c
-    assert agg.run(gen.contributions(gen.sample_arrays(2, 256), slots=8)[0]).verdict == XDP_DROP
-    assert agg.stats()["no_job"] == 1
+# --- concurrency and sizes -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
-def test_exact_under_concurrency_on_two_cpus(make_agg):
-    """Two threads pinned to CPU 0 and CPU 1 feed the contributions of the same round at the same
-    moment (a barrier per round; ranks split between them): no addition is lost, no round
-    completes twice. Largest packets, to widen the window in which a race would show."""
-    n, slots, rounds = 32, 4, 160
-    elems = proto.max_elems_for_mtu(proto.MAX_MTU)
-    agg = make_agg(workers=n, slots=slots, elems=elems)
-    arrays = gen.sample_arrays(n, elems * rounds, seed=11, elems=elems)
-    frames = gen.contributions(arrays, slots=slots, elems=elems)  # block-major, rank order
-    per_round = [[frames[b * n + r] for r in range(n)] for b in range(rounds)]
+def test_exact_under_concurrency_on_two_cpus(make_agg, joined):
+    """Two threads pinned to different CPUs run contributions for the same rounds at once."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPUs")
+    n, rounds = 2, 64
+    agg = make_agg(workers=n, slots=rounds)
+    ep = joined(agg, n)
+    arrays = gen.sample_arrays(n, 256 * rounds, seed=14)
+    frames = gen.contributions(arrays, slots=rounds, epoch=ep)
+    per_rank = [frames[r::n] for r in range(n)]
     results: list[list] = [[], []]
-    barrier = threading.Barrier(2)
 
-    def feed(cpu):
-        os.sched_setaffinity(0, {cpu})
-        for b in range(rounds):
-            mine = per_round[b][cpu::2]
-            barrier.wait()
-            for f in mine:
-                o = bpf.test_run(agg.fn.fd, f)
-                if o.verdict == XDP_TX:
-                    results[cpu].append(o.data)
+    def worker(r):
+        os.sched_setaffinity(0, {r})
+        for f in per_rank[r]:
+            results[r].append(agg.run(f))
 
-    ts = [threading.Thread(target=feed, args=(c,)) for c in (0, 1)]
+    ts = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    got = sorted(results[0] + results[1])
-    want = sorted(gen.result_frame(w) for w in gen.expected_results(arrays, slots=slots, elems=elems))
-    assert len(got) == rounds, "some round completed twice or never"
-    assert got == want, "an addition was lost"
-    st = agg.stats()
-    assert st["completed"] == rounds and st["aggregated"] == n * rounds and st["dup_dropped"] == 0
+    tx = [o for rs in results for o in rs if o.verdict == XDP_TX]
+    assert len(tx) == rounds
+    got = sorted(o.data for o in tx)
+    want = sorted(gen.result_frame(w) for w in gen.expected_results(arrays, slots=rounds, epoch=ep))
+    assert got == want
 
 
-def test_larger_packets_up_to_the_mtu(make_agg):
-    elems = proto.max_elems_for_mtu(proto.MAX_MTU)
-    agg = make_agg(workers=2, elems=elems)
-    arrays = gen.sample_arrays(2, elems * 2, seed=12, elems=elems)
-    outs = run_all(agg, gen.contributions(arrays, slots=8, elems=elems))
+@pytest.mark.parametrize("elems", [2, 858])
+def test_record_sizes_up_to_the_mtu(make_agg, joined, elems):
+    agg = make_agg(workers=2, slots=4, elems=elems)
+    ep = joined(agg, 2)
+    arrays = gen.sample_arrays(2, elems * 2 - 1, seed=15, elems=elems)
+    outs = run_all(agg, gen.contributions(arrays, slots=4, epoch=ep, elems=elems))
     got = [o.data for o in outs if o.verdict == XDP_TX]
-    assert got == [gen.result_frame(w) for w in gen.expected_results(arrays, slots=8, elems=elems)]
+    assert got == [gen.result_frame(w) for w in gen.expected_results(arrays, slots=4, epoch=ep, elems=elems)]
 
 
-def test_result_layer_dissects():
-    pkt = Ether(gen.result_frame(gen.expected_results(gen.sample_arrays(2, 256), slots=8)[0]))
-    assert pkt.haslayer(AllReduce) and pkt[AllReduce].type == proto.TYPE_RESULT
+def test_result_layer_dissects(make_agg, joined):
+    agg = make_agg(workers=1)
+    ep = joined(agg, 1)
+    out = agg.run(gen.contributions(gen.sample_arrays(1, 256, seed=16), slots=8, epoch=ep)[0])
+    ar = Ether(out.data)[AllReduce]
+    assert ar.type == proto.TYPE_RESULT and ar.rank == proto.RANK_AGG and ar.epoch == ep and ar.mask == 1

@@ -41,12 +41,13 @@ def test_more_than_10000_completions_exact_on_both_cpus(make_testbed, tmp_path):
     rounds = blocks + 1
     for rep in reports:
         assert rep["stats"]["results"] == blocks
-    assert st["completed"] == rounds and st["result_sent"] == rounds
+    assert st["completed"] == rounds and st["result_sent"] == rounds + 1  # + the JOINED
+    assert st["epoch_formed"] == 1 and st["join"] >= n
     assert st["aggregated"] == n * rounds, "every rank's contribution added exactly once"
-    handled = (st["aggregated"] + st["dup_dropped"] + st["retx_answered"] + st["status_sent"]
-               + st["mismatch"] + sum(v for k, v in st.items() if k.startswith("bad_")) + st["no_job"]
-               + st["tx_failed"])
-    assert st["rx"] == handled, f"counters do not add up: {st}"
+    outcomes = ["aggregated", "retx_answered", "pull_answered", "status_sent", "dup_dropped", "join", "ack",
+                "stale_epoch", "stale_round", "stale_join", "early", "mismatch"]
+    handled = sum(st[k] for k in outcomes) + sum(v for k, v in st.items() if k.startswith("bad_"))
+    assert st["records"] == handled, f"counters do not add up: {st}"
     sent = sum(rep["stats"]["packets_sent"] for rep in reports) + n  # + barrier packets
     assert st["rx"] <= sent and st["rx"] >= n * rounds
 

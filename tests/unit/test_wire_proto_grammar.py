@@ -80,8 +80,30 @@ def test_error_names_the_line():
 def test_real_header_parses_and_is_consistent():
     c = proto.parse_header((proto.xdp_dir() / proto.HEADER_NAME).read_text())
     assert c == proto.C
-    assert sorted(off for _, off, _ in proto.FIELDS) == [off for _, off, _ in proto.FIELDS]
+    assert c["AR_VERSION"] == 2 and c["AR_HDR_LEN"] == 40
+    offsets = [off for _, off, _ in proto.FIELDS]
+    assert offsets == sorted(set(offsets))
     assert [proto.STAT[n] for n in proto.STATS] == list(range(len(proto.STATS)))
     assert len(proto.STATS) == c["AR_STAT__COUNT"]
-    assert {f"bad_{r}" for r in ("truncated", "magic", "version", "type", "flags", "job", "rank",
-                                 "slot", "set", "len", "mask", "src")} <= set(proto.STATS)
+    assert {f"bad_{r}" for r in ("truncated", "magic", "version", "type", "flags", "job", "rank", "slot",
+                                 "set", "len", "mask", "src", "op", "mixed")} <= set(proto.STATS)
+    assert sorted(proto.OPS) == list(range(c["AR_OP__COUNT"]))
+    assert 0 not in proto.DETAILS  # 0 means "no detail" (a RESULT, a JOINED)
+    assert proto.record_size(proto.DEFAULT_ELEMS) == c["AR_HDR_LEN"] + 4 * c["AR_DEFAULT_ELEMS"]
+    assert proto.max_records(proto.DEFAULT_ELEMS) * proto.record_size(proto.DEFAULT_ELEMS) \
+        <= c["AR_MAX_PACKET_OFF"] - c["AR_L2L4_LEN"]
+
+
+@pytest.mark.parametrize("values", [[0, 2], [1, 2], [0, 1, 1]])
+def test_counter_slots_must_be_dense(monkeypatch, values):
+    """AR_STAT_* (and the other counter families) must number 0..__COUNT-1 without gaps."""
+    fake = {f"AR_STAT_N{i}": v for i, v in enumerate(values)}
+    fake["AR_STAT__COUNT"] = len(values)
+    monkeypatch.setattr(proto, "C", fake)
+    with pytest.raises(ValueError, match="without gaps"):
+        proto._named("STAT")
+
+
+def test_counter_names_follow_their_values(monkeypatch):
+    monkeypatch.setattr(proto, "C", {"AR_STAT_ZETA": 0, "AR_STAT_ALPHA": 1, "AR_STAT__COUNT": 2})
+    assert proto._named("STAT") == ["zeta", "alpha"]
