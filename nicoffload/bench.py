@@ -70,7 +70,7 @@ RING_PORT_OFFSET, GLOO_PORT_OFFSET = 21, 22  # above the testbed's nicoffload po
 FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status", "reason", "reps",
           "median_s", "min_s", "max_s", "goodput_bps", "cpu_s", "cpu_util", "bpf_ns", "bpf_cnt",
           "bound_agg_s", "bound_ring_s", "bound_s", "bound_fraction", "max_abs_err", "within_bound",
-          "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes"]
+          "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape"]
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -94,6 +94,7 @@ class BenchConfig:
     start_timeout: float = 180.0
     slots: int = 1024
     elems: int = 256
+    mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -736,7 +737,7 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
     try:
         if system in AGG_SYSTEMS:
             try:
-                ap = AggregatorProcess(tb, system, cfg.slots, cfg.elems, 1)
+                ap = AggregatorProcess(tb, system, cfg.slots, cfg.elems, 1, mode=cfg.mode)
             except Exception as e:
                 startup_failure = f"the {system} aggregator did not start: {e}"
                 raise _Abort(startup_failure)
@@ -803,6 +804,7 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
                     {"workers": n, "rate": rate, "stats": ap.close()})
             except Exception:
                 pass
+    shape = packet_shape(system, ap, cfg)
     out = []
     for pt, d, o in zip(points, data, outputs):
         r = rows.get(pt.index)
@@ -811,6 +813,7 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
             prog.row(r)
         else:
             _verify(r, system, o, ref.get(pt.index, d.inputs))
+        r.update(shape)
         try:
             o.unlink()
         except FileNotFoundError:
@@ -821,6 +824,22 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
 
 class _Abort(Exception):
     pass
+
+
+def packet_shape(system: str, ap, cfg: BenchConfig) -> dict:
+    """How a system's data crossed the testbed: the aggregator's XDP mode and the packets."""
+    from . import proto
+
+    if system in AGG_SYSTEMS:
+        rec = proto.record_size(cfg.elems)
+        mode = ap.agg.spec.mode if ap is not None and ap.agg is not None else "userspace"
+        per = min(64, proto.max_records(cfg.elems))
+        batch = {"generic": f"UDP_SEGMENT batches of <= {per} x {rec} B records, seen whole by generic XDP",
+                 "native": f"{rec} B datagrams (the veth peer segments batches before native XDP)",
+                 "userspace": f"UDP_SEGMENT batches of <= {per} x {rec} B records, received with UDP_GRO"}[mode]
+        return {"mode": mode, "shape": batch}
+    return {"mode": "-", "shape": {"ring": "TCP streams", "gloo": "TCP streams (gloo)",
+                                   "mpi": "TCP streams (Open MPI btl tcp)"}.get(system, "-")}
 
 
 def _verify(row: dict, system: str, output: Path, ref: dict) -> None:

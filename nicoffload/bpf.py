@@ -198,6 +198,42 @@ def xdp_prog_id(ifname: str, ns: str | None) -> int | None:
     return pid or None
 
 
+_SIOCETHTOOL = 0x8946
+_ETHTOOL_GDRVINFO = 3
+
+
+class _Drvinfo(ctypes.Structure):
+    _fields_ = [("cmd", ctypes.c_uint32), ("driver", ctypes.c_char * 32), ("version", ctypes.c_char * 32),
+                ("fw_version", ctypes.c_char * 32), ("bus_info", ctypes.c_char * 32),
+                ("erom_version", ctypes.c_char * 32), ("reserved2", ctypes.c_char * 12),
+                ("n_priv_flags", ctypes.c_uint32), ("n_stats", ctypes.c_uint32), ("testinfo_len", ctypes.c_uint32),
+                ("eedump_len", ctypes.c_uint32), ("regdump_len", ctypes.c_uint32)]
+
+
+class _Ifreq(ctypes.Structure):
+    _fields_ = [("ifr_name", ctypes.c_char * 16), ("ifr_data", ctypes.c_void_p), ("pad", ctypes.c_char * 16)]
+
+
+def iface_driver(ifname: str, ns: str | None) -> str:
+    """The driver of an interface (ethtool's GDRVINFO), e.g. "veth"; "" if it does not say."""
+    import fcntl
+    import socket
+
+    with netns(ns):
+        _ifindex(ifname, ns)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        info = _Drvinfo(cmd=_ETHTOOL_GDRVINFO)
+        req = bytearray(_Ifreq(ifr_name=ifname.encode(), ifr_data=ctypes.addressof(info)))
+        try:
+            fcntl.ioctl(s.fileno(), _SIOCETHTOOL, req)  # the kernel fills `info` through ifr_data
+        except OSError:
+            return ""
+        return info.driver.decode(errors="replace")
+    finally:
+        s.close()
+
+
 def attach_xdp(fn, ifname: str, ns: str | None, mode: str = "native") -> XdpAttachment:
     """Attach ``fn`` to ``ifname`` inside ``ns``; refuses to replace an existing program."""
     bcc = import_bcc()

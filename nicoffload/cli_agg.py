@@ -34,7 +34,9 @@ def register(sub) -> None:
     q.add_argument("--slots", type=int, default=1024, help="aggregation slots in the pool (default 1024)")
     q.add_argument("--elems", type=int, default=proto.DEFAULT_ELEMS,
                    help=f"int32 elements per packet (default {proto.DEFAULT_ELEMS} = 1 KiB)")
-    q.add_argument("--mode", choices=["native", "generic"], default="native", help="XDP attach mode")
+    q.add_argument("--mode", choices=["auto", "generic", "native"], default="auto",
+                   help="XDP attach mode: auto picks the fastest that works on the interface (generic "
+                        "batches on veth, native elsewhere) and says which")
     q.add_argument("--port", type=int, default=proto.DEFAULT_PORT, help=f"UDP port (default {proto.DEFAULT_PORT})")
     q.add_argument("--job", type=int, default=1, help="job id carried in every packet (default 1)")
     q.add_argument("--group", default="239.77.0.1", help="IP multicast group results are sent to")
@@ -87,7 +89,7 @@ def _load(args) -> int:
     if args.json:
         print(json.dumps(st))
     else:
-        print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}), {args.mode} XDP, "
+        print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}): {st['mode_reason']}; "
               f"prog id {st['prog_id']}: {args.workers} workers, {args.slots} slots x {args.elems} int32, "
               f"port {args.port}, results to {args.group}; pinned in {st['pins']}")
     return 0

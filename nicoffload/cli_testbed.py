@@ -37,7 +37,7 @@ def cmd_up(args) -> int:
     tbm = _testbed()
     name = args.name or tbm.new_name()
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
-                             port=args.port, agg_napi=not args.no_napi)
+                             port=args.port, agg_napi=args.xdp_mode == "native")
     with tbm.Testbed(topo) as tb:
         if args.drop or args.dup:
             tb.faults.configure(_hosts_arg(args.fault_hosts), drop=args.drop, dup=args.dup, seed=args.seed,
@@ -178,9 +178,10 @@ def register(subparsers) -> None:
     up.add_argument("--directions", default="ingress,egress",
                     help="fault directions: ingress (from the host), egress (towards it); default both")
     up.add_argument("--name", default=None, help="testbed name (default: tbXXXX); namespaces are nco-NAME-HOST")
-    up.add_argument("--no-napi", action="store_true",
-                    help="do not attach the XDP_PASS program to the aggregator's bridge-side veth "
-                         "(XDP_TX from the aggregator then fails)")
+    up.add_argument("--xdp-mode", choices=["generic", "native"], default="generic",
+                    help="prepare the aggregator's link for this XDP mode: native attaches an XDP_PASS "
+                         "program to its bridge-side veth (native XDP_TX needs it), generic must not have "
+                         "it (it strips GSO, so result batches would be cut into datagrams); default generic")
     up.add_argument("--json", action="store_true", help="print the hosts as JSON")
     up.set_defaults(func=_with_port(cmd_up))
 

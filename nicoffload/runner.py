@@ -61,7 +61,7 @@ class AggregatorProcess:
     """The aggregator side of a job: ``xdp`` (loaded and attached here) or ``userspace``
     (a process on the aggregator host)."""
 
-    def __init__(self, tb, kind: str, slots: int, elems: int, job: int = 1, mode: str = "native"):
+    def __init__(self, tb, kind: str, slots: int, elems: int, job: int = 1, mode: str = "auto"):
         self.tb, self.kind = tb, kind
         self.agg = None
         self.proc = None
@@ -69,8 +69,10 @@ class AggregatorProcess:
         ips = [w.ip for w in tb.workers]
         a = tb.agg
         if kind == "xdp":
-            from .aggregator import AggSpec, Aggregator
+            from .aggregator import AggSpec, Aggregator, resolve_mode
 
+            mode, _why = resolve_mode(mode, a.iface, a.netns)
+            tb.set_agg_napi(mode == "native")  # native XDP_TX on veth needs it; generic must not have it
             self.agg = Aggregator.load(AggSpec(a.netns, a.iface, n, slots, elems, tb.port, mode, job,
                                                tb.mcast_group, ips))
         elif kind == "userspace":
@@ -179,8 +181,9 @@ def run_workers(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], *, r
 def run_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], aggregator: str = "xdp",
             **kw) -> JobResult:
     enable_gro(tb)
+    mode = kw.pop("mode", "auto")
     with AggregatorProcess(tb, aggregator, kw.get("slots", 1024), kw.get("elems", proto.DEFAULT_ELEMS),
-                           kw.get("job", 1)) as ap:
+                           kw.get("job", 1), mode=mode) as ap:
         before = ap.bpf_runtime()
         reports = run_workers(tb, inputs, outputs, **kw)
         after = ap.bpf_runtime()

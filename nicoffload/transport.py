@@ -1,105 +1,37 @@
-"""UDP transport of the worker: one socket per rank, batched with UDP_SEGMENT on send and
-UDP_GRO on receive so the hot path pays one syscall per ~60 datagrams, not one per datagram."""
+"""UDP transport of the worker: one socket per rank, whole batches per system call.
+
+Out: ``sendmmsg`` of up to :data:`MAX_MSGS` datagrams, each a UDP_SEGMENT batch of up to
+``records_per_datagram`` equal records (about 64 KB): one call moves up to 4 MB.
+In: ``recvmmsg`` of up to :data:`MAX_MSGS` datagrams into fixed 64 KiB slots of one buffer; with
+UDP_GRO a datagram is a whole batch of records (its segment size comes in a control message).
+Nothing is allocated per call; the buffers and the message headers are built once.
+"""
 from __future__ import annotations
 
+import ctypes
 import errno
 import select
 import socket
 import struct
+
+import numpy as np
+
+from . import proto
+from .errors import SetupError
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
 SO_RCVBUFFORCE = 33
 SO_SNDBUFFORCE = 32
-MAX_GSO_BYTES = 65000  # UDP_SEGMENT limits one send to 64 KiB of payload
-MAX_GSO_SEGS = 64      # and to UDP_MAX_SEGMENTS segments
-
-
-class UdpTransport:
-    def __init__(self, port: int, group: str | None = None, local_ip: str | None = None,
-                 rcvbuf: int = 32 << 20, gro: bool = True):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        for force, plain, val in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf),
-                                  (SO_SNDBUFFORCE, socket.SO_SNDBUF, 8 << 20)):
-            try:
-                self.sock.setsockopt(socket.SOL_SOCKET, force, val)
-            except OSError:  # not root: the normal limit (net.core.rmem_max) applies
-                self.sock.setsockopt(socket.SOL_SOCKET, plain, val)
-        self.sock.bind(("0.0.0.0", port))
-        if group:
-            mreq = socket.inet_aton(group) + socket.inet_aton(local_ip or "0.0.0.0")
-            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
-            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
-            if local_ip:
-                self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(local_ip))
-        self.gro = False
-        if gro:
-            try:
-                self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
-                self.gro = True
-            except OSError:
-                pass
-        self.sock.setblocking(False)
-        self._cmsg_space = socket.CMSG_SPACE(4)
-        self.sends = 0  # syscalls
-        self.datagrams_sent = 0
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send_batch(self, buf, size: int, dest: tuple[str, int]) -> None:
-        """Send ``buf`` (whole datagrams of ``size`` bytes) with UDP_SEGMENT, 64 KiB per call."""
-        mv = memoryview(buf).cast("B")
-        n = mv.nbytes // size
-        per = max(1, min(MAX_GSO_SEGS, MAX_GSO_BYTES // size))
-        seg = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", size))]
-        i = 0
-        while i < n:
-            k = min(per, n - i)
-            chunk = mv[i * size:(i + k) * size]
-            while True:
-                try:
-                    if k == 1:
-                        self.sock.sendto(chunk, dest)
-                    else:
-                        self.sock.sendmsg([chunk], seg, 0, dest)
-                    break
-                except BlockingIOError:
-                    select.select([], [self.sock], [], 0.01)
-                except OSError as e:
-                    if e.errno in (errno.ENOBUFS, errno.EAGAIN):
-                        select.select([], [self.sock], [], 0.001)
-                        continue
-                    raise
-            self.sends += 1
-            self.datagrams_sent += k
-            i += k
-
-    def recv_into(self, buf: bytearray | memoryview) -> tuple[int, int, tuple | None]:
-        """One receive: (bytes, segment size, sender). With GRO several datagrams of one size
-        arrive at once (the last may be shorter); without it, segment size == bytes.
-        (0, 0, None) if nothing is queued."""
-        try:
-            nbytes, anc, _flags, addr = self.sock.recvmsg_into([buf], self._cmsg_space)
-        except BlockingIOError:
-            return 0, 0, None
-        seg = nbytes
-        for level, typ, data in anc:
-            if level == SOL_UDP and typ == UDP_GRO and len(data) >= 4:
-                seg = struct.unpack("i", data[:4])[0] or nbytes
-        return nbytes, seg, addr
-
-    def wait(self, timeout: float) -> bool:
-        r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        return bool(r)
-
-
-# --- recvmmsg: many datagrams per syscall, each into its own fixed-size slot ----------------------
-import ctypes  # noqa: E402
-
-import numpy as np  # noqa: E402
+IP_MULTICAST_ALL = 49
+MSG_DONTWAIT = 0x40
+#: UDP_SEGMENT's limit on segments per send (UDP_MAX_SEGMENTS of Linux >= 4.18)
+MAX_GSO_SEGS = 64
+#: payload bytes of one UDP datagram at most; every receive slot holds one
+SLOT_BYTES = 1 << 16
+#: datagrams per sendmmsg / recvmmsg call
+MAX_MSGS = 64
 
 
 class _Iovec(ctypes.Structure):
@@ -117,48 +49,179 @@ class _Mmsghdr(ctypes.Structure):
     _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
 
 
+class _SockaddrIn(ctypes.Structure):
+    _fields_ = [("sin_family", ctypes.c_uint16), ("sin_port", ctypes.c_uint16),
+                ("sin_addr", ctypes.c_uint8 * 4), ("sin_zero", ctypes.c_uint8 * 8)]
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.recvmmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_Mmsghdr), ctypes.c_uint, ctypes.c_int, ctypes.c_void_p]
-_libc.recvmmsg.restype = ctypes.c_int
-MSG_DONTWAIT = 0x40
+_errno_location = _libc.__errno_location
+_errno_location.restype = ctypes.POINTER(ctypes.c_int)
 
 
-class SlotReceiver:
-    """Receives datagrams of at most ``size`` bytes back to back into a buffer of ``slots`` fixed
-    slots with recvmmsg(2): one syscall for up to ``batch`` datagrams and no Python per datagram.
-    Datagrams of exactly ``size`` bytes therefore lie contiguously, ready for one vectorised decode."""
+def last_errno() -> int:
+    """libc's errno of this thread (the kernels call libc directly, so ctypes does not save it)."""
+    return _errno_location()[0]
 
-    def __init__(self, sock: socket.socket, size: int, slots: int, batch: int = 256):
-        self.sock, self.size, self.slots, self.batch = sock, size, slots, batch
-        self.buf = bytearray(size * slots)
-        base = ctypes.addressof((ctypes.c_char * len(self.buf)).from_buffer(self.buf))
-        self._iov = (_Iovec * slots)()
-        self._msgs = (_Mmsghdr * slots)()
-        for i in range(slots):
-            self._iov[i].iov_base = base + i * size
-            self._iov[i].iov_len = size
-            self._msgs[i].msg_hdr.msg_iov = ctypes.pointer(self._iov[i])
-            self._msgs[i].msg_hdr.msg_iovlen = 1
-        off = _Mmsghdr.msg_len.offset
-        self._lens = np.ndarray((slots,), dtype=np.uint32, buffer=self._msgs, offset=off,
-                                strides=(ctypes.sizeof(_Mmsghdr),))
-        self.view = memoryview(self.buf)
+_CMSG_HDR = ctypes.sizeof(ctypes.c_size_t) + 8   # struct cmsghdr: len, level, type
+_CMSG_SPACE_INT = socket.CMSG_SPACE(4)
+
+
+class Transport:
+    """The socket of one rank: bound to ``port`` on every address, member of ``group`` on the
+    interface of ``local_ip`` (and only of that group), batches of records of ``record_size``."""
+
+    def __init__(self, port: int, group: str | None, local_ip: str | None, record_size: int,
+                 rcvbuf: int = 64 << 20, sndbuf: int = 16 << 20, gro: bool = True):
+        self.record_size = record_size
+        self.per_datagram = max(1, min(MAX_GSO_SEGS, (proto.MAX_PACKET_OFF - proto.L2L4_LEN) // record_size))
+        s = self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            for force, plain, val in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf),
+                                      (SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, force, val)
+                except OSError:  # not root: the normal limit (net.core.rmem_max) applies
+                    s.setsockopt(socket.SOL_SOCKET, plain, val)
+            s.bind(("0.0.0.0", port))
+            if group:
+                mreq = socket.inet_aton(group) + socket.inet_aton(local_ip or "0.0.0.0")
+                s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+                # only this socket's own group: another job's results on the same host stay out
+                s.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+                s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
+            if local_ip:
+                s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(local_ip))
+            self.gro = False
+            if gro:
+                try:
+                    s.setsockopt(SOL_UDP, UDP_GRO, 1)
+                    self.gro = True
+                except OSError:
+                    pass
+            s.setblocking(False)
+        except OSError as e:
+            s.close()
+            raise SetupError(f"opening the UDP socket on port {port} (group {group}, {local_ip}) failed: {e}") from e
+        self.fd = s.fileno()
+        self._setup_rx()
+        self._setup_tx()
         self.syscalls = 0
+        self.datagrams_sent = 0
 
-    def receive(self) -> int:
-        """Fill slots from 0 with everything queued (non-blocking); returns how many arrived."""
-        fd = self.sock.fileno()
-        n = 0
-        while n < self.slots:
-            want = min(self.batch, self.slots - n)
-            got = _libc.recvmmsg(fd, ctypes.byref(self._msgs[n]), want, MSG_DONTWAIT, None)
+    # --- receive ---------------------------------------------------------------------------
+    def _setup_rx(self) -> None:
+        self.rx = np.zeros(MAX_MSGS * SLOT_BYTES, dtype=np.uint8)
+        self._rx_ctrl = np.zeros(MAX_MSGS * _CMSG_SPACE_INT, dtype=np.uint8)
+        self._rx_iov = (_Iovec * MAX_MSGS)()
+        self._rx_msgs = (_Mmsghdr * MAX_MSGS)()
+        base, cbase = self.rx.ctypes.data, self._rx_ctrl.ctypes.data
+        for m in range(MAX_MSGS):
+            self._rx_iov[m].iov_base = base + m * SLOT_BYTES
+            self._rx_iov[m].iov_len = SLOT_BYTES
+            h = self._rx_msgs[m].msg_hdr
+            h.msg_iov = ctypes.pointer(self._rx_iov[m])
+            h.msg_iovlen = 1
+            h.msg_control = cbase + m * _CMSG_SPACE_INT
+        self.rx_msgs_addr = ctypes.addressof(self._rx_msgs)
+        stride = ctypes.sizeof(_Mmsghdr)
+        buf = (ctypes.c_char * (stride * MAX_MSGS)).from_buffer(self._rx_msgs)
+        self.rx_lens = np.ndarray((MAX_MSGS,), np.uint32, buf, _Mmsghdr.msg_len.offset, (stride,))
+        self._rx_clen = np.ndarray((MAX_MSGS,), np.uint64, buf,
+                                   _Mmsghdr.msg_hdr.offset + _Msghdr.msg_controllen.offset, (stride,))
+        ctrl = self._rx_ctrl.reshape(MAX_MSGS, _CMSG_SPACE_INT)
+        self._cm_level = ctrl[:, 8:12].view(np.int32)[:, 0]
+        self._cm_type = ctrl[:, 12:16].view(np.int32)[:, 0]
+        self._cm_data = ctrl[:, _CMSG_HDR:_CMSG_HDR + 4].view(np.int32)[:, 0]
+        self.rx_segs = np.zeros(MAX_MSGS, dtype=np.int64)
+
+    def recv_args(self) -> tuple:
+        """The socket and receive buffers, as kernels.pump_recv takes them."""
+        return (self.fd, self.rx_msgs_addr, MAX_MSGS, self._rx_clen, self._cm_level, self._cm_type, self._cm_data,
+                self.rx_lens, self.rx_segs, _CMSG_SPACE_INT, self.rx, SLOT_BYTES)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until something can be received (at most ``timeout`` seconds)."""
+        r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        return bool(r)
+
+    # --- send ------------------------------------------------------------------------------
+    def _setup_tx(self) -> None:
+        self._tx_iov = (_Iovec * MAX_MSGS)()
+        self._tx_msgs = (_Mmsghdr * MAX_MSGS)()
+        self._tx_addr = _SockaddrIn()
+        self._tx_ctrl = ctypes.create_string_buffer(_CMSG_SPACE_INT)
+        ctypes.memmove(self._tx_ctrl, struct.pack("@Nii", socket.CMSG_LEN(2), SOL_UDP, UDP_SEGMENT)
+                       + struct.pack("@H", self.record_size), _CMSG_HDR + 2)
+        for m in range(MAX_MSGS):
+            h = self._tx_msgs[m].msg_hdr
+            h.msg_name = ctypes.addressof(self._tx_addr)
+            h.msg_namelen = ctypes.sizeof(_SockaddrIn)
+            h.msg_iov = ctypes.pointer(self._tx_iov[m])
+            h.msg_iovlen = 1
+            h.msg_control = ctypes.addressof(self._tx_ctrl)
+            h.msg_controllen = _CMSG_SPACE_INT
+        self.tx_msgs_addr = ctypes.addressof(self._tx_msgs)
+        stride = ctypes.sizeof(_Iovec)
+        buf = (ctypes.c_char * (stride * MAX_MSGS)).from_buffer(self._tx_iov)
+        self._tx_base = np.ndarray((MAX_MSGS,), np.uint64, buf, 0, (stride,))
+        self._tx_len = np.ndarray((MAX_MSGS,), np.uint64, buf, _Iovec.iov_len.offset, (stride,))
+        self._dest: tuple[str, int] | None = None
+
+    def _set_dest(self, dest: tuple[str, int]) -> None:
+        if dest != self._dest:
+            self._tx_addr.sin_family = socket.AF_INET
+            self._tx_addr.sin_port = socket.htons(dest[1])
+            self._tx_addr.sin_addr[:] = list(socket.inet_aton(dest[0]))
+            self._dest = dest
+
+    def send_records(self, buf: np.ndarray, first: int, count: int, dest: tuple[str, int]) -> None:
+        """Send records [first, first + count) of ``buf`` (a uint8 array of whole records) to
+        ``dest``: datagrams of ``per_datagram`` records, up to MAX_MSGS of them per sendmmsg."""
+        from .kernels import pump_send
+
+        if count <= 0:
+            return
+        self._set_dest(dest)
+        addr = buf.ctypes.data
+        while True:
+            sent = pump_send(self.fd, self.tx_msgs_addr, self._tx_base, self._tx_len, MAX_MSGS, addr, first, count,
+                             self.per_datagram, self.record_size)
             self.syscalls += 1
-            if got <= 0:
-                break
-            n += got
-            if got < want:
-                break
-        return n
+            if sent >= count:
+                return
+            err = last_errno()
+            if err not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR):
+                raise OSError(err, f"sendmmsg to {self._dest} failed: {errno.errorcode.get(err, err)}")
+            first, count = first + sent, count - sent
+            select.select([], [self.sock], [], 0.001)
 
-    def lengths(self, n: int) -> np.ndarray:
-        return self._lens[:n]
+    def send_one(self, data, dest: tuple[str, int]) -> None:
+        """One datagram (a JOIN, an ACK)."""
+        while True:
+            try:
+                self.sock.sendto(data, dest)
+                return
+            except (BlockingIOError, InterruptedError):
+                select.select([], [self.sock], [], 0.001)
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:
+                    raise
+                select.select([], [self.sock], [], 0.001)
+
+    def recv_into(self, buf) -> tuple[int, int, tuple | None]:
+        """One receive for slow paths (the user-space aggregator, the JOIN): (bytes, segment size,
+        sender); (0, 0, None) if nothing is queued."""
+        try:
+            nbytes, anc, _flags, addr = self.sock.recvmsg_into([buf], _CMSG_SPACE_INT)
+        except BlockingIOError:
+            return 0, 0, None
+        seg = nbytes
+        for level, typ, data in anc:
+            if level == SOL_UDP and typ == UDP_GRO and len(data) >= 4:
+                seg = struct.unpack("i", data[:4])[0] or nbytes
+        return nbytes, seg, addr
+
+    def close(self) -> None:
+        self.sock.close()

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import codec, proto
 from .errors import InputError
-from .transport import UdpTransport
+from .transport import Transport
 
 
 @dataclass
@@ -54,7 +54,8 @@ class UserspaceAggregator:
                              f"not {self.elems}")
         if not 1 <= self.workers <= proto.MAX_WORKERS:
             raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
-        self._t = UdpTransport(self.port, None, self.local_ip)
+        self._rsize = proto.record_size(self.elems)
+        self._t = Transport(self.port, None, self.local_ip, self._rsize)
         s = self._t.sock
         if self.local_ip:
             s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.local_ip))
@@ -63,7 +64,6 @@ class UserspaceAggregator:
         self._acc = np.zeros((self.slots, 2, self.elems), dtype=np.int32)
         self._sets = [[_Set(), _Set()] for _ in range(self.slots)]
         self._mask_all = (1 << self.workers) - 1
-        self._rsize = proto.record_size(self.elems)
         self._ips = [socket.inet_aton(ip) for ip in self.worker_ips]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -362,8 +362,8 @@ class UserspaceAggregator:
     def _send(self, data: bytes | bytearray, dst: str, port: int) -> None:
         try:
             if len(data) > self._rsize and len(data) % self._rsize == 0:
-                self._t.send_batch(data, self._rsize, (dst, port))
+                self._t.send_records(np.frombuffer(data, np.uint8), 0, len(data) // self._rsize, (dst, port))
             else:
-                self._t.sock.sendto(data, (dst, port))
+                self._t.send_one(data, (dst, port))
         except OSError:
             self.stats["tx_failed"] += 1

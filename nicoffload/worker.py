@@ -6,49 +6,79 @@ once every rank of the job has joined with a fresh nonce, and every record carri
 so no round of this run can ever be taken for a round of an earlier run (or of a crashed
 worker's), and a run that another run's JOIN has ended fails naming the cause.
 
-One call:
-1. (floats, or sparse mode) a metadata round: per block, each rank's magnitude exponent (or
-   ZERO_EXP for an all-zero block), max-reduced by the aggregator (OP_MAX). It yields the
-   quantization exponent of every block and which blocks are zero on every rank.
-2. the data round: blocks zero on every rank are skipped (no packet from anyone, no aggregator
-   work). Every other block is one round on a slot, with every rank contributing.
-Rounds are numbered over the epoch; round i uses slot i mod S, set (i // S) mod 2; a slot is reused
-only after its previous result arrived (window <= S rounds); lost packets are retransmitted after a
-timeout with exponential backoff; after ``timeout`` seconds without progress the call fails naming
-the ranks the aggregator has not heard from.
+One call on a tensor of B blocks of ``elems`` elements:
+1. Local metadata in one pass (kernels.block_meta_*): per block the exponent of the largest
+   magnitude (floats) and whether it is non-zero; NaN/Inf are refused on the way.
+2. A metadata round, only when needed: MAX of the block exponents (floats: the fixed-point
+   scale of each block) and OR of per-block contributor bits (sparse mode: who has data where).
+   Dense int32 needs none. The metadata is 4 bytes per block and rank (0.4% of the data).
+3. The data rounds: one per block that is non-zero somewhere, in block order; a rank sends a
+   record only for the blocks where it has data (OmniReduce: its own zero blocks cost nothing),
+   and the round's mask tells the aggregator exactly whom to wait for. Floats go as offset-binary
+   fixed point (op SUM64: the aggregator adds two lanes per 64-bit word); int32 as it is (SUM).
+Rounds are numbered over the epoch: round i uses slot i mod S, set (i div S) mod 2; a round enters
+the window only when the round S before it has its result (window <= S), and each record carries
+this rank's head (every round below it has its result) so the aggregator reuses a set only when
+every rank holds its previous result; a rank that contributes to nothing for a while says so with
+an ACK. Lost records are retransmitted (rounds this rank contributes to) or pulled (the others)
+after a timeout that follows the measured round time; after ``timeout`` seconds without progress
+the call fails naming the ranks the aggregator has not heard from.
+
+The hot path allocates nothing per call: send buffer, receive buffer and per-round state are
+kept by the communicator and grow only when a larger tensor comes along; results are written
+straight into the output.
 """
 from __future__ import annotations
 
 import os
-import socket
-import struct
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import codec, proto, quant
+from . import kernels, proto, quant
 from .errors import InputError, ProtocolError, TimeoutError_
-from .transport import SlotReceiver, UdpTransport
+from .transport import SLOT_BYTES, Transport
 
-DEFAULT_WINDOW = 512
+DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
+_KIND = {np.dtype(np.int32): kernels.KIND_INT32, np.dtype(np.float32): kernels.KIND_FLOAT32,
+         np.dtype(np.float64): kernels.KIND_FLOAT64}
 
 
 @dataclass
 class CallStats:
-    packets_sent: int = 0
+    packets_sent: int = 0       # records sent (data, metadata, retransmissions, pulls)
+    bytes_sent: int = 0
     retransmissions: int = 0
-    results: int = 0
-    duplicates: int = 0
-    rounds: int = 0
+    pulls: int = 0
+    acks: int = 0
+    results: int = 0            # data rounds that produced output
+    rounds: int = 0             # every round of the call (metadata included)
     meta_rounds: int = 0
-    blocks_skipped: int = 0
+    blocks_skipped: int = 0     # blocks zero on every rank: no round at all
+    own_blocks: int = 0         # blocks this rank sent data for
     seconds: float = 0.0
     timeouts: int = 0
+    loops: int = 0              # iterations of the send/receive loop
+    syscalls: int = 0
 
     def add(self, other: "CallStats") -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+class _Buffers:
+    """Per-communicator memory, grown on demand and reused across calls."""
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype) -> np.ndarray:
+        a = self.arrays.get(name)
+        if a is None or a.size < n or a.dtype != dtype:
+            a = np.empty(max(n, 1), dtype=dtype)
+            self.arrays[name] = a
+        return a[:n]
 
 
 @dataclass
@@ -64,7 +94,7 @@ class Communicator:
     job: int = 1
     port: int = proto.DEFAULT_PORT
     slots: int = 1024
-    window: int = DEFAULT_WINDOW
+    window: int | None = None  # rounds in flight; default and maximum: slots
     elems: int = proto.DEFAULT_ELEMS
     timeout: float = 5.0
     rto: float = 0.02
@@ -78,17 +108,35 @@ class Communicator:
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
             raise InputError(f"rank {self.rank} / world {self.world}: need 0 <= rank < world <= {proto.MAX_WORKERS}")
-        if self.window > self.slots:
-            self.window = self.slots
-        self._t = UdpTransport(self.port, self.group, self.local_ip)
-        self._round = 0        # next round of the epoch
+        if self.elems < 2 or self.elems % 2 or proto.record_size(self.elems) > SLOT_BYTES:
+            raise InputError(f"elems must be even, 2..{(SLOT_BYTES - proto.HDR_LEN) // 4}, not {self.elems}")
+        if self.slots < 1:
+            raise InputError(f"slots must be positive, not {self.slots}")
+        self.window = self.slots if self.window is None else max(1, min(self.window, self.slots))
+        self._rec = proto.record_size(self.elems)
+        self._t = Transport(self.port, self.group, self.local_ip, self._rec)
+        self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
         self._all = (1 << self.world) - 1
-        self._dsize = codec.datagram_size(self.elems)
+        self._bias = 1 << (30 - quant.headroom_bits(self.world))
+        self._buf = _Buffers()
+        self._srtt = self.rto
+        self._acked = 0        # the last head this rank reported (unwrapped)
+        self._templates: dict = {}
         # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
-        self._rx = SlotReceiver(self._t.sock, self._dsize, max(1024, 2 * self.window))
-        self._srtt = self.rto
+        kernels.warm_up(self.elems)
+        self._warm_pumps()
+
+    def _warm_pumps(self) -> None:
+        """Compile (or load) the system-call kernels for this transport's buffers."""
+        one = np.zeros(1, np.int64)
+        kernels.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
+                          np.zeros(1, np.int32), 1, kernels.KIND_INT32, np.zeros(1, np.int32),
+                          np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
+                          np.zeros(1, np.int64), np.zeros(1, np.int64))
+        t = self._t
+        kernels.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
 
     def close(self) -> None:
         self._t.close()
@@ -99,93 +147,132 @@ class Communicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of this run (0 before :meth:`join`)."""
+        return self._epoch
+
     # --- public -----------------------------------------------------------------------------
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
         float32/float64: through int32 fixed point (error bound in nicoffload.quant)."""
         x = np.ascontiguousarray(array)
-        if x.dtype not in (np.int32, np.float32, np.float64):
+        if x.dtype not in DTYPES:
             raise InputError(f"allreduce supports int32, float32 and float64, not {x.dtype}")
-        quant.check_finite(x, f"rank {self.rank}'s input")
         if out is None:
             out = np.empty_like(x)
         elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
             raise InputError("out must be a C-contiguous array with the input's shape and dtype")
         t0 = time.perf_counter()
-        self.last = CallStats()
+        st = self.last = CallStats()
+        sys0 = self._t.syscalls
         n = x.size
         if n == 0:
             return out
-        self.join()
-        E = self.elems
+        flat, res = x.reshape(-1), out.reshape(-1)
+        E, W = self.elems, self.world
         nb = -(-n // E)
-        flat = x.reshape(-1)
-        blocks = np.zeros((nb, E), dtype=x.dtype)
-        blocks.reshape(-1)[:n] = flat
-        counts = np.full(nb, E, dtype=np.int64)
-        counts[-1] = n - (nb - 1) * E
         is_float = x.dtype.kind == "f"
 
-        if is_float or self.sparse:
-            if is_float:
-                local = quant.block_exponents(blocks)
-            else:
-                local = np.where(np.any(blocks != 0, axis=1), 0, quant.ZERO_EXP).astype(np.int32)
-            glob = self._meta_round(local)
-            active = glob != quant.ZERO_EXP if self.sparse else np.ones(nb, dtype=bool)
+        # 1. local metadata
+        if is_float:
+            exps = self._buf.get("exps", nb, np.int32)
+            bad = (kernels.block_meta_f32 if x.dtype == np.float32 else kernels.block_meta_f64)(flat, E, exps)
+            if bad >= 0:
+                kind = "NaN" if np.isnan(flat[bad]) else "Inf"
+                raise InputError(f"rank {self.rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
+                                 f"refusing to sum it")
+            nonzero = exps != quant.ZERO_EXP
+        elif self.sparse:
+            nz8 = self._buf.get("nz8", nb, np.uint8)
+            kernels.block_nonzero_i32(flat, E, nz8)
+            nonzero = nz8.view(bool)
+        self.join()
+
+        # 2. metadata rounds (one stream: MAX of the exponents, OR of the contributor bits)
+        full = np.int64(self._all)
+        bits = None
+        if self.sparse:
+            bits = self._buf.get("bits", nb, np.int32)
+            bits[:] = 0
+            bits[nonzero] = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
+        gexp, gbits = self._meta(exps if is_float else None, bits)
+        if is_float:
+            active = gexp != quant.ZERO_EXP
+        if self.sparse:
+            masks_all = gbits.astype(np.int64) & full
+            active = masks_all != 0
+        elif not is_float:
+            active = None  # dense int32: every block, every rank
+
+        # 3. data rounds
+        if active is None:
+            blocks = np.arange(nb, dtype=np.int64)
+            masks = np.full(nb, full, dtype=np.int64)
         else:
-            glob = None
-            active = np.ones(nb, dtype=bool)
-        idx = np.flatnonzero(active)
-        self.last.blocks_skipped = int(nb - len(idx))
-        if len(idx):
+            blocks = np.flatnonzero(active)
+            masks = masks_all[blocks] if self.sparse else np.full(len(blocks), full, dtype=np.int64)
+            if len(blocks) < nb:
+                self._zero_inactive(res, active, E)
+        K = len(blocks)
+        st.blocks_skipped = nb - K
+        mine = np.flatnonzero(masks >> self.rank & 1)
+        st.own_blocks = len(mine)
+        if K:
+            base = self._round
+            self._round += K
+            send = self._buf.get("send", len(mine) * self._rec, np.uint8)
+            tmpl = self._template(proto.TYPE_CONTRIB, 0)
             if is_float:
-                exps = glob[idx]
-                exps = np.where(exps == quant.ZERO_EXP, 0, exps)  # dense mode, zero everywhere
-                shifts = quant.shifts_for(exps, self.world)
-                q = quant.quantize(blocks[idx], shifts)
-                wire_exp = shifts.astype(np.int16)
+                shifts = (30 - quant.headroom_bits(W) - gexp[blocks]).astype(np.int32)
+                kernels.encode_float(send, self._rec, E, tmpl, flat, mine, base, self.slots, blocks, masks,
+                                     shifts, self._bias, x.dtype == np.float32)
             else:
-                q = blocks[idx]
-                wire_exp = np.zeros(len(idx), dtype=np.int16)
-            sums = self._stream(q, counts[idx], wire_exp, proto.OP_SUM)
-            if is_float:
-                outb = np.zeros((nb, E), dtype=x.dtype)
-                outb[idx] = quant.dequantize(sums, shifts, x.dtype)
-            else:
-                outb = np.zeros((nb, E), dtype=np.int32)
-                outb[idx] = sums
-            out.reshape(-1)[:] = outb.reshape(-1)[:n]
-        else:
-            out[...] = 0
-        self.last.seconds = time.perf_counter() - t0
-        self.stats.add(self.last)
+                shifts = self._buf.get("noshift", K, np.int32)
+                kernels.encode_int(send, self._rec, E, tmpl, flat, mine, base, self.slots, blocks, masks,
+                                   proto.OP_SUM, 0)
+            self._stream(base, K, blocks, masks, mine, shifts, send, _KIND[x.dtype], res)
+            st.results = K
+        st.seconds = time.perf_counter() - t0
+        st.syscalls = self._t.syscalls - sys0
+        self.stats.add(st)
         return out
 
     def barrier(self) -> None:
-        """Returns once every rank has called it (a one-element allreduce)."""
+        """Returns once every rank has called it (one metadata round of one record)."""
         self.allreduce(np.zeros(1, dtype=np.int32))
 
-    @property
-    def epoch(self) -> int:
-        """The epoch of this run (0 before :meth:`join`)."""
-        return self._epoch
+    # --- joining ----------------------------------------------------------------------------
+    def _template(self, type_: int, flags: int) -> np.ndarray:
+        """A record header with this rank's constant fields (a fresh copy: callers patch it)."""
+        key = (type_, flags, self._epoch)
+        t = self._templates.get(key)
+        if t is None:
+            from . import codec
+
+            t = np.frombuffer(codec.encode_blocks(np.zeros((1, 0), np.int32), rank=self.rank, job=self.job,
+                                                  epoch=self._epoch, slot=0, set=0, round=0, mask=0, count=0,
+                                                  type=type_, flags=flags), dtype=np.uint8).copy()
+            self._templates[key] = t
+        return t.copy()
 
     def join(self) -> int:
         """Join the job: returns once every rank of it has joined this run (the aggregator then
         hands out the run's epoch). Called by the first collective; calling it again is free."""
         if self._epoch:
             return self._epoch
+        from . import codec
+
         rec = codec.encode_blocks(
             np.zeros((1, proto.JOIN_PAYLOAD // 4), np.int32), rank=self.rank, job=self.job, slot=0, set=0,
             round=self.nonce & 0xFFFFFFFF, ack=self.nonce >> 32, mask=self._all, count=0, type=proto.TYPE_JOIN)
         dest = (self.aggregator, self.port)
-        buf = bytearray(1 << 16)
+        buf = bytearray(SLOT_BYTES)
         hdr_dt = codec.header_dtype()
         deadline = time.monotonic() + self.timeout
         rto, joined = self.rto, -1
         while True:
-            self._t.sock.sendto(rec, dest)
+            self._t.send_one(rec, dest)
             # from the second send on, ask for the forming epoch's state (who has joined)
             rec[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
             until = min(deadline, time.monotonic() + rto)
@@ -206,7 +293,7 @@ class Communicator:
                         table = np.frombuffer(buf, dtype="<u8", count=proto.MAX_WORKERS, offset=proto.HDR_LEN)
                         if int(table[self.rank]) == self.nonce and int(h["epoch"]):
                             self._epoch = int(h["epoch"])
-                            self._round = 0
+                            self._round = self._acked = 0
                             return self._epoch
                     elif t == proto.TYPE_STATUS and int(h["rank"]) == self.rank:
                         detail = int(h["detail"])
@@ -234,189 +321,218 @@ class Communicator:
                     f"not answer; is the aggregator loaded with job {self.job} for {self.world} workers?")
             rto = min(rto * 2, self.max_rto)
 
-    # --- rounds -----------------------------------------------------------------------------
-    def _meta_round(self, local: np.ndarray) -> np.ndarray:
+    # --- metadata ---------------------------------------------------------------------------
+    def _meta(self, exps: np.ndarray | None, bits: np.ndarray | None) -> tuple:
+        """Combine one int32 per block over every rank, in one stream of rounds: MAX of the
+        block exponents (``exps``) and OR of the contributor bits (``bits``), ``elems`` blocks
+        per round, every rank contributing. Returns (max, or), each None when not asked."""
+        if exps is None and bits is None:
+            return None, None
         E = self.elems
-        k = -(-len(local) // E)
-        vals = np.full((k, E), quant.ZERO_EXP, dtype=np.int32)
-        vals.reshape(-1)[:len(local)] = local
-        counts = np.full(k, E, dtype=np.int64)
-        counts[-1] = len(local) - (k - 1) * E
+        nb = len(exps if exps is not None else bits)
+        per = -(-nb // E)
+        parts = [(v, op) for v, op in ((exps, proto.OP_MAX), (bits, proto.OP_OR)) if v is not None]
+        k = per * len(parts)
+        base = self._round
+        self._round += k
+        # one input array of k records: each part padded with its op's identity
+        values = self._buf.get("meta_in", k * E, np.int32)
+        for p, (v, op) in enumerate(parts):
+            seg = values[p * per * E:(p + 1) * per * E]
+            seg[:nb] = v
+            seg[nb:] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        blocks = np.arange(k, dtype=np.int64)
+        masks = np.full(k, np.int64(self._all), dtype=np.int64)
+        send = self._buf.get("meta_send", k * self._rec, np.uint8)
+        tmpl = self._template(proto.TYPE_CONTRIB, 0)
+        for p, (_v, op) in enumerate(parts):
+            rounds = blocks[p * per:(p + 1) * per]
+            kernels.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op,
+                               p * per)
+        res = self._buf.get("meta_out", k * E, np.int32)
+        self._stream(base, k, blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,
+                     kernels.KIND_INT32, res)
         self.last.meta_rounds += k
-        res = self._stream(vals, counts, np.zeros(k, dtype=np.int16), proto.OP_MAX)
-        return res.reshape(-1)[:len(local)].copy()
+        out = [res[p * per * E:p * per * E + nb] for p in range(len(parts))]
+        if exps is None:
+            return None, out[0]
+        return out[0], (out[1] if bits is not None else None)
 
-    def _stream(self, q: np.ndarray, counts: np.ndarray, exps: np.ndarray, op: int) -> np.ndarray:
-        """Run K rounds (one per row of q) through the slot pool; return the (K, E) int32 results."""
-        K, E, S = len(q), self.elems, self.slots
-        base = self._round  # rounds count over the epoch, unwrapped: slot and set follow them
-        rounds = base + np.arange(K, dtype=np.int64)
-        slots = rounds % S
-        sets = (rounds // S) % 2
-        rounds &= 0xFFFFFFFF  # on the wire, serial numbers
-        self._round = base + K
-
-        buf = bytearray(K * self._dsize)
-        codec.encode_blocks(q, rank=self.rank, job=self.job, epoch=self._epoch, mask=self._all, op=op,
-                            slot=slots, set=sets, round=rounds, count=counts, exp=exps, ack=base & 0xFFFFFFFF,
-                            out=buf)
-        rec = np.frombuffer(buf, dtype=codec.datagram_dtype(E))
-        rec_flags, rec_ack = rec["flags"], rec["ack"]
-
-        out = np.zeros((K, E), dtype=np.int32)
-        done = np.zeros(K, dtype=bool)
-        status_bits = np.zeros(K, dtype=np.int64) - 1  # last STATUS bitmap per round, -1: none
-        dest = (self.aggregator, self.port)
-        head = 0      # lowest round without a result
-        sent = 0      # rounds [0, sent) have been sent at least once
-        ndone = 0
-        rto = self.rto
-        last_progress = time.monotonic()
-        base_rto = rto
-        view = memoryview(buf)
+    # --- the stream of rounds ---------------------------------------------------------------
+    def _stream(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res) -> None:
+        """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
+        (``mine``: indices of its rounds, its records in that order in ``send``), collect every
+        round's result into ``res``, recover losses; return when every round has its result."""
+        t, rec, S = self._t, self._rec, self.slots
         st = self.last
+        dest = (self.aggregator, self.port)
+        done = self._buf.get("done", K, np.uint8)
+        done[:] = 0
+        sent_at = self._buf.get("sent_at", K, np.float64)
+        status = self._buf.get("status", K, np.int64)
+        status[:] = -1
+        newly = self._buf.get("newly", K, np.int64)
+        pos = self._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
+        pos[:] = -1
+        pos[mine] = np.arange(len(mine))
+        recs = send[:len(mine) * rec].reshape(-1, rec)
+        ack_col = recs[:, proto.FIELD_OFFSETS["ack"]:proto.FIELD_OFFSETS["ack"] + 4].view(">u4")[:, 0] \
+            if len(mine) else np.empty(0, ">u4")
+        flags_col = recs[:, proto.FIELD_OFFSETS["flags"]] if len(mine) else np.empty(0, np.uint8)
+        out_i = res.view(np.int32) if kind == kernels.KIND_INT32 else np.empty(0, np.int32)
+        out_f32 = res if kind == kernels.KIND_FLOAT32 else np.empty(0, np.float32)
+        out_f64 = res if kind == kernels.KIND_FLOAT64 else np.empty(0, np.float64)
+        dense = len(mine) == K
+        half = max(1, S // 2)
+        rx_args = t.recv_args()
 
-        def send_range(a: int, b: int, retx: bool) -> None:
-            if b <= a:
-                return
-            if retx:
-                rec_flags[a:b] |= proto.FLAG_RETX
-            rec_ack[a:b] = (base + head) & 0xFFFFFFFF  # this rank's head: its acknowledgement
-            self._t.send_batch(view[a * self._dsize:b * self._dsize], self._dsize, dest)
-            st.packets_sent += b - a
-
-        def send_rounds(items: np.ndarray) -> None:
-            """Retransmit an arbitrary set of rounds, grouped in contiguous runs."""
-            if not len(items):
-                return
-            breaks = np.flatnonzero(np.diff(items) != 1) + 1
-            for run in np.split(items, breaks):
-                send_range(int(run[0]), int(run[-1]) + 1, retx=True)
-
-        hdr_dt = codec.header_dtype()
-        sent_at = np.zeros(K)          # when each round was last sent
+        head = 0      # lowest round without a result
+        hi = 0        # rounds [0, hi) have entered the window
+        j_sent = 0    # this rank's records [0, j_sent) have been sent
+        ndone = 0
         srtt = self._srtt
+        base_rto = rto = max(self.rto, 3 * srtt)
+        last_progress = time.monotonic()
+
+        def report_ack() -> None:
+            """Tell the aggregator this rank's head when its records have not for a while."""
+            h = base + head
+            if not dense and h - self._acked >= half:
+                t.send_one(self._ack_record(h), dest)
+                self._acked = h
+                st.acks += 1
+
         while ndone < K:
-            limit = min(K, head + self.window)
-            if sent < limit:
-                send_range(sent, limit, retx=False)
-                sent_at[sent:limit] = time.monotonic()
-                sent = limit
-            got, new = self._drain(base, K, slots, sets, out, done, status_bits, hdr_dt)
+            st.loops += 1
+            lim = min(K, head + self.window)
+            if hi < lim:
+                j_end = int(np.searchsorted(mine, lim)) if not dense else lim
+                if j_end > j_sent:
+                    ack_col[j_sent:j_end] = (base + head) & 0xFFFFFFFF
+                    t.send_records(send, j_sent, j_end - j_sent, dest)
+                    st.packets_sent += j_end - j_sent
+                    self._acked = max(self._acked, base + head)
+                    j_sent = j_end
+                sent_at[hi:lim] = time.monotonic()
+                hi = lim
+            n, new, event = kernels.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
+                                              blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
+                                              status, newly)
             now = time.monotonic()
-            if got:
-                if len(new):
-                    ndone += len(new)
-                    last_progress = now
-                    # smoothed send->result time; the timeout follows it (as TCP's RTO does)
-                    srtt = 0.875 * srtt + 0.125 * float(np.median(now - sent_at[new]))
-                    base_rto = max(self.rto, 3 * srtt)
-                    rto = base_rto
-                while head < K and done[head]:
-                    head += 1
-                if head < sent:
-                    # Fast retransmit: rounds complete in order per slot and roughly in order
-                    # overall, so a round left behind by GAP later ones has lost a packet.
-                    top = int(np.flatnonzero(done[head:sent])[-1]) + head if done[head:sent].any() else head
-                    gap = np.flatnonzero(~done[head:max(head, top - self.GAP)]) + head
-                    gap = gap[now - sent_at[gap] > base_rto]
-                    if len(gap):
-                        send_rounds(gap)
-                        sent_at[gap] = now
-                        st.retransmissions += len(gap)
+            if event == kernels.EV_STALE_EPOCH:
+                raise ProtocolError(
+                    f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
+                    f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
+                    f"the aggregator was reloaded; this run's results are gone")
+            if new:
+                ndone += new
+                last_progress = now
+                # smoothed send -> result time; the timeout follows it, as TCP's RTO does. Only
+                # rounds already in this rank's window have a send time: a round this rank does
+                # not contribute to can complete before it gets there.
+                last = int(newly[new - 1])
+                if last < hi:
+                    srtt = 0.875 * srtt + 0.125 * (now - float(sent_at[last]))
+                base_rto = rto = max(self.rto, 3 * srtt)
+                head = kernels.advance(done, head, K)
+                report_ack()
+                if head < hi:
+                    self._fast_retransmit(head, hi, done, sent_at, now, base_rto, pos, flags_col, ack_col, send,
+                                          base, masks, dest)
                 continue
+            # No progress (datagrams that brought nothing new do not count): the timers decide.
             if now - last_progress > self.timeout:
-                self._fail(done, sent, status_bits)
-            oldest = sent_at[head] if head < sent else now
-            if now - oldest >= rto:
-                # timeout: retransmit every round outstanding for longer than rto, back off
-                pending = np.flatnonzero(~done[head:sent]) + head
+                self._fail(base, K, head, hi, done, status, masks)
+            oldest = sent_at[head] if head < hi else now
+            if head < hi and now - oldest >= rto:
+                pending = np.flatnonzero(done[head:hi] == 0) + head
                 pending = pending[now - sent_at[pending] >= rto]
-                send_rounds(pending)
+                self._resend(pending, pos, flags_col, ack_col, send, base + head, base, masks, dest)
                 sent_at[pending] = now
-                st.retransmissions += len(pending)
                 st.timeouts += 1
                 rto = min(rto * 2, max(self.max_rto, base_rto))
                 continue
-            self._t.wait(min(rto - (now - oldest), 0.05))
-        st.rounds += K
+            if not n:
+                t.wait(min(rto - (now - oldest), 0.05) if head < hi else 0.05)
         self._srtt = srtt
-        return out
+        st.rounds += K
 
-    def _drain(self, base: int, K: int, slots, sets, out, done, status_bits,
-               hdr_dt) -> tuple[int, np.ndarray]:
-        """Receive everything queued with recvmmsg (results land back to back in fixed slots),
-        then decode all results with one vectorised call. Returns (datagrams read, rounds that
-        got their result just now)."""
-        rx = self._rx
-        none = np.empty(0, dtype=np.int64)
-        n = rx.receive()
-        if not n:
-            return 0, none
-        lens = rx.lengths(n)
-        D, H = self._dsize, proto.HDR_LEN
-        full = lens == D
-        if full.all():
-            dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
-            return n, self._take_results(dec, base, K, slots, sets, out, done, status_bits)
-        for j in np.flatnonzero(~full):
-            self.last.duplicates += 1  # a datagram of a size we never use: not ours
-        if full.any():
-            dec = codec.decode_datagrams(rx.view[:n * D], n, self.elems)
-            keep = np.flatnonzero(full)
-            dec = codec.Decoded({k: v[keep] for k, v in dec.fields.items()}, dec.payload[keep])
-            return n, self._take_results(dec, base, K, slots, sets, out, done, status_bits)
-        return n, none
+    def _fast_retransmit(self, head, hi, done, sent_at, now, base_rto, pos, flags_col, ack_col, send, base, masks,
+                         dest) -> None:
+        """Rounds complete roughly in order: one left behind by GAP completed later rounds has
+        lost a packet; resend it without waiting for the timeout."""
+        window = done[head:hi]
+        later = np.flatnonzero(window)
+        if not len(later):
+            return
+        top = int(later[-1]) + head
+        gap = np.flatnonzero(done[head:max(head, top - self.GAP)] == 0) + head
+        gap = gap[now - sent_at[gap] > base_rto]
+        if len(gap):
+            self._resend(gap, pos, flags_col, ack_col, send, base + head, base, masks, dest)
+            sent_at[gap] = now
 
-    def _take_results(self, dec: codec.Decoded, base: int, K: int, slots, sets, out, done,
-                      status_bits=None) -> np.ndarray:
-        f = dec.fields
-        idx = (f["round"].astype(np.int64) - base) & 0xFFFFFFFF
-        mine = (f["magic"] == proto.MAGIC) & (f["job"] == self.job) & (idx < K)
-        status = mine & (f["type"] == proto.TYPE_STATUS) & (f["rank"] == self.rank)
-        if status.any():
-            self._take_status(f, idx, status, status_bits)
-        ok = mine & (f["type"] == proto.TYPE_RESULT) & (f["epoch"] == self._epoch)
-        idx_ok = np.where(ok, idx, 0)
-        ok &= (slots[idx_ok] == f["slot"]) & (sets[idx_ok] == f["set"])
-        fresh = ok & ~done[idx_ok]
-        sel = idx[fresh]
-        # a round may appear twice in one batch (a duplicate): keep one
-        sel, first = np.unique(sel, return_index=True)
-        out[sel] = dec.payload[np.flatnonzero(fresh)[first]]
-        done[sel] = True
-        self.last.results += len(sel)
-        self.last.duplicates += int(len(idx) - len(sel))
-        return sel
+    def _resend(self, rounds: np.ndarray, pos, flags_col, ack_col, send, head_abs: int, base: int, masks,
+                dest) -> None:
+        """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the
+        Tx spot if the round is complete) and pull the others' results."""
+        if not len(rounds):
+            return
+        st, rec = self.last, self._rec
+        p = pos[rounds]
+        own = p[p >= 0]
+        if len(own):
+            flags_col[own] |= proto.FLAG_RETX
+            ack_col[own] = head_abs & 0xFFFFFFFF
+            scratch = self._buf.get("retx", len(own) * rec, np.uint8)
+            scratch.reshape(-1, rec)[:] = send.reshape(-1, rec)[own]
+            self._t.send_records(scratch, 0, len(own), dest)
+            st.retransmissions += len(own)
+            st.packets_sent += len(own)
+        others = rounds[p < 0]
+        if len(others):
+            buf = self._buf.get("pull", len(others) * rec, np.uint8)
+            buf[:] = 0
+            tmpl = self._template(proto.TYPE_CONTRIB, proto.FLAG_PULL | proto.FLAG_RETX)
+            tmpl[proto.FIELD_OFFSETS["ack"]:proto.FIELD_OFFSETS["ack"] + 4] = np.frombuffer(
+                (head_abs & 0xFFFFFFFF).to_bytes(4, "big"), np.uint8)
+            kernels.encode_pulls(buf, rec, tmpl, others, base, self.slots, masks)
+            self._t.send_records(buf, 0, len(others), dest)
+            st.pulls += len(others)
+            st.packets_sent += len(others)
 
-    def _take_status(self, f: dict, idx: np.ndarray, which: np.ndarray, status_bits) -> None:
-        """STATUS records addressed to this rank: who has contributed to a waiting round, or why
-        the aggregator cannot answer at all."""
-        details = f["detail"][which]
-        epochs = f["epoch"][which]
-        if (details == proto.DETAIL["epoch"]).any():
-            e = int(epochs[details == proto.DETAIL["epoch"]][0])
-            raise ProtocolError(
-                f"rank {self.rank}: the aggregator no longer runs epoch {e} of job {self.job}: another run "
-                f"of the job has started (a rank joined again, e.g. a restarted worker) or the aggregator was "
-                f"reloaded; this run's results are gone")
-        wait = details == proto.DETAIL["waiting"]
-        status_bits[idx[which][wait]] = f["mask"][which][wait]
+    def _ack_record(self, head_abs: int) -> bytes:
+        t = self._template(proto.TYPE_ACK, 0)
+        t[proto.FIELD_OFFSETS["ack"]:proto.FIELD_OFFSETS["ack"] + 4] = np.frombuffer(
+            (head_abs & 0xFFFFFFFF).to_bytes(4, "big"), np.uint8)
+        t[proto.FIELD_OFFSETS["mask"]:proto.FIELD_OFFSETS["mask"] + 4] = np.frombuffer(
+            (1 << self.rank).to_bytes(4, "big"), np.uint8)
+        return t.tobytes()
 
-    def _fail(self, done, sent, status_bits) -> None:
-        pending = np.flatnonzero(~done[:sent])
-        heard = status_bits[pending]
-        known = heard[heard >= 0]
+    @staticmethod
+    def _zero_inactive(res: np.ndarray, active: np.ndarray, elems: int) -> None:
+        """Blocks zero on every rank get no round: their output is zero."""
+        idle = np.flatnonzero(~active)
+        if not len(idle):
+            return
+        starts = np.flatnonzero(np.diff(np.concatenate([[-2], idle])) != 1)
+        for a, b in zip(idle[starts], np.append(idle[starts[1:] - 1], idle[-1])):
+            res[a * elems:(b + 1) * elems] = 0
+
+    def _fail(self, base, K, head, hi, done, status, masks) -> None:
+        pending = np.flatnonzero(done[:hi] == 0)
+        heard = status[pending]
+        known = heard >= 0
         where = f"aggregator {self.aggregator}:{self.port}"
-        if len(known):
+        if known.any():
             missing = 0
-            for b in known:
-                missing |= self._all & ~int(b)
+            for m, b in zip(masks[pending][known], heard[known]):
+                missing |= int(m) & ~int(b)
             ranks = [r for r in range(self.world) if missing >> r & 1]
             raise TimeoutError_(
                 f"rank {self.rank}: allreduce timed out after {self.timeout:g}s without progress; "
                 f"{len(pending)} round(s) incomplete at the {where}: no contribution from rank(s) "
-                f"{', '.join(map(str, ranks))}")
+                f"{', '.join(map(str, ranks)) or '(none: results lost)'}")
         raise TimeoutError_(
             f"rank {self.rank}: allreduce timed out after {self.timeout:g}s: the {where} did not answer "
             f"({len(pending)} round(s) outstanding); is the aggregator loaded and the job configured "

@@ -103,11 +103,21 @@ def wait_oper_up(sock: IPRoute, index: int, what: str, timeout: float = 3.0) -> 
 # --- shaping (tbf: the kernel has no netem/fq; tbf and htb exist) ---------------------------
 TBF_BURST_S = 0.004  # seconds of traffic the bucket holds (bytes = rate * this)
 TBF_LATENCY = "20ms"  # queue bound: packets wait at most about this long, then tbf drops
+#: a bucket smaller than a 64 KB GSO batch makes tbf cut the batch into datagrams
+GSO_FRAME = 65536 + 14 + 20 + 8
+PUSHBACK_LIMIT = 10000  # packets (pfifo)
 
 
 def tbf_burst(rate_bps: int, mtu: int) -> int:
-    """Bucket size in bytes: a few ms of traffic, never less than a few frames."""
-    return max(int(rate_bps / 8 * TBF_BURST_S), 4 * (mtu + 14), 8192)
+    """Bucket size in bytes: a few ms of traffic, never less than a few frames nor less than a
+    whole 64 KB GSO batch (tbf segments a batch that does not fit its bucket)."""
+    return max(int(rate_bps / 8 * TBF_BURST_S), 4 * (mtu + 14), 2 * GSO_FRAME)
+
+
+def pushback(sock: IPRoute, index: int) -> None:
+    """A pfifo root qdisc: a veth whose peer runs NAPI (XDP, or GRO) queues into a 256-entry
+    ring and drops when it is full; with a qdisc the sender is pushed back instead."""
+    sock.tc("replace", "pfifo", index, 0x10000, limit=PUSHBACK_LIMIT)
 
 
 def shape(sock: IPRoute, index: int, rate_bps: int, mtu: int) -> None:

@@ -32,12 +32,14 @@ from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, Set
 
 from . import state as st
 from .fault import FaultInjector
-from .netlink import (create_netns, ipr, link_index, netns_exists, remove_netns, set_sysctl, shape,
+from .netlink import (create_netns, ipr, link_index, netns_exists, pushback, remove_netns, set_sysctl, shape,
                       tolerant, unshape, wait_oper_up)
 from .topology import (BRIDGE_IFACE, PREFIX, PREFIXLEN, SUBNET_MAX, SUBNET_MIN, Host, Topology,
                        check_name, derived_subnet)
 
 MCAST_NET, MCAST_LEN = "224.0.0.0", 4
+BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables",
+                     "net.bridge.bridge-nf-call-arptables")
 NAPI_PROG = "int xdp_napi_pass(struct xdp_md *ctx) { return XDP_PASS; }\n"
 
 
@@ -324,10 +326,17 @@ class Testbed:
             create_netns(ns)
             for key, val in (("net.ipv6.conf.all.disable_ipv6", 1), ("net.ipv6.conf.default.disable_ipv6", 1)):
                 set_sysctl(ns, key, val)
+        # No bridge netfilter on the testbed's bridge: with br_netfilter loaded, every forwarded
+        # frame would run the iptables hooks. The per-bridge flag can only add the hooks; the
+        # bridge namespace's own sysctls take them away.
+        for key in BRIDGE_NF_SYSCTLS:
+            with contextlib.suppress(FileNotFoundError):  # br_netfilter not loaded: nothing to do
+                set_sysctl(topo.bridge_netns, key, 0)
 
         with ipr(topo.bridge_netns) as br:
             br.link("set", index=link_index(br, "lo"), state="up")
             br.link("add", ifname=BRIDGE_IFACE, kind="bridge", br_mcast_snooping=0, br_stp_state=0,
+                    br_nf_call_iptables=0, br_nf_call_ip6tables=0, br_nf_call_arptables=0,
                     br_forward_delay=0, mtu=topo.mtu)
             br_idx = link_index(br, BRIDGE_IFACE)
             br.link("set", index=br_idx, state="up")
@@ -343,6 +352,8 @@ class Testbed:
                 br.link("set", index=idx, state="up")
                 if h.link.rate:
                     shape(br, idx, h.link.rate, topo.mtu)
+                else:
+                    pushback(br, idx)
 
         permanent = nud_states["permanent"]
         for h in hosts:
@@ -357,12 +368,31 @@ class Testbed:
                         sock.neigh("add", dst=other.ip, lladdr=other.mac, ifindex=idx, state=permanent)
                 if h.link.rate:
                     shape(sock, idx, h.link.rate, topo.mtu)
+                else:
+                    pushback(sock, idx)
                 wait_oper_up(sock, idx, f"{h.iface} of {h.name}")
 
         if topo.agg_napi:
             attach_napi_pass(self.agg.peer, topo.bridge_netns)
             self._state["napi_xdp"].append(self.agg.peer)
             self._save_state()
+
+    # --- the aggregator's link for native XDP ------------------------------------------------
+    def set_agg_napi(self, enabled: bool) -> None:
+        """Native XDP_TX from the aggregator's veth needs NAPI on the bridge-side peer (a trivial
+        XDP_PASS program there); generic XDP must not have it, because a native program on the
+        peer strips GSO from the aggregator's veth and its result batches would be cut into
+        datagrams. Idempotent."""
+        peer = self.agg.peer
+        attached = nbpf.xdp_prog_id(peer, self.bridge_netns) is not None
+        if enabled and not attached:
+            attach_napi_pass(peer, self.bridge_netns)
+            if peer not in self._state.setdefault("napi_xdp", []):
+                self._state["napi_xdp"].append(peer)
+        elif not enabled and attached:
+            nbpf.detach_xdp(peer, self.bridge_netns, "native")
+            self._state["napi_xdp"] = [p for p in self._state.get("napi_xdp", []) if p != peer]
+        self._save_state()
 
     # --- tear down ---------------------------------------------------------------------------
     def down(self) -> list[str]:

@@ -145,7 +145,8 @@ class Topology:
     next free one" (resolved by Testbed.up, which never lets two live testbeds share one).
     ``links``: per-host overrides, e.g. ``{"w0": Link(rate=100_000_000)}``; hosts not listed use
     ``default_link``. ``agg_napi``: attach an XDP_PASS program to the bridge-side peer of the
-    aggregator's link (needed for XDP_TX from the aggregator's veth).
+    aggregator's link at build time (native XDP_TX from the aggregator's veth needs it; generic
+    XDP must not have it; ``Testbed.set_agg_napi`` changes it on a live testbed).
     """
 
     name: str
@@ -155,7 +156,7 @@ class Topology:
     links: dict[str, Link] = field(default_factory=dict)
     port: int = DEFAULT_PORT
     subnet: int | None = None
-    agg_napi: bool = True
+    agg_napi: bool = False
 
     def __post_init__(self):
         check_name(self.name)
@@ -178,7 +179,7 @@ class Topology:
     @classmethod
     def star(cls, name: str, workers: int, *, rate: str | int | None = None, queues: int = 1,
              mtu: int = 1500, port: int = DEFAULT_PORT, subnet: int | None = None,
-             agg_napi: bool = True, links: dict[str, Link] | None = None) -> "Topology":
+             agg_napi: bool = False, links: dict[str, Link] | None = None) -> "Topology":
         """The usual shape: ``workers`` workers, one aggregator, every link at ``rate``."""
         return cls(name=name, workers=workers, mtu=mtu, default_link=Link(parse_rate(rate), queues),
                    links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi)
@@ -240,6 +241,6 @@ class Topology:
     @classmethod
     def from_dict(cls, d: dict) -> "Topology":
         return cls(name=d["name"], workers=int(d["workers"]), mtu=int(d["mtu"]), port=int(d["port"]),
-                   subnet=d.get("subnet"), agg_napi=bool(d.get("agg_napi", True)),
+                   subnet=d.get("subnet"), agg_napi=bool(d.get("agg_napi", False)),
                    default_link=Link(**d.get("default_link", {})),
                    links={h: Link(**lk) for h, lk in d.get("links", {}).items()})

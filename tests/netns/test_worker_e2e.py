@@ -53,12 +53,12 @@ def adversarial(world, seed=0):
     return out
 
 
-@pytest.mark.parametrize("kind", ["xdp", "userspace"])
-def test_float32_within_the_documented_bound_on_adversarial_inputs(make_testbed, tmp_path, kind):
+@pytest.mark.parametrize("kind,mode", [("xdp", "generic"), ("xdp", "native"), ("userspace", None)])
+def test_float32_within_the_documented_bound_on_adversarial_inputs(make_testbed, tmp_path, kind, mode):
     arrays = adversarial(4)
     tb = make_testbed(4)
     ins, outs = save(tmp_path, arrays)
-    res = run_job(tb, ins, outs, kind, timeout=15)
+    res = run_job(tb, ins, outs, kind, timeout=15, **({"mode": mode} if mode else {}))
     ref = np.sum(np.stack(arrays).astype(np.float64), axis=0)
     half_ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64) / 2
     bound = bound_for(arrays) + half_ulp
@@ -84,25 +84,31 @@ def test_int32_exact_and_float64(make_testbed, tmp_path):
     assert np.abs(np.load(outs[2]) - ref).max() <= bound_for(f64).max()
 
 
-def test_loss_and_duplication_give_bit_identical_results(make_testbed, tmp_path):
+@pytest.mark.parametrize("mode", ["generic", "native"])
+def test_loss_and_duplication_give_bit_identical_results(make_testbed, tmp_path, mode):
+    """2% drop and 2% duplication on every link, both directions: the same bits as a clean run.
+    Half of each rank's blocks are zero, so results also come back to ranks that did not
+    contribute (pulls) and acknowledgements gate the reuse of sets."""
     rng = np.random.default_rng(4)
     arrays = [rng.standard_normal(2000 * E).astype(np.float32) for _ in range(4)]
+    for a in arrays:
+        a.reshape(-1, E)[rng.random(2000) < 0.5] = 0
     tb = make_testbed(4)
     ins, clean_outs = save(tmp_path, arrays, "c")
-    run_job(tb, ins, clean_outs, "xdp", timeout=20)
+    run_job(tb, ins, clean_outs, "xdp", timeout=20, mode=mode)
     tb.faults.configure(drop=0.02, dup=0.02, seed=7)
     lossy_outs = [tmp_path / f"lossy{r}.npy" for r in range(4)]
-    res = run_job(tb, ins, lossy_outs, "xdp", timeout=20)
+    res = run_job(tb, ins, lossy_outs, "xdp", timeout=20, mode=mode, reps=3)
     fs = tb.faults.stats()
     dropped = sum(v[d]["dropped"] for v in fs.values() for d in ("ingress", "egress"))
     dupped = sum(v[d]["duplicated"] for v in fs.values() for d in ("ingress", "egress"))
-    assert dropped > 100 and dupped > 100, fs
-    assert res.totals("retransmissions") > 0
+    assert dropped > 10 and dupped > 10, fs
+    assert res.totals("retransmissions") + res.totals("pulls") > 0
     for r in range(4):
         assert np.array_equal(np.load(lossy_outs[r]), np.load(clean_outs[r])), f"rank {r} differs under loss"
 
 
-def test_a_missing_rank_is_named_by_every_other_rank_within_the_timeout(make_testbed, tmp_path):
+def test_a_rank_that_never_joins_is_named_by_every_other_rank(make_testbed, tmp_path):
     rng = np.random.default_rng(5)
     arrays = [rng.standard_normal(50 * E).astype(np.float32) for _ in range(3)]
     tb = make_testbed(3)
@@ -120,29 +126,64 @@ def test_a_missing_rank_is_named_by_every_other_rank_within_the_timeout(make_tes
     assert took < 30
 
 
-def test_sparsity_skips_blocks_and_stays_exact(make_testbed, tmp_path):
+@pytest.mark.parametrize("mode", ["generic", "native"])
+def test_a_rank_that_dies_mid_call_is_named_by_every_other_rank_within_the_timeout(make_testbed, tmp_path, mode):
+    """Rank 2 joins and contributes, then is killed in the middle of a long job: the others'
+    rounds stop completing; each names rank 2 (from the aggregator's STATUS answers) within its
+    timeout instead of hanging."""
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(4 << 20).astype(np.float32) for _ in range(3)]
+    tb = make_testbed(3)
+    ins, outs = save(tmp_path, arrays)
+    enable_gro(tb)
+    with AggregatorProcess(tb, "xdp", 1024, E, mode=mode):
+        procs = [tb.popen(w, CLI + ["worker", "--rank", str(w.rank), "--world", "3", "--aggregator", tb.agg.ip,
+                                    "--group", tb.mcast_group, "--local-ip", w.ip, "--input", str(ins[w.rank]),
+                                    "--timeout", "2", "--reps", "200"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in tb.workers]
+        time.sleep(3.0)  # joined, in the middle of the repetitions
+        assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs if p.poll() is not None]
+        procs[2].kill()
+        t0 = time.monotonic()
+        errs = [p.communicate(timeout=30)[1] for p in procs[:2]]
+        took = time.monotonic() - t0
+    from nicoffload.errors import TimeoutError_
+    assert [p.returncode for p in procs[:2]] == [TimeoutError_.exit_code] * 2, errs
+    for r, err in enumerate(errs):
+        assert f"rank {r}: allreduce timed out" in err and "no contribution from rank(s) 2" in err, err
+    assert took < 15
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_sparsity_each_rank_sends_only_its_own_nonzero_blocks(make_testbed, tmp_path, dtype):
+    """OmniReduce's sparsity: a rank sends nothing for its own zero blocks; blocks zero on every
+    rank cost nobody anything; the sum stays exact (int32) or within the bound (float32)."""
     rng = np.random.default_rng(6)
-    n = 400 * E
+    nb = 400
+    n = nb * E
+    zero_all = rng.random(nb) < 0.3
     arrays = []
-    zero_all = rng.random(400) < 0.5
     for r in range(4):
-        a = rng.integers(-1000, 1000, n, dtype=np.int32)
-        zero = zero_all | (rng.random(400) < 0.3)
-        a[np.repeat(zero, E)] = 0
+        a = rng.integers(-1000, 1000, n).astype(dtype) if dtype == np.int32 else rng.standard_normal(n).astype(dtype)
+        a[np.repeat(zero_all | (rng.random(nb) < 0.6), E)] = 0
         arrays.append(a)
     tb = make_testbed(4)
     ins, outs = save(tmp_path, arrays)
     res = run_job(tb, ins, outs, "xdp", timeout=15)
-    assert np.array_equal(np.load(outs[0]), np.sum(np.stack(arrays), axis=0, dtype=np.int32))
-    nonzero_any = np.any(np.stack([a.reshape(400, E) != 0 for a in arrays]).any(axis=2), axis=0)
-    for rep, a in zip(res.ranks, arrays):
+    if dtype == np.int32:
+        assert np.array_equal(np.load(outs[0]), np.sum(np.stack(arrays), axis=0, dtype=np.int32))
+    else:
+        ref = np.sum(np.stack(arrays).astype(np.float64), axis=0)
+        half_ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64) / 2
+        assert (np.abs(np.load(outs[0]) - ref) <= bound_for(arrays) + half_ulp).all()
+    nonzero = np.stack([np.any(a.reshape(nb, E) != 0, axis=1) for a in arrays])
+    meta = (1 if dtype == np.int32 else 2) * -(-nb // E)  # OR bitmaps (+ MAX exponents for floats)
+    for rep, own in zip(res.ranks, nonzero):
         st = rep["stats"]
-        assert st["blocks_skipped"] == int((~nonzero_any).sum())
-        # blocks zero on every rank cost nothing; the others are sent by every rank (plus the
-        # metadata round of one record per 256 blocks and retransmissions)
-        meta = -(-400 // E)
-        assert st["packets_sent"] >= int(nonzero_any.sum()) + meta
-        assert st["packets_sent"] <= int(nonzero_any.sum()) + meta + st["retransmissions"]
+        assert st["blocks_skipped"] == int((~nonzero.any(axis=0)).sum())
+        assert st["own_blocks"] == int(own.sum())
+        sent = st["packets_sent"] - st["retransmissions"] - st["pulls"]
+        assert sent == int(own.sum()) + meta, st  # nothing at all for its zero blocks
 
 
 def test_allreduce_cli_and_its_input_errors(tmp_path):
