@@ -95,6 +95,7 @@ class BenchConfig:
     slots: int = 1024
     elems: int = 256
     mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
+    dtype: str = "float32"      # of the gradients: float32 (quantized to int32) or int32 (exact)
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -640,6 +641,14 @@ class Reference:
 
             xs = [np.load(p, mmap_mode="r") for p in inputs]
             n = xs[0].size
+            if xs[0].dtype == np.int32:  # every system must be exact (wrapping modulo 2^32)
+                exact = np.zeros(n, dtype=np.int32)
+                for x in xs:
+                    exact += x
+                zero = np.zeros(n)
+                self.cache[idx] = {"exact": exact.astype(np.float64), "qbound": zero, "fbound": zero,
+                                   "int": exact}
+                return self.cache[idx]
             exact = np.zeros(n, dtype=np.float64)
             abs_sum = np.zeros(n, dtype=np.float64)
             E = self.elems
@@ -743,6 +752,7 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
                 raise _Abort(startup_failure)
             if ap.agg is not None:
                 plan["prog_id"] = ap.agg.spec.prog_id
+                plan["mode"] = ap.agg.spec.mode
         meta["links"][system] = link_state(tb)
         plan_path = work / f"{system}-plan.json"
         plan_path.write_text(json.dumps(plan))
@@ -804,7 +814,7 @@ def run_system(tb, system: str, points: list[Point], data: list[PointData], rate
                     {"workers": n, "rate": rate, "stats": ap.close()})
             except Exception:
                 pass
-    shape = packet_shape(system, ap, cfg)
+    shape = packet_shape(system, plan.get("mode"), cfg)
     out = []
     for pt, d, o in zip(points, data, outputs):
         r = rows.get(pt.index)
@@ -826,13 +836,13 @@ class _Abort(Exception):
     pass
 
 
-def packet_shape(system: str, ap, cfg: BenchConfig) -> dict:
+def packet_shape(system: str, mode: str | None, cfg: BenchConfig) -> dict:
     """How a system's data crossed the testbed: the aggregator's XDP mode and the packets."""
     from . import proto
 
     if system in AGG_SYSTEMS:
         rec = proto.record_size(cfg.elems)
-        mode = ap.agg.spec.mode if ap is not None and ap.agg is not None else "userspace"
+        mode = mode or "userspace"
         per = min(64, proto.max_records(cfg.elems))
         batch = {"generic": f"UDP_SEGMENT batches of <= {per} x {rec} B records, seen whole by generic XDP",
                  "native": f"{rec} B datagrams (the veth peer segments batches before native XDP)",
@@ -844,9 +854,17 @@ def packet_shape(system: str, ap, cfg: BenchConfig) -> dict:
 
 def _verify(row: dict, system: str, output: Path, ref: dict) -> None:
     try:
-        y = np.load(output).astype(np.float64)
+        raw = np.load(output)
+        y = raw.astype(np.float64)
     except Exception as e:
         row.update(status="error", reason=f"no output to check ({e})")
+        return
+    if "int" in ref:
+        bad = np.flatnonzero(raw != ref["int"])
+        row["max_abs_err"] = float(np.abs(y - ref["exact"]).max()) if raw.size else 0.0
+        row["within_bound"] = not len(bad)
+        if len(bad):
+            row.update(status="error", reason=f"int32 sum not exact at {len(bad)} elements (first {int(bad[0])})")
         return
     err = np.abs(y - ref["exact"])
     bound = ref["qbound"] if system in AGG_SYSTEMS else ref["fbound"]
@@ -858,13 +876,19 @@ def _verify(row: dict, system: str, output: Path, ref: dict) -> None:
                                           f"|err| {err[i]:.3g} > {bound[i]:.3g}")
 
 
-def make_inputs(points: list[Point], workers: int, seed: int, work: Path, elems: int) -> list[PointData]:
+def make_inputs(points: list[Point], workers: int, seed: int, work: Path, elems: int,
+                dtype: str = "float32") -> list[PointData]:
     from .cli_worker import make_gradients
 
     out = []
     for pt in points:
         n = max(1, pt.bytes // 4)
-        grads = make_gradients(workers, n, pt.sparsity, seed + 7919 * pt.index + 104729 * workers, elems)
+        sd = seed + 7919 * pt.index + 104729 * workers
+        grads = make_gradients(workers, n, pt.sparsity, sd, elems)
+        if dtype == "int32":
+            rng = np.random.default_rng(sd)
+            grads = [np.where(g != 0, rng.integers(-(1 << 20), 1 << 20, n, dtype=np.int32), 0).astype(np.int32)
+                     for g in grads]
         paths = []
         for r, g in enumerate(grads):
             p = work / f"in{pt.index}-r{r}.npy"
@@ -916,7 +940,7 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> tuple[list[dict], li
             with running(n, rate=rbps, links=links) as tb, tempdir() as d:
                 work = Path(d)
                 enable_gro(tb)
-                data = make_inputs(points, n, cfg.seed, work, cfg.elems)
+                data = make_inputs(points, n, cfg.seed, work, cfg.elems, cfg.dtype)
                 ref = Reference(n, cfg.elems)
                 for s in cfg.systems:
                     if avail[s]:

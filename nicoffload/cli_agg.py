@@ -194,12 +194,16 @@ def _bench(args) -> int:
         print(json.dumps(out))
         return 0
     t = out["test_run_ns"]
-    print(f"BPF_PROG_TEST_RUN, {args.workers} workers, {args.elems} int32 per packet (ns per packet):")
-    for k in ("first", "add", "complete", "per_packet", "duplicate", "retx_answer", "pass"):
-        if k in t:
-            print(f"  {k:<12} {t[k]:8.1f}")
+    print(f"BPF_PROG_TEST_RUN, {args.workers} workers, {args.elems} int32 per record, one record per frame "
+          f"(median ns per frame; each frame run once, less {t['timer_overhead']:.0f} ns of timer overhead):")
+    for op in ("sum64", "sum"):
+        print(f"  {op:<6} first {t[op + '_first']:7.1f}   add {t[op + '_add']:7.1f}   complete "
+              f"{t[op + '_complete']:7.1f}   -> {t[op + '_per_element']:.2f} ns per element")
+    print(f"  duplicate {t['duplicate']:.1f}   retransmission answered {t['retx_answer']:.1f}   "
+          f"foreign pass {t['pass']:.1f}")
     if "live" in out:
         lv = out["live"]
-        print(f"live testbed (kernel bpf stats, 3 x 16 MiB AllReduce): {lv['packets']} packets, "
-              f"{lv['per_packet']:.1f} ns per packet")
+        print(f"live testbed ({lv['mode']} XDP, kernel bpf stats, 3 x 16 MiB float32 AllReduce): {lv['frames']} frames, "
+              f"{lv['records']} records; {lv['per_frame']:.0f} ns per frame, {lv['per_record']:.0f} ns per record, "
+              f"{lv['per_element']:.2f} ns per element")
     return 0

@@ -96,6 +96,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mpirun", default="mpirun", help="the mpirun to use (default: from PATH)")
     p.add_argument("--timeout", type=float, default=None, help="seconds without progress before a rank fails")
+    p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
+                   help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
     p.add_argument("--mode", choices=["auto", "generic", "native"], default="auto",
                    help="XDP attach mode of the aggregator (default auto: generic batches on veth)")
     p.set_defaults(func=_bench)
@@ -111,7 +113,7 @@ def _bench(args) -> int:
                                    min_time=args.min_time, max_reps=args.max_reps, timeout=args.timeout,
                                    max_point_s=args.max_point_time).items()
              if v is not None}
-    given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode)
+    given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype)
     for k in ("reps", "max_reps"):
         if k in given and given[k] < 1:
             raise InputError(f"--{k.replace('_', '-')} must be at least 1")

@@ -30,7 +30,8 @@ O_JOB, O_EPOCH, O_SLOT, O_ROUND = _O["job"], _O["epoch"], _O["slot"], _O["round"
 O_MASK, O_ACK, O_COUNT, O_EXP = _O["mask"], _O["ack"], _O["count"], _O["exp"]
 O_OP, O_DETAIL = _O["op"], _O["detail"]
 HDR = proto.HDR_LEN
-T_RESULT, T_STATUS = proto.TYPE_RESULT, proto.TYPE_STATUS
+T_RESULT, T_STATUS, T_ACK = proto.TYPE_RESULT, proto.TYPE_STATUS, proto.TYPE_ACK
+RANK_AGG = proto.RANK_AGG
 ZERO_EXP = np.iinfo(np.int32).min
 #: shifts whose 2^s and 2^-s are normal float32 numbers: the float32 path is exact there
 F32_SHIFT_LIMIT = 100
@@ -148,6 +149,19 @@ def block_meta_f64(x, elems, exps):
 
 
 @njit(cache=True, boundscheck=False)
+def zero_blocks(out, active, elems):
+    """Write zeros over every block of ``out`` (viewed as int32 words, ``elems`` words per block)
+    whose ``active`` flag is 0: blocks zero on every rank get no round."""
+    n = out.size
+    for b in range(active.size):
+        if not active[b]:
+            lo = b * elems
+            s = out[lo:min(lo + elems, n)]
+            for k in range(s.size):
+                s[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
 def block_nonzero_i32(x, elems, out):
     """out[b] = 1 if block b of int32 x has a non-zero element, else 0."""
     n = x.size
@@ -180,8 +194,8 @@ def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
 
 
 @njit(cache=True, boundscheck=False)
-def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single):
-    """Record j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
+def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first):
+    """Record first + j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
     rint(x * 2^shift) + bias as unsigned 32-bit lanes (op SUM64: with |q| <= bias and
     2 * bias * ranks <= 2^31, the aggregator's 64-bit adds never carry from one lane into the
     next). Elements beyond the tensor are 0. ``single``: x is float32, scaled in float32 where
@@ -194,7 +208,7 @@ def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, sh
     for j in range(mine.size):
         i = mine[j]
         b = blocks[i]
-        off = j * rec
+        off = (first + j) * rec
         lo = b * elems
         cnt = min(elems, n - lo)
         s = shifts[i]
@@ -249,13 +263,19 @@ def encode_pulls(buf, rec, tmpl, which, base, nslots, masks):
 
 @njit(cache=True, boundscheck=False)
 def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, base, nrounds, nslots,
-                   blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly):
+                   blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly, stash, stash_round,
+                   gate):
     """Every record of ``nmsg`` received datagrams (message m at buf[m * stride:], ``lens[m]``
     bytes, records of ``segs[m]`` bytes; 0: one record). A RESULT of this job, epoch and call
     (round base + i, i < nrounds, on the slot and set that round maps to) that is not yet
     ``done`` becomes output: int32 copied, or (float kinds) (lane - contributors * bias) * 2^-shift
     with one rounding. STATUS records for this rank store the contributors of a waiting round in
-    ``status`` or raise an event. Returns (new results, event); their indices are newly[:new]."""
+    ``status`` or raise an event. Returns (new results, event); their indices are newly[:new].
+    A RESULT of a later round (up to stash_round.size rounds beyond this call: a round this rank
+    does not contribute to can complete before the rank gets there) is kept in ``stash`` at
+    round mod stash_round.size; the stream that owns it replays it (replay_stash).
+    Every RESULT, and the aggregator's answer to an ACK, carries the job's gate; gate[0] keeps the
+    latest (unwrapped, relative to ``base``)."""
     new = 0
     event = 0
     wi = buf.view(np.int32)
@@ -271,12 +291,29 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
             here = off
             off += seg
             t = buf[o + O_TYPE]
-            if t != T_RESULT and t != T_STATUS:
+            if t != T_RESULT and t != T_STATUS and t != T_ACK:
                 continue
             if _be32(buf, o + O_JOB) != job or _be32(buf, o + O_EPOCH) != epoch:
                 continue
+            if t != T_STATUS and gate.size:
+                if t == T_ACK and _be16(buf, o + O_RANK) != RANK_AGG:
+                    continue
+                g = _be32(buf, o + O_ACK)
+                d = (g - base) & 0xFFFFFFFF
+                ga = base + (d - 0x100000000 if d >= 0x80000000 else d)
+                if ga > gate[0]:
+                    gate[0] = ga
+                if t == T_ACK:
+                    continue
             i = (_be32(buf, o + O_ROUND) - base) & 0xFFFFFFFF
             if i >= nrounds:
+                h = stash_round.size
+                if t == T_RESULT and i < nrounds + h and seg >= rec and here + rec <= ln:
+                    r = base + i
+                    at = (r % h) * rec
+                    for k in range(rec):
+                        stash[at + k] = buf[o + k]
+                    stash_round[r % h] = r
                 continue
             if t == T_STATUS:
                 if _be16(buf, o + O_RANK) != rank:
@@ -349,16 +386,21 @@ def warm_up(elems: int) -> None:
     for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         exps = np.zeros(1, np.int32)
         (block_meta_f32 if x.dtype == np.float32 else block_meta_f64)(x, elems, exps)
-        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32)
+        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0)
     block_nonzero_i32(np.zeros(2, np.int32), elems, np.zeros(1, np.uint8))
+    for w in (np.zeros(2, np.int32), np.zeros(2, np.int64)):
+        zero_blocks(w, np.zeros(1, np.bool_), elems)
     encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
     encode_pulls(buf, rec, tmpl, one, 0, 1, masks)
     lens = np.zeros(1, np.uint32)
     segs = np.zeros(1, np.int64)
+    stash, stash_round = np.zeros(rec, np.uint8), np.full(1, -1, np.int64)
     for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64):
-        decode_results(buf, rec, lens, segs, 1, rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind,
-                       np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.float64),
-                       np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
+        args = (rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind, np.zeros(1, np.int32), np.zeros(1, np.float32),
+                np.zeros(1, np.float64), np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
+        gate = np.zeros(1, np.int64)
+        decode_results(buf, rec, lens, segs, 1, *args, stash, stash_round, gate)
+        replay_stash(stash, stash_round, *args, lens.astype(np.uint32), segs, gate)
     advance(np.zeros(1, np.uint8), 0, 1)
     _warm.add(elems)
 
@@ -389,7 +431,7 @@ def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size)
 @njit(cache=True, boundscheck=False)
 def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace,
               buf, stride, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias, kind,
-              out_i, out_f32, out_f64, done, status, newly):
+              out_i, out_f32, out_f64, done, status, newly, stash, stash_round, gate):
     """Receive everything queued (recvmmsg, never blocking) and decode every record as it comes
     (decode_results). Returns (datagrams, new results, event); the new rounds are newly[:new]."""
     total = 0
@@ -406,7 +448,7 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
             segs[m] = cm_data[m] if ok else 0
         got, ev = decode_results(buf, stride, lens, segs, n, rec, elems, job, epoch, rank, base, nrounds,
                                  nslots, blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status,
-                                 newly[new:])
+                                 newly[new:], stash, stash_round, gate)
         new += got
         if ev:
             event = ev
@@ -414,6 +456,30 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
         if n < nmsgs:
             break
     return total, new, event
+
+
+@njit(cache=True, boundscheck=False)
+def replay_stash(stash, stash_round, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias,
+                 kind, out_i, out_f32, out_f64, done, status, newly, lens, segs, gate):
+    """Decode the stashed results that belong to rounds base .. base + nrounds - 1 (and forget
+    them). ``lens`` and ``segs``: scratch of stash_round.size entries. Returns the new results."""
+    h = stash_round.size
+    any_ = False
+    for m in range(h):
+        r = stash_round[m]
+        if base <= r < base + nrounds:
+            lens[m] = rec
+            stash_round[m] = -1
+            any_ = True
+        else:
+            lens[m] = 0
+        segs[m] = 0
+    if not any_:
+        return 0
+    new, _ev = decode_results(stash, rec, lens, segs, h, rec, elems, job, epoch, rank, base, nrounds, nslots,
+                              blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly,
+                              stash[:0], stash_round[:0], gate)
+    return new
 
 
 @njit(cache=True, boundscheck=False)

@@ -48,6 +48,7 @@ class JobResult:
     agg_stats: dict = field(default_factory=dict)
     agg_bpf_ns: int | None = None       # in-kernel run time of the XDP program (bpf stats)
     agg_bpf_cnt: int | None = None
+    mode: str | None = None             # XDP attach mode of the aggregator
 
     @property
     def seconds(self) -> float:
@@ -185,12 +186,14 @@ def run_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], aggregat
     with AggregatorProcess(tb, aggregator, kw.get("slots", 1024), kw.get("elems", proto.DEFAULT_ELEMS),
                            kw.get("job", 1), mode=mode) as ap:
         before = ap.bpf_runtime()
+        mode = ap.agg.spec.mode if ap.agg is not None else None
         reports = run_workers(tb, inputs, outputs, **kw)
         after = ap.bpf_runtime()
         stats = ap.close()
     reps = len(reports[0]["times"])
     rep_seconds = [max(r["times"][i] for r in reports) for i in range(reps)]
-    res = JobResult(aggregator, len(tb.workers), rep_seconds, sorted(reports, key=lambda r: r["rank"]), stats)
+    res = JobResult(aggregator, len(tb.workers), rep_seconds, sorted(reports, key=lambda r: r["rank"]), stats,
+                    mode=mode)
     if before and after:
         res.agg_bpf_ns, res.agg_bpf_cnt = after[0] - before[0], after[1] - before[1]
     return res

@@ -154,6 +154,11 @@ class UserspaceAggregator:
             st["records"] += 1
             st["ack"] += 1
             self._ack(rank, int(h["ack"]))
+            if int(h["flags"]) & proto.FLAG_RETX:  # asks for the gate
+                out = bytearray(dgram)
+                r = np.frombuffer(out, dtype=self._hdt, count=1)[0]
+                r["rank"], r["flags"], r["ack"] = proto.RANK_AGG, 0, self._job_gate()
+                self._send(out, addr[0], addr[1])
             return
         if t != proto.TYPE_CONTRIB:
             return self._reject("bad_type")
@@ -164,15 +169,28 @@ class UserspaceAggregator:
         out = bytearray(dgram)
         recs = np.frombuffer(out, dtype=codec.datagram_dtype(self.elems))
         mcast = answer = False
+        self._gate = self._job_gate()
         for i in range(len(recs)):
             o = self._record(recs[i], recs, i, rank, flags_first=flags)
             mcast |= o == "mcast"
             answer |= o == "answer"
+        if not (mcast or answer):
+            return
+        # as the XDP program: the answers move to the front and the datagram ends after them
+        kept = recs[recs["type"] != proto.TYPE_NOP].tobytes()
         if mcast:
             st["result_sent"] += 1
-            self._send(out, self.group, addr[1])
-        elif answer:
-            self._send(out, addr[0], addr[1])
+            self._send(kept, self.group, addr[1])
+        else:
+            self._send(kept, addr[0], addr[1])
+
+    def _job_gate(self) -> int:
+        """The lowest acknowledgement of the job's ranks (serial order), as job_gate() in C."""
+        gate = self.acks[0]
+        for q in range(1, self.workers):
+            if _serial_after(gate, self.acks[q]):
+                gate = self.acks[q]
+        return gate
 
     def _ack(self, rank: int, ack: int) -> None:
         if _serial_after(ack, self.acks[rank]):
@@ -303,9 +321,8 @@ class UserspaceAggregator:
         else:
             np.bitwise_or(acc, p, out=acc)
 
-    @staticmethod
-    def _result(r, s: _Set) -> None:
-        r["type"], r["flags"], r["rank"], r["mask"], r["ack"] = proto.TYPE_RESULT, 0, proto.RANK_AGG, s.bitmap, 0
+    def _result(self, r, s: _Set) -> None:
+        r["type"], r["flags"], r["rank"], r["mask"], r["ack"] = proto.TYPE_RESULT, 0, proto.RANK_AGG, s.bitmap, self._gate
         r["count"], r["exp"], r["op"], r["detail"] = s.count, s.exp, s.op, 0
 
     @staticmethod

@@ -123,6 +123,14 @@ class Communicator:
         self._srtt = self.rto
         self._acked = 0        # the last head this rank reported (unwrapped)
         self._templates: dict = {}
+        # results of rounds beyond the current stream (see kernels.decode_results): up to 2S rounds
+        h = 2 * self.slots
+        self._stash = np.zeros(h * self._rec, np.uint8)
+        self._stash_round = np.full(h, -1, np.int64)
+        self._stash_lens = np.zeros(h, np.uint32)
+        self._stash_segs = np.zeros(h, np.int64)
+        # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent
+        self._gate = np.zeros(1, np.int64)
         # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         kernels.warm_up(self.elems)
@@ -134,7 +142,7 @@ class Communicator:
         kernels.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
                           np.zeros(1, np.int32), 1, kernels.KIND_INT32, np.zeros(1, np.int32),
                           np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
-                          np.zeros(1, np.int64), np.zeros(1, np.int64))
+                          np.zeros(1, np.int64), np.zeros(1, np.int64), self._stash, self._stash_round, self._gate)
         t = self._t
         kernels.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
 
@@ -212,8 +220,9 @@ class Communicator:
         else:
             blocks = np.flatnonzero(active)
             masks = masks_all[blocks] if self.sparse else np.full(len(blocks), full, dtype=np.int64)
-            if len(blocks) < nb:
-                self._zero_inactive(res, active, E)
+            if len(blocks) < nb:  # blocks zero on every rank get no round: their output is zero
+                words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
+                kernels.zero_blocks(words, active, E)
         K = len(blocks)
         st.blocks_skipped = nb - K
         mine = np.flatnonzero(masks >> self.rank & 1)
@@ -225,13 +234,18 @@ class Communicator:
             tmpl = self._template(proto.TYPE_CONTRIB, 0)
             if is_float:
                 shifts = (30 - quant.headroom_bits(W) - gexp[blocks]).astype(np.int32)
-                kernels.encode_float(send, self._rec, E, tmpl, flat, mine, base, self.slots, blocks, masks,
-                                     shifts, self._bias, x.dtype == np.float32)
+                single = x.dtype == np.float32
+
+                def encode(j0: int, j1: int) -> None:
+                    kernels.encode_float(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
+                                         masks, shifts, self._bias, single, j0)
             else:
                 shifts = self._buf.get("noshift", K, np.int32)
-                kernels.encode_int(send, self._rec, E, tmpl, flat, mine, base, self.slots, blocks, masks,
-                                   proto.OP_SUM, 0)
-            self._stream(base, K, blocks, masks, mine, shifts, send, _KIND[x.dtype], res)
+
+                def encode(j0: int, j1: int) -> None:
+                    kernels.encode_int(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
+                                       masks, proto.OP_SUM, j0)
+            self._stream(base, K, blocks, masks, mine, shifts, send, _KIND[x.dtype], res, encode)
             st.results = K
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._t.syscalls - sys0
@@ -294,6 +308,7 @@ class Communicator:
                         if int(table[self.rank]) == self.nonce and int(h["epoch"]):
                             self._epoch = int(h["epoch"])
                             self._round = self._acked = 0
+                            self._gate[0] = 0
                             return self._epoch
                     elif t == proto.TYPE_STATUS and int(h["rank"]) == self.rank:
                         detail = int(h["detail"])
@@ -359,9 +374,14 @@ class Communicator:
         return out[0], (out[1] if bits is not None else None)
 
     # --- the stream of rounds ---------------------------------------------------------------
-    def _stream(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res) -> None:
+    #: records encoded ahead of the sends at a time: the kernel copies them while they are in cache
+    ENCODE_CHUNK = 256
+
+    def _stream(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res,
+                encode=None) -> None:
         """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
-        (``mine``: indices of its rounds, its records in that order in ``send``), collect every
+        (``mine``: indices of its rounds, its records in that order in ``send``, written by
+        ``encode(j0, j1)`` just before they go out; None: already written), collect every
         round's result into ``res``, recover losses; return when every round has its result."""
         t, rec, S = self._t, self._rec, self.slots
         st = self.last
@@ -385,11 +405,16 @@ class Communicator:
         dense = len(mine) == K
         half = max(1, S // 2)
         rx_args = t.recv_args()
+        stash = (self._stash, self._stash_round)
+        gate = self._gate
+        ndone = kernels.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
+                                     shifts, self._bias, kind, out_i, out_f32, out_f64, done, status, newly,
+                                     self._stash_lens, self._stash_segs, gate)
 
-        head = 0      # lowest round without a result
+        head = kernels.advance(done, 0, K)  # lowest round without a result (the stash may have some)
         hi = 0        # rounds [0, hi) have entered the window
         j_sent = 0    # this rank's records [0, j_sent) have been sent
-        ndone = 0
+        j_enc = 0 if encode is not None else len(mine)  # ... and [0, j_enc) are written
         srtt = self._srtt
         base_rto = rto = max(self.rto, 3 * srtt)
         last_progress = time.monotonic()
@@ -402,12 +427,19 @@ class Communicator:
                 self._acked = h
                 st.acks += 1
 
+        asked = 0.0  # when this rank last asked for the gate
         while ndone < K:
             st.loops += 1
-            lim = min(K, head + self.window)
+            # the window: S rounds past the head, and never a round whose set still holds a result
+            # some rank has not acknowledged (the aggregator would drop it as early)
+            lim = min(K, head + self.window, int(gate[0]) + 2 * S - base)
             if hi < lim:
                 j_end = int(np.searchsorted(mine, lim)) if not dense else lim
                 if j_end > j_sent:
+                    while j_enc < j_end:
+                        j1 = min(len(mine), j_enc + self.ENCODE_CHUNK)
+                        encode(j_enc, j1)
+                        j_enc = j1
                     ack_col[j_sent:j_end] = (base + head) & 0xFFFFFFFF
                     t.send_records(send, j_sent, j_end - j_sent, dest)
                     st.packets_sent += j_end - j_sent
@@ -417,7 +449,7 @@ class Communicator:
                 hi = lim
             n, new, event = kernels.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
                                               blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
-                                              status, newly)
+                                              status, newly, *stash, gate)
             now = time.monotonic()
             if event == kernels.EV_STALE_EPOCH:
                 raise ProtocolError(
@@ -444,6 +476,13 @@ class Communicator:
             if now - last_progress > self.timeout:
                 self._fail(base, K, head, hi, done, status, masks)
             oldest = sent_at[head] if head < hi else now
+            if head >= hi and hi < K and now - asked >= max(0.001, srtt):
+                # everything sent has its result and the gate holds the window: ask for the gate
+                # (and tell this rank's head), instead of waiting for a result that cannot come
+                t.send_one(self._ack_record(base + head, ask=True), dest)
+                self._acked = max(self._acked, base + head)
+                asked = now
+                st.acks += 1
             if head < hi and now - oldest >= rto:
                 pending = np.flatnonzero(done[head:hi] == 0) + head
                 pending = pending[now - sent_at[pending] >= rto]
@@ -501,23 +540,13 @@ class Communicator:
             st.pulls += len(others)
             st.packets_sent += len(others)
 
-    def _ack_record(self, head_abs: int) -> bytes:
-        t = self._template(proto.TYPE_ACK, 0)
+    def _ack_record(self, head_abs: int, ask: bool = False) -> bytes:
+        t = self._template(proto.TYPE_ACK, proto.FLAG_RETX if ask else 0)
         t[proto.FIELD_OFFSETS["ack"]:proto.FIELD_OFFSETS["ack"] + 4] = np.frombuffer(
             (head_abs & 0xFFFFFFFF).to_bytes(4, "big"), np.uint8)
         t[proto.FIELD_OFFSETS["mask"]:proto.FIELD_OFFSETS["mask"] + 4] = np.frombuffer(
             (1 << self.rank).to_bytes(4, "big"), np.uint8)
         return t.tobytes()
-
-    @staticmethod
-    def _zero_inactive(res: np.ndarray, active: np.ndarray, elems: int) -> None:
-        """Blocks zero on every rank get no round: their output is zero."""
-        idle = np.flatnonzero(~active)
-        if not len(idle):
-            return
-        starts = np.flatnonzero(np.diff(np.concatenate([[-2], idle])) != 1)
-        for a, b in zip(idle[starts], np.append(idle[starts[1:] - 1], idle[-1])):
-            res[a * elems:(b + 1) * elems] = 0
 
     def _fail(self, base, K, head, hi, done, status, masks) -> None:
         pending = np.flatnonzero(done[:hi] == 0)

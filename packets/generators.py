@@ -265,12 +265,15 @@ def expected_results(
     first_round: int = 0,
     exp: int = 0,
     op: int = proto.OP_SUM,
+    gate=0,
 ) -> list[bytes]:
     """The RESULT records (UDP payloads) the aggregator sends for :func:`contributions` with the
     same arguments, one per block in block order (frame them with :func:`result_frame`).
 
     rank AGG, mask = the round's contributors, epoch/slot/set/round/exp/op as sent, count as sent,
-    flags, ack and detail 0, payload = :func:`combine` of the contributors' payloads.
+    flags and detail 0, ack = the job's gate when the round completed (``gate``: one value or one
+    per round; the lowest acknowledgement of the job's ranks), payload = :func:`combine` of the
+    contributors' payloads.
     """
     plan = _plan(arrays, slots, elems, masks, first_round)
     acc = np.stack([
@@ -280,6 +283,7 @@ def expected_results(
     return _split(encode_blocks(
         acc, rank=proto.RANK_AGG, job=job, epoch=epoch, mask=plan.masks, exp=exp, op=op,
         type=proto.TYPE_RESULT, slot=plan.slot, set=plan.set, round=plan.rounds, count=plan.counts,
+        ack=np.broadcast_to(np.asarray(gate, dtype=np.int64), plan.rounds.shape),
     ), datagram_size(elems))
 
 

@@ -65,6 +65,8 @@ struct frame {
     u32 bit;     /* 1 << rank */
     u32 mcast;   /* some round completed: the frame goes to the group */
     u32 answer;  /* some record answers the sender */
+    u32 gate;    /* wire order: every rank of the job holds every result below this round */
+    u32 kept;    /* records that carry an answer, compacted to the front of the frame */
 };
 
 /* Make the compiler forget how `var` was computed, so it cannot rematerialise a checked packet
@@ -160,14 +162,29 @@ static __always_inline int acked_by_all(struct ar_job *job, u32 round)
     return 1;
 }
 
-/* A RESULT record: the round's state as the aggregator holds it. */
-static __always_inline void to_result(struct ar_hdr *h, struct ar_set *s)
+/* The job's gate: the lowest acknowledgement of its ranks (every rank holds every result below
+ * it). A set's previous round can be overwritten once it is below the gate, so workers keep
+ * their rounds below gate + 2 * slots and none is dropped as early. */
+static __always_inline u32 job_gate(struct ar_job *job)
+{
+    u32 mask = job->worker_mask;
+    u32 gate = job->ack[0];
+#pragma unroll
+    for (int r = 1; r < AR_MAX_WORKERS; r++) {
+        if ((mask >> r) & 1 && serial_after(gate, job->ack[r]))
+            gate = job->ack[r];
+    }
+    return gate;
+}
+
+/* A RESULT record: the round's state as the aggregator holds it; ack carries the job's gate. */
+static __always_inline void to_result(struct ar_hdr *h, struct ar_set *s, u32 gate)
 {
     h->type = AR_TYPE_RESULT;
     h->flags = 0;
     h->rank = bpf_htons(AR_RANK_AGG);
     h->mask = bpf_htonl(s->bitmap);
-    h->ack = 0;
+    h->ack = gate;
     h->count = bpf_htons(s->count);
     h->exp = s->exp;
     h->op = s->op;
@@ -186,7 +203,7 @@ static __always_inline void to_status(struct ar_hdr *h, u32 bitmap, u8 detail)
 
 /* One validated CONTRIB record against its set, under the slot's lock. */
 static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_job *job,
-                                                struct ar_hdr *h, u64 *p, u32 epoch, u32 bit)
+                                                struct ar_hdr *h, u64 *p, u32 epoch, u32 bit, u32 gate)
 {
     struct ar_set *s = &slot->set[h->set & 1];
     u32 round = bpf_ntohl(h->round);
@@ -195,7 +212,7 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     if (h->flags & AR_FLAG_PULL) {
         if (same && s->complete) {
             acc_read(s->acc, p);
-            to_result(h, s);
+            to_result(h, s, gate);
             return OUT_PULL_ANSWER;
         }
         if (!same && s->epoch == epoch && serial_after(s->round, round))
@@ -210,7 +227,7 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
             return OUT_DUP;
         if (s->complete) {
             acc_read(s->acc, p);
-            to_result(h, s);
+            to_result(h, s, gate);
             return OUT_RETX_ANSWER;
         }
         to_status(h, s->bitmap, AR_DETAIL_WAITING);
@@ -252,7 +269,7 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     if (s->bitmap != s->mask)
         return OUT_AGGREGATED;
     s->complete = 1;
-    to_result(h, s); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
+    to_result(h, s, gate); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
     return OUT_COMPLETE;
 }
 
@@ -293,6 +310,26 @@ static __always_inline u32 check_record(struct frame *f, struct ar_job *job, str
     return 0;
 }
 
+/* Move record i (an answer) to position kept, so that the frame can end after the answers. */
+static __always_inline void keep_record(struct frame *f, void *data, void *end, struct ar_hdr *h, u32 i)
+{
+    u32 k = f->kept;
+    f->kept = k + 1;
+    if (k >= i)
+        return;
+    u32 off = AR_L2L4_LEN + k * AR_REC_LEN;
+    if (off > AR_MAX_PACKET_OFF - AR_REC_LEN)
+        return;
+    u64 *dst = data + off;
+    barrier_var(dst);
+    if ((void *)dst + AR_REC_LEN > end || (void *)dst + AR_REC_LEN > (void *)h)
+        return;
+    u64 *src = (void *)h;
+#pragma unroll
+    for (int w = 0; w < AR_REC_LEN / 8; w++)
+        dst[w] = src[w];
+}
+
 /* bpf_loop callback: record i of the frame. bcc rewrites the parameters of a function it
  * exports, so this one takes only the index and reads bpf_loop's context pointer from r2. */
 long ar_record(u64 i)
@@ -328,6 +365,7 @@ long ar_record(u64 i)
             /* tell the sender why nothing will answer it (its run was ended by a restart) */
             to_status(h, 0, AR_DETAIL_EPOCH);
             f->answer = 1;
+            keep_record(f, data, end, h, i);
         } else {
             h->type = AR_TYPE_NOP;
         }
@@ -342,7 +380,7 @@ long ar_record(u64 i)
         return 0;
     }
     bpf_spin_lock(&slot->lock);
-    enum outcome o = slot_update(slot, job, h, p, f->live, f->bit);
+    enum outcome o = slot_update(slot, job, h, p, f->live, f->bit, f->gate);
     bpf_spin_unlock(&slot->lock);
 
     switch (o) {
@@ -350,18 +388,22 @@ long ar_record(u64 i)
         count(st, AR_STAT_AGGREGATED);
         count(st, AR_STAT_COMPLETED);
         f->mcast = 1;
+        keep_record(f, data, end, h, i);
         return 0;
     case OUT_RETX_ANSWER:
         count(st, AR_STAT_RETX_ANSWERED);
         f->answer = 1;
+        keep_record(f, data, end, h, i);
         return 0;
     case OUT_PULL_ANSWER:
         count(st, AR_STAT_PULL_ANSWERED);
         f->answer = 1;
+        keep_record(f, data, end, h, i);
         return 0;
     case OUT_STATUS:
         count(st, AR_STAT_STATUS_SENT);
         f->answer = 1;
+        keep_record(f, data, end, h, i);
         return 0;
     case OUT_AGGREGATED:
         count(st, AR_STAT_AGGREGATED);
@@ -602,7 +644,13 @@ int ar_aggregate(struct xdp_md *ctx)
         u32 a = bpf_ntohl(h->ack);
         if (serial_after(a, *ack))
             *ack = a;
-        return XDP_DROP;
+        if (!(h->flags & AR_FLAG_RETX))
+            return XDP_DROP;
+        /* a worker whose window the gate holds asks for the current one */
+        h->rank = bpf_htons(AR_RANK_AGG);
+        h->flags = 0;
+        h->ack = bpf_htonl(job_gate(job));
+        return emit(ctx, job, 0, 1);
     }
 
     if (h->type != AR_TYPE_CONTRIB)
@@ -623,17 +671,30 @@ int ar_aggregate(struct xdp_md *ctx)
 
     struct frame f = {
         .ctx = ctx, .job = job, .st = st, .job_id = h->job, .live = live, .rank = h->rank,
-        .bit = bit, .mcast = 0, .answer = 0,
+        .bit = bit, .mcast = 0, .answer = 0, .gate = bpf_htonl(job_gate(job)), .kept = 0,
     };
     bpf_loop(n, ar_record, &f, 0);
 
-    if (f.mcast) {
-        count(st, AR_STAT_RESULT_SENT);
-        return emit(ctx, job, 1, n);
+    if (!f.mcast && !f.answer)
+        return XDP_DROP;
+    if (f.kept < n && f.kept) {
+        /* the answers are at the front: cut the records that need none */
+        if (bpf_xdp_adjust_tail(ctx, -(int)((n - f.kept) * AR_REC_LEN)))
+            return reject(st, AR_STAT_TX_FAILED);
+        data = (void *)(long)ctx->data;
+        end = (void *)(long)ctx->data_end;
+        ip = data + sizeof(struct ethhdr);
+        udp = (void *)ip + AR_IPV4_LEN;
+        if ((void *)(udp + 1) > end)
+            return reject(st, AR_STAT_TX_FAILED);
+        u32 ulen = sizeof(struct udphdr) + f.kept * AR_REC_LEN;
+        udp->len = bpf_htons(ulen);
+        ip->tot_len = bpf_htons(ulen + AR_IPV4_LEN);
     }
-    if (f.answer)
-        return emit(ctx, job, 0, n);
-    return XDP_DROP;
+    if (f.mcast)
+        count(st, AR_STAT_RESULT_SENT);
+    /* a batch arrived as a GSO skb: its checksum state stays that of a batch (see emit) */
+    return emit(ctx, job, f.mcast, n);
 
 pass:
     count(st0, AR_STAT_PASSED);

@@ -25,7 +25,9 @@
  *   24   4   mask     ranks expected in the round (bit r = rank r); RESULT/STATUS: ranks that
  *                     contributed; JOIN: every rank of the job as the worker sees it
  *   28   4   ack      sender's head: it holds the result of every round below this one
- *                     (JOIN: nonce high word)
+ *                     (RESULT: the job's gate, the lowest head of its ranks: a worker sends no
+ *                     round at or beyond gate + 2 * slots; JOIN: nonce high word). An ACK with
+ *                     RETX asks for the gate: the answer is the ACK from AR_RANK_AGG with it
  *   32   2   count    valid elements in the payload (results: as contributed)
  *   34   2   exp      int16 quantization exponent, echoed in results
  *   36   1   op       AR_OP_*: how the round combines payloads

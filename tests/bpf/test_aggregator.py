@@ -347,7 +347,9 @@ def test_a_batch_is_one_frame_out(make_agg, joined):
     assert st["completed"] == 6 and st["result_sent"] == 2 and st["records"] == outcome_total(st) == 14
 
 
-def test_a_batch_that_completes_some_rounds_marks_the_others_nop(make_agg, joined):
+def test_a_batch_that_completes_some_rounds_carries_only_its_answers(make_agg, joined):
+    """Records that need no answer are dropped from the frame: the answers move to the front and
+    the frame is cut after them (every receiver would only skip the others)."""
     E = 16
     agg = make_agg(workers=2, slots=8, elems=E)
     ep = joined(agg, 2)
@@ -356,9 +358,15 @@ def test_a_batch_that_completes_some_rounds_marks_the_others_nop(make_agg, joine
                                         payload=a[r][b * E:(b + 1) * E], **kw)
     agg.run(gen.batch([rec(0, 0), rec(0, 2)], 0))
     out = agg.run(gen.batch([rec(1, 0), rec(1, 1), rec(1, 2), rec(1, 3)], 1))
-    assert out.verdict == XDP_TX and Ether(out.data)[IP].dst == gen.GROUP_IP
-    types = [r.type for r in split_records(bytes(Ether(out.data)[UDP].payload), proto.record_size(E))]
-    assert types == [proto.TYPE_RESULT, proto.TYPE_NOP, proto.TYPE_RESULT, proto.TYPE_NOP]
+    p = Ether(out.data)
+    assert out.verdict == XDP_TX and p[IP].dst == gen.GROUP_IP
+    recs = split_records(bytes(p[UDP].payload), proto.record_size(E))
+    assert [(r.type, r.round) for r in recs] == [(proto.TYPE_RESULT, 0), (proto.TYPE_RESULT, 2)]
+    want = gen.expected_results(a, slots=8, epoch=ep, elems=E)
+    assert bytes(p[UDP].payload) == want[0] + want[2]
+    assert p[IP].len == len(out.data) - 14 and p[UDP].len == len(out.data) - 34
+    ip = bytes(p[IP])[:20]
+    assert sum(int.from_bytes(ip[i:i + 2], "big") for i in range(0, 20, 2)) % 0xFFFF == 0  # IP checksum holds
     # a batch of retransmissions and new contributions: answers go back to the sender only
     out = agg.run(gen.batch([rec(0, 0, flags=proto.FLAG_RETX), rec(0, 1), rec(0, 4 - 1)], 0))
     assert out.verdict == XDP_TX and Ether(out.data)[IP].dst == gen.GROUP_IP  # round 1 and 3 completed

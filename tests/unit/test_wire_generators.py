@@ -643,7 +643,9 @@ def test_results_equal_the_userspace_aggregator(harness, op, sparse):
                 assert h.feed(g.ack_frame(r, 3 + 2 * S, epoch=live)) == []
             acked = True
         h.feed(f, sport=40000 + rnd)
-    want = g.expected_results(arrs, **kw)
+    # results carry the job's gate: 0 until every rank acknowledged 3 + 2S, then that round
+    gates = [0 if 3 + b < 3 + 2 * S else 3 + 2 * S for b in range(nb)]
+    want = g.expected_results(arrs, gate=gates, **kw)
     assert [d for d, _ in h.sent[1:]] == want
     assert [a for _, a in h.sent[1:]] == [(g.GROUP_IP, 40000 + _hdr(d)["round"]) for d in want]
     st = h.stats
@@ -658,7 +660,8 @@ def test_a_set_is_reused_only_after_every_rank_has_acknowledged(harness):
     live = h.form()
     arrs = g.sample_arrays(2, 4 * E, seed=4)
     f = g.contributions(arrs, slots=1, epoch=live)  # rounds 0..3 on slot 0, sets 0, 1, 0, 1
-    want = g.expected_results(arrs, slots=1, epoch=live)
+    # results carry the gate when they complete: round 2 after both acked 1, round 3 after both acked 2
+    want = g.expected_results(arrs, slots=1, epoch=live, gate=[0, 0, 1, 2])
     for x in f[:4]:
         h.feed(x)
     assert [d for d, _ in h.sent[1:]] == want[:2]
@@ -688,7 +691,7 @@ def test_retransmissions_pulls_and_stale_rounds(harness):
     kw = dict(slots=1, epoch=live, masks=0b011)  # rank 2 contributes nothing, it pulls
     f = g.contributions(arrs, **kw)
     r = g.contributions(arrs, **kw, retx=True)
-    want = g.expected_results(arrs, **kw)
+    want = g.expected_results(arrs, **kw, gate=[0, 0, 1])  # round 2 completes after everyone acked 1
     before = h.stats
     assert h.feed(f[0]) == []
     assert h.feed(f[0]) == []  # duplicate without RETX: dropped
@@ -744,8 +747,9 @@ def test_mismatching_contributions(harness):
     assert h.feed(f[1]) == [(g.expected_results(arrs, slots=S, epoch=live)[0], (g.GROUP_IP, proto.DEFAULT_PORT))]
 
 
-def test_batches_answer_once_with_nop_records(harness):
-    """A batch goes out once: completed rounds as RESULT records, the rest as NOP, to the group."""
+def test_batches_answer_once_with_only_their_answers(harness):
+    """A batch goes out once, to the group if it completed a round: its answers (RESULT and
+    STATUS records) move to the front and the datagram ends after them."""
     h = harness(workers=2)
     live = h.form()
     arrs = g.sample_arrays(2, 4 * E, seed=7)
@@ -753,21 +757,14 @@ def test_batches_answer_once_with_nop_records(harness):
     want = g.expected_results(arrs, slots=S, epoch=live)
     rank0 = [_udp(x)[0] for x in f[0::2]]
     h.feed(f[1]), h.feed(f[3])  # rank 1 has contributed to rounds 0 and 1
-    (out, addr), = h.feed(g.batch(rank0, 0), sport=40005)
-    assert addr == (g.GROUP_IP, 40005) and len(out) == 4 * proto.record_size(E)
-    recs = [out[i * proto.record_size(E):(i + 1) * proto.record_size(E)] for i in range(4)]
-    assert recs[:2] == want[:2]
-    for i in (2, 3):  # the records that need no answer: NOP, otherwise as sent
-        assert _hdr(recs[i]) == {**_hdr(rank0[i]), "type": proto.TYPE_NOP}
-        assert recs[i][proto.HDR_LEN:] == rank0[i][proto.HDR_LEN:]
+    (out, addr), = h.feed(g.batch(rank0[1::-1] + rank0[2:], 0), sport=40005)  # rounds 1, 0, 2, 3
+    assert addr == (g.GROUP_IP, 40005) and out == want[1] + want[0]  # rounds 2 and 3 need no answer
     assert h.stats["result_sent"] == 2 and h.stats["completed"] == 2
     # a batch whose only answer is to the sender (a RETX of a completed round) goes back to it
     retx1 = _udp(g.contributions(arrs, slots=S, epoch=live, retx=True)[3])[0]  # rank 1, round 1
     dup0 = _udp(f[1])[0]  # rank 1, round 0 again, without RETX
-    (out, addr), = h.feed(g.batch([retx1, dup0], 1))
-    assert addr == (g.worker_ip(1), proto.DEFAULT_PORT)
-    assert out[:proto.record_size(E)] == want[1]
-    assert out[proto.record_size(E):] == dup0[:3] + bytes([proto.TYPE_NOP]) + dup0[4:]
+    (out, addr), = h.feed(g.batch([dup0, retx1], 1))
+    assert addr == (g.worker_ip(1), proto.DEFAULT_PORT) and out == want[1]
     # a batch of records that need no answer is not sent at all
     before = h.stats
     assert h.feed(g.batch([dup0, _udp(f[3])[0]], 1)) == []
