@@ -47,7 +47,7 @@ def main() -> int:
     from nicoffload.ddp_rank import MASTER_PORT, launch, resolve_data
     from nicoffload.errors import NicoffloadError
     from nicoffload.runner import tempdir
-    from testbed.testbed import running
+    from nicoffload.testbed.testbed import running
 
     try:
         require_torch()

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import bpf, proto
+from .addr import ip_net, ip_str, mac_bytes, multicast_mac
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
+from .jobspec import DEFAULT, JobSpec
 
 STATE_DIR = Path("/run/nicoffload/aggregators")
-DEFAULT_GROUP = "239.77.0.1"
-DEFAULT_SLOTS = 1024
 SOURCE = "aggregator.c"
 MAPS_HEADER = "agg_maps.h"
 ENTRY, CALLBACKS = "ar_aggregate", ("ar_record",)
@@ -43,26 +43,6 @@ def resolve_mode(mode: str, iface: str, netns: str | None) -> tuple[str, str]:
 DEFAULT_JOB_INDEX = 0
 
 
-def mcast_mac(group: str) -> bytes:
-    ip = int(ipaddress.IPv4Address(group))
-    return bytes([0x01, 0x00, 0x5E, (ip >> 16) & 0x7F, (ip >> 8) & 0xFF, ip & 0xFF])
-
-
-def _mac_bytes(mac: str | bytes) -> bytes:
-    if isinstance(mac, bytes):
-        return mac
-    return bytes(int(x, 16) for x in mac.split(":"))
-
-
-def _ip_net(ip: str) -> int:
-    """IPv4 address as the u32 the kernel stores (network order bytes read natively)."""
-    return int.from_bytes(socket.inet_aton(ip), "little")
-
-
-def _ip_str(v: int) -> str:
-    return socket.inet_ntoa(int(v).to_bytes(4, "little"))
-
-
 def pin_dir(netns: str | None, iface: str) -> Path:
     return bpf.PIN_ROOT / (netns or "root") / iface
 
@@ -78,12 +58,12 @@ class AggSpec:
     netns: str | None
     iface: str
     workers: int
-    slots: int = DEFAULT_SLOTS
-    elems: int = proto.DEFAULT_ELEMS
-    port: int = proto.DEFAULT_PORT
+    slots: int = DEFAULT.slots
+    elems: int = DEFAULT.elems
+    port: int = DEFAULT.port
     mode: str = "auto"
-    job: int = 1
-    group: str = DEFAULT_GROUP
+    job: int = DEFAULT.job
+    group: str = DEFAULT.group
     worker_ips: list[str] = field(default_factory=list)
     prog_id: int | None = None
     mode_reason: str = ""
@@ -91,21 +71,11 @@ class AggSpec:
     def validate(self) -> None:
         if not 1 <= self.workers <= proto.MAX_WORKERS:
             raise InputError(f"--workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
-        if not 1 <= self.slots <= 1 << 20:
-            raise InputError(f"--slots must be 1..{1 << 20}, not {self.slots}")
-        max_e = proto.max_elems_for_mtu(proto.MAX_MTU)
-        if not 2 <= self.elems <= max_e or self.elems % 2:
-            raise InputError(f"--elems must be even, 2..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
-        if not 1 <= self.port <= 65535:
-            raise InputError(f"--port must be 1..65535, not {self.port}")
+        JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems).validate()
         if self.mode not in MODES:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if not ipaddress.IPv4Address(self.group).is_multicast:
-            raise InputError(f"--group {self.group} is not an IPv4 multicast address")
         if self.worker_ips and len(self.worker_ips) != self.workers:
             raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
-        if not 0 <= self.job <= 0xFFFFFFFF:
-            raise InputError(f"--job must be 0..{0xFFFFFFFF}, not {self.job}")
 
     def defines(self, pinned: bool) -> dict[str, int | str]:
         d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port}
@@ -196,7 +166,7 @@ class Aggregator:
 
     @classmethod
     def for_test(cls, workers: int, slots: int = 64, elems: int = proto.DEFAULT_ELEMS,
-                 port: int = proto.DEFAULT_PORT, job: int = 1, group: str = DEFAULT_GROUP,
+                 port: int = DEFAULT.port, job: int = DEFAULT.job, group: str = DEFAULT.group,
                  agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
                  worker_ips: Sequence[str] = ()) -> "Aggregator":
         """Load (not attach, not pin) for BPF_PROG_TEST_RUN."""
@@ -251,19 +221,19 @@ class Aggregator:
         jobs = self.b["ar_jobs"]
         old = jobs[jobs.Key(DEFAULT_JOB_INDEX)]
         e = jobs.Leaf()
-        e.agg_ip = _ip_net(agg_ip) if agg_ip is not None else old.agg_ip
-        e.agg_mac[:] = list(_mac_bytes(agg_mac)) if agg_mac is not None else list(old.agg_mac)
+        e.agg_ip = ip_net(agg_ip) if agg_ip is not None else old.agg_ip
+        e.agg_mac[:] = list(mac_bytes(agg_mac)) if agg_mac is not None else list(old.agg_mac)
         e.job = s.job
         e.workers = s.workers
         e.worker_mask = (1 << s.workers) - 1
         e.slot_base, e.slot_count = 0, s.slots
-        e.mcast_ip = _ip_net(s.group)
-        e.mcast_mac[:] = list(mcast_mac(s.group))
+        e.mcast_ip = ip_net(s.group)
+        e.mcast_mac[:] = list(mac_bytes(multicast_mac(s.group)))
         # epochs of a new entry start at a random point, so a worker of an earlier load of this
         # aggregator cannot hit a current epoch by chance
         e.live, e.epoch = 0, secrets.randbits(32)
         for r, ip in enumerate(s.worker_ips):
-            e.worker_ip[r] = _ip_net(ip)
+            e.worker_ip[r] = ip_net(ip)
         e.configured = 1
         index = self.b["ar_job_index"]
         for k in list(index.keys()):
@@ -325,12 +295,12 @@ class Aggregator:
         n = c.workers
         return {
             "job": c.job, "workers": n, "worker_mask": c.worker_mask, "configured": bool(c.configured),
-            "agg_ip": _ip_str(c.agg_ip), "group": _ip_str(c.mcast_ip),
+            "agg_ip": ip_str(c.agg_ip), "group": ip_str(c.mcast_ip),
             "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac),
             "slot_base": c.slot_base, "slots": c.slot_count,
             "epoch": c.live, "last_epoch": c.epoch, "joined": c.joined,
             "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
-            "worker_ips": [_ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
+            "worker_ips": [ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
         }
 
     def slot(self, i: int, with_data: bool = False) -> dict:

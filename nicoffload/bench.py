@@ -143,13 +143,13 @@ def plan_points(cfg: BenchConfig, workers: int) -> list[Point]:
 
 
 def rate_bps(rate: str) -> int | None:
-    from testbed.topology import parse_rate
+    from nicoffload.testbed.topology import parse_rate
 
     return parse_rate(rate)
 
 
 def rate_label(rate: str) -> str:
-    from testbed.topology import format_rate
+    from nicoffload.testbed.topology import format_rate
 
     return format_rate(rate_bps(rate))
 
@@ -165,7 +165,7 @@ def bounds(nbytes: int, workers: int, rbps: int | None) -> tuple[float | None, f
 # --- machine probes ---------------------------------------------------------------------------
 def tbf_burst_bytes(rbps: int) -> int:
     """The shaper's bucket: a transfer smaller than this passes at full speed (see testbed.netlink)."""
-    from testbed.netlink import tbf_burst
+    from nicoffload.testbed.netlink import tbf_burst
 
     return tbf_burst(rbps, 1500)
 
@@ -900,8 +900,8 @@ def make_inputs(points: list[Point], workers: int, seed: int, work: Path, elems:
 
 def run(cfg: BenchConfig, argv: list[str] | None = None) -> tuple[list[dict], list[Path]]:
     """The whole sweep; writes results.json, results.csv, meta.json and the plots into cfg.out."""
-    from testbed.testbed import running
-    from testbed.topology import Link
+    from nicoffload.testbed.testbed import running
+    from nicoffload.testbed.topology import Link
 
     from .runner import enable_gro, tempdir
 

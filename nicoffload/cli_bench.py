@@ -48,7 +48,7 @@ def _workers(t: str) -> int:
 
 
 def _rate(t: str) -> str:
-    from testbed.topology import parse_rate
+    from nicoffload.testbed.topology import parse_rate
 
     parse_rate(t)  # raises InputError with the accepted forms
     return t

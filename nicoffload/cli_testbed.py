@@ -12,8 +12,7 @@ from .errors import InputError
 
 def _testbed():
     # imported lazily: `nicoffload --help` must not need pyroute2 or root
-    import testbed
-
+    from nicoffload import testbed
     return testbed
 
 

@@ -171,7 +171,7 @@ def _train_demo(args) -> int:
     data = resolve_data(args.data)
     bpf.require_root("nicoffload train-demo (it builds a namespace testbed and loads XDP)")
     args.out.mkdir(parents=True, exist_ok=True)
-    from testbed.testbed import running
+    from nicoffload.testbed.testbed import running
 
     def say(msg: str) -> None:
         if not args.json:

@@ -176,7 +176,7 @@ def check_inputs(paths: list[Path]) -> list[np.ndarray]:
 
 
 def _testbed(workers: int, mtu: int = 1500, rate=None):
-    from testbed.testbed import running
+    from nicoffload.testbed.testbed import running
 
     return running(workers, mtu=mtu, rate=rate)
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import codec, proto
 from .errors import InputError
+from .jobspec import DEFAULT
 from .transport import Transport
 
 
@@ -39,11 +40,11 @@ def _serial_after(a: int, b: int) -> bool:
 @dataclass
 class UserspaceAggregator:
     workers: int
-    port: int = proto.DEFAULT_PORT
-    slots: int = 1024
-    elems: int = proto.DEFAULT_ELEMS
-    job: int = 1
-    group: str = "239.77.0.1"
+    port: int = DEFAULT.port
+    slots: int = DEFAULT.slots
+    elems: int = DEFAULT.elems
+    job: int = DEFAULT.job
+    group: str = DEFAULT.group
     local_ip: str | None = None
     worker_ips: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=lambda: {k: 0 for k in proto.STATS})

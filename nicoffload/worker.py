@@ -38,6 +38,7 @@ import numpy as np
 
 from . import kernels, proto, quant
 from .errors import InputError, ProtocolError, TimeoutError_
+from .jobspec import DEFAULT, JobSpec
 from .transport import SLOT_BYTES, Transport
 
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
@@ -89,21 +90,29 @@ class Communicator:
     rank: int
     world: int
     aggregator: str
-    group: str = "239.77.0.1"
+    group: str = DEFAULT.group
     local_ip: str | None = None
-    job: int = 1
-    port: int = proto.DEFAULT_PORT
-    slots: int = 1024
-    window: int | None = None  # rounds in flight; default and maximum: slots
-    elems: int = proto.DEFAULT_ELEMS
-    timeout: float = 5.0
+    job: int = DEFAULT.job
+    port: int = DEFAULT.port
+    slots: int = DEFAULT.slots
+    window: int | None = DEFAULT.window  # rounds in flight; default and maximum: slots
+    elems: int = DEFAULT.elems
+    timeout: float = DEFAULT.timeout
     rto: float = 0.02
     max_rto: float = 0.5
-    sparse: bool = True
+    sparse: bool = DEFAULT.sparse
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
     GAP = 128  # rounds completed past an outstanding one before it is retransmitted early
+
+    @classmethod
+    def from_spec(cls, rank: int, world: int, aggregator: str, spec: JobSpec, local_ip: str | None = None,
+                  **kw) -> "Communicator":
+        """A rank of the job ``spec`` describes."""
+        return cls(rank, world, aggregator, group=spec.group, local_ip=local_ip, job=spec.job, port=spec.port,
+                   slots=spec.slots, window=spec.window, elems=spec.elems, timeout=spec.timeout,
+                   sparse=spec.sparse, **kw)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:

@@ -20,7 +20,7 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
     medians are reported less that overhead (a single run of the pass path against its average
     over 100,000 repeats, which the pass path allows: it does not change the frame). float32
     rounds use SUM64, int32 rounds SUM."""
-    from packets import generators as gen
+    from nicoffload.packets import generators as gen
 
     from .aggregator import Aggregator
 
@@ -72,7 +72,7 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
 def live_cost(workers: int = 4, size: int = 16 << 20, elems: int = proto.DEFAULT_ELEMS, mode: str = "auto") -> dict:
     """Run AllReduces of float32 gradients on a testbed with kernel bpf stats on: the XDP
     program's time per frame, per record and per element."""
-    from testbed.testbed import running
+    from nicoffload.testbed.testbed import running
 
     from .cli_worker import make_gradients
     from .runner import run_job

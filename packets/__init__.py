@@ -1,5 +1,5 @@
 """Scapy layers for the nicoffload wire format and deterministic packet generators.
 
-Importing :mod:`packets.layers` registers the ``AllReduce`` layer with scapy (UDP port
+Importing :mod:`nicoffload.packets.layers` registers the ``AllReduce`` layer with scapy (UDP port
 ``AR_DEFAULT_PORT``, source or destination).
 """

@@ -1,8 +1,8 @@
 """Benchmark of the vectorised codec: datagrams encoded (and decoded) per second.
 
 examples:
-  python -m packets.bench_codec                  # 16384 datagrams of 256 int32
-  python -m packets.bench_codec --packets 65536 --elems 800 --repeat 20
+  python -m nicoffload.packets.bench_codec                  # 16384 datagrams of 256 int32
+  python -m nicoffload.packets.bench_codec --packets 65536 --elems 800 --repeat 20
 """
 from __future__ import annotations
 

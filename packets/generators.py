@@ -22,8 +22,10 @@ from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Packet, Raw
 
 from nicoffload import proto
+from nicoffload.addr import multicast_mac
 from nicoffload.codec import datagram_size, encode_blocks
 from nicoffload.errors import InputError
+from nicoffload.jobspec import DEFAULT
 
 from . import layers  # noqa: F401 - registers the AllReduce layer for Ether(frame) dissection
 from .layers import AllReduce
@@ -31,8 +33,8 @@ from .layers import AllReduce
 #: defaults equal to ``nicoffload.aggregator.Aggregator.for_test``'s (a test checks it)
 AGG_IP = "10.0.0.100"
 AGG_MAC = "02:00:00:00:00:64"
-#: IP multicast group of results (the control plane's default; it is configured per job)
-GROUP_IP = "239.77.0.1"
+#: IP multicast group of results (a job's default; it is configured per job)
+GROUP_IP = DEFAULT.group
 #: an address that belongs to no rank (for 'bad_src')
 STRANGER_IP = "10.0.0.200"
 #: the epoch the test helpers form first (any non-zero value works; tests read the real one)
@@ -47,14 +49,6 @@ def worker_ip(rank: int) -> str:
 def worker_mac(rank: int) -> str:
     """Default MAC of ``rank``: 02:00:00:00:00:(rank + 1), locally administered."""
     return f"02:00:00:00:00:{rank + 1:02x}"
-
-
-def multicast_mac(group_ip: str) -> str:
-    """Ethernet address of an IPv4 multicast group (01:00:5e + low 23 bits, RFC 1112)."""
-    a, b, c, d = (int(x) for x in group_ip.split("."))
-    if not 224 <= a <= 239:
-        raise InputError(f"{group_ip} is not an IPv4 multicast address")
-    return f"01:00:5e:{b & 0x7F:02x}:{c:02x}:{d:02x}"
 
 
 def frame(

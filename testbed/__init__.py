@@ -1,7 +1,7 @@
 """The namespace testbed: N workers and one aggregator on one machine, each in its own network
 namespace, behind a Linux bridge in a namespace of its own, with shaped links and seeded faults.
 
-    from testbed import Testbed, Topology
+    from nicoffload.testbed import Testbed, Topology
     with Testbed(Topology.star("demo", workers=4, rate="1gbit")) as tb:
         tb.agg.ip, tb.agg.mac, tb.agg.netns, tb.agg.iface, tb.mcast_group, tb.port
         tb.faults.configure(["w0"], drop=0.1, seed=1)

@@ -1,4 +1,4 @@
-"""Realise a :class:`~testbed.topology.Topology` in network namespaces with pyroute2.
+"""Realise a :class:`~nicoffload.testbed.topology.Topology` in network namespaces with pyroute2.
 
     with Testbed(Topology.star("demo", workers=4, rate="1gbit")) as tb:
         with tb.in_host("w0"):
@@ -376,6 +376,49 @@ class Testbed:
             attach_napi_pass(self.agg.peer, topo.bridge_netns)
             self._state["napi_xdp"].append(self.agg.peer)
             self._save_state()
+        self._wait_forwarding()
+
+    PROBE_TIMEOUT = 5.0  # seconds
+
+    def _wait_forwarding(self) -> None:
+        """Return once every link forwards both ways: each worker's probe reaches the aggregator
+        and its echo comes back. A qdisc attached to a veth whose carrier is not up yet drops
+        until the kernel activates it (asynchronously, from linkwatch), so "oper up" alone is
+        not enough; probing is."""
+        agg = self.socket(self.agg)
+        agg.bind((self.agg.ip, 0))
+        agg.setblocking(False)
+        port = agg.getsockname()[1]
+        socks = {w.rank: self.socket(w) for w in self.workers}
+        try:
+            for s in socks.values():
+                s.setblocking(False)
+            pending = set(socks)
+            deadline = time.monotonic() + self.PROBE_TIMEOUT
+            while pending:
+                for r in pending:
+                    socks[r].sendto(b"probe", (self.agg.ip, port))
+                time.sleep(0.002)
+                while True:
+                    try:
+                        data, addr = agg.recvfrom(64)
+                    except BlockingIOError:
+                        break
+                    agg.sendto(data, addr)
+                time.sleep(0.002)
+                for r in list(pending):
+                    try:
+                        socks[r].recvfrom(64)
+                        pending.discard(r)
+                    except BlockingIOError:
+                        pass
+                if time.monotonic() > deadline:
+                    raise SetupError(f"testbed {self.name}: links of worker(s) {sorted(pending)} do not forward "
+                                     f"after {self.PROBE_TIMEOUT:.0f} s")
+        finally:
+            agg.close()
+            for s in socks.values():
+                s.close()
 
     # --- the aggregator's link for native XDP ------------------------------------------------
     def set_agg_napi(self, enabled: bool) -> None:

@@ -1,6 +1,6 @@
 """The testbed topology as pure data: who exists, with which names, addresses and link shapes.
 
-Nothing here touches the system. :class:`~testbed.testbed.Testbed` realises a
+Nothing here touches the system. :class:`~nicoffload.testbed.testbed.Testbed` realises a
 :class:`Topology` in network namespaces.
 
 Layout (one testbed called NAME, subnet index X)::

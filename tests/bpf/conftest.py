@@ -4,7 +4,7 @@ import pytest
 
 from nicoffload import bpf
 from nicoffload.aggregator import Aggregator
-from packets import generators as gen
+from nicoffload.packets import generators as gen
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ from scapy.layers.l2 import Ether
 
 from nicoffload import bpf, proto
 from nicoffload.bpf import XDP_DROP, XDP_PASS, XDP_TX
-from packets import generators as gen
-from packets.layers import AllReduce, split_records
+from nicoffload.packets import generators as gen
+from nicoffload.packets.layers import AllReduce, split_records
 
 
 NONE = 0xFFFFFFFF

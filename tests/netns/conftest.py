@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture
 def make_testbed(uid):
-    from testbed import Testbed, Topology, clean
+    from nicoffload.testbed import Testbed, Topology, clean
 
     made = []
 

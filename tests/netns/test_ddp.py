@@ -54,8 +54,8 @@ SMALL_BUCKETS = ["--bucket-cap-mb", "0.1"]
 
 @pytest.fixture(scope="module")
 def tb():
-    from testbed import Testbed, Topology, clean
-    from testbed.netlink import list_netns
+    from nicoffload.testbed import Testbed, Topology, clean
+    from nicoffload.testbed.netlink import list_netns
 
     name = f"t{uuid.uuid4().hex[:5]}"
     t = Testbed(Topology.star(name, WORKERS))

@@ -19,9 +19,9 @@ import pytest
 
 from nicoffload import bpf as nbpf
 from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError
-from testbed import Link, Testbed, Topology, decide
-from testbed import state as st
-from testbed.netlink import ipr, list_netns, qdisc_kinds
+from nicoffload.testbed import Link, Testbed, Topology, decide
+from nicoffload.testbed import state as st
+from nicoffload.testbed.netlink import ipr, list_netns, qdisc_kinds
 
 REPO = Path(__file__).resolve().parents[2]
 N = 2000  # packets per fault run
@@ -153,7 +153,7 @@ def test_up_down_leaves_nothing_behind(uid):
 
 
 def test_teardown_tolerates_objects_already_gone(make_testbed):
-    from testbed.netlink import remove_netns
+    from nicoffload.testbed.netlink import remove_netns
 
     tb = make_testbed(2)
     with ipr(tb.host("w1").netns) as s:  # a link deleted behind the testbed's back
@@ -173,8 +173,7 @@ def test_with_block_tears_down_when_body_raises(uid):
 
 
 def test_failed_up_removes_what_it_made(uid, monkeypatch):
-    import testbed.testbed as tbmod
-
+    import nicoffload.testbed.testbed as tbmod
     def broken(*a, **k):
         raise OSError(5, "injected failure")
 
@@ -191,7 +190,7 @@ def test_signal_tears_down(uid, sig, rc):
     name = f"t{uid}"
     script = ("import sys, time, faulthandler\n"
               "faulthandler.dump_traceback_later(12, exit=True)  # a hang shows where\n"
-              "from testbed import Testbed, Topology\n"
+              "from nicoffload.testbed import Testbed, Topology\n"
               "with Testbed(Topology.star(sys.argv[1], 1, agg_napi=False)):\n"
               "    print('ready', flush=True)\n    time.sleep(30)\n")
     p = subprocess.Popen([sys.executable, "-c", script, name], cwd=REPO, stdout=subprocess.PIPE,
@@ -207,7 +206,7 @@ def test_signal_tears_down(uid, sig, rc):
         if p.poll() is None:
             p.kill()
             p.wait()
-        from testbed import clean
+        from nicoffload.testbed import clean
         clean(name)
     assert code == rc, err[-3000:]
     assert left == []
@@ -424,7 +423,7 @@ def test_only_allreduce_traffic_is_touched(make_testbed):
 # --- CLI --------------------------------------------------------------------------------------------
 @pytest.fixture
 def cli_names(uid):
-    from testbed import clean
+    from nicoffload.testbed import clean
 
     yield f"t{uid}c", f"t{uid}d"
     clean(f"t{uid}")
@@ -463,7 +462,7 @@ def test_cli_clean_removes_only_prefixed_objects(cli_names, uid):
     cli("testbed", "up", "--workers", "1", "--name", a, "--drop", "0.5")
     cli("testbed", "up", "--workers", "1", "--name", b)
     # a crash leftover: a namespace with the prefix and no state file, and a stray state file
-    from testbed.netlink import create_netns
+    from nicoffload.testbed.netlink import create_netns
     create_netns(f"nco-{a}-zz")
     st.state_path(a).unlink()
     pins = nbpf.PIN_ROOT / f"nco-{a}-br"

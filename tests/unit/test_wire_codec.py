@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from nicoffload import codec, proto
 from nicoffload.errors import InputError, ProtocolError
-from packets.layers import AllReduce
+from nicoffload.packets.layers import AllReduce
 
 CODES = {name: code for name, _, code in proto.FIELDS}
 #: wire range of each struct code, written out (not derived from numpy or the codec)

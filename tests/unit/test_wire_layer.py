@@ -12,8 +12,8 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from nicoffload import proto
-from packets.generators import frame
-from packets.layers import (
+from nicoffload.packets.generators import frame
+from nicoffload.packets.layers import (
     AR_DETAILS,
     AR_FLAGS,
     AR_OPS,

@@ -1,0 +1,133 @@
+"""What every party of a job must agree on, with each default written once.
+
+A :class:`JobSpec` is passed to the worker library, the aggregators and the experiment runners;
+command lines are generated from it (:meth:`JobSpec.add_arguments`, :meth:`JobSpec.from_args`),
+and so is the argv that carries it to a child process (:meth:`JobSpec.argv`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, fields
+from typing import Iterable
+
+from . import proto
+from .errors import InputError
+
+#: IP multicast group results go to, unless the job names its own
+DEFAULT_GROUP = "239.77.0.1"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One AllReduce job: where its aggregator listens, its id and multicast group, the slot
+    pool it uses and the record size, and how its workers pace and give up."""
+
+    job: int = 1                   # job id carried in every record
+    port: int = proto.DEFAULT_PORT  # the aggregator's UDP port (workers bind it too)
+    group: str = DEFAULT_GROUP     # IP multicast group the results go to
+    slots: int = 1024              # slots of the job's share of the pool
+    elems: int = proto.DEFAULT_ELEMS  # int32 elements per record (even)
+    window: int | None = None      # rounds in flight per worker (None: as many as slots)
+    timeout: float = 10.0          # seconds a worker waits without progress before failing
+    sparse: bool = True            # skip zero blocks (a metadata round even for int32)
+
+    def validate(self) -> "JobSpec":
+        """Raise InputError naming the first bad field; return self."""
+        if not 0 <= self.job <= 0xFFFFFFFF:
+            raise InputError(f"--job must be 0..{0xFFFFFFFF}, not {self.job}")
+        if not 1 <= self.port <= 65535:
+            raise InputError(f"--port must be 1..65535, not {self.port}")
+        try:
+            multicast = ipaddress.IPv4Address(self.group).is_multicast
+        except ValueError:
+            multicast = False
+        if not multicast:
+            raise InputError(f"--group {self.group} is not an IPv4 multicast address")
+        if not 1 <= self.slots <= 1 << 20:
+            raise InputError(f"--slots must be 1..{1 << 20}, not {self.slots}")
+        max_e = proto.max_elems_for_mtu(proto.MAX_MTU)
+        if not 2 <= self.elems <= max_e or self.elems % 2:
+            raise InputError(f"--elems must be even, 2..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
+        if self.window is not None and self.window < 1:
+            raise InputError(f"--window must be at least 1, not {self.window}")
+        if not self.timeout > 0:
+            raise InputError(f"--timeout must be positive, not {self.timeout}")
+        return self
+
+    def replace(self, **changes) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobSpec":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # --- command lines ------------------------------------------------------------------------
+    #: the option and help text of each field
+    OPTIONS = {
+        "job": ("--job", "job id carried in every record"),
+        "port": ("--port", "the aggregator's UDP port"),
+        "group": ("--group", "IP multicast group the results go to"),
+        "slots": ("--slots", "aggregation slots of the job"),
+        "elems": ("--elems", "int32 elements per record (even)"),
+        "window": ("--window", "rounds in flight per worker (default: slots)"),
+        "timeout": ("--timeout", "seconds without progress before a worker fails"),
+        "sparse": ("--dense", "no zero-block detection (skips the metadata round for int32)"),
+    }
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, only: Iterable[str] | None = None,
+                      **defaults) -> None:
+        """Add the options of ``only`` (default: every field) to ``parser``; ``defaults``
+        overrides a field's default for this command."""
+        base = cls(**{k: v for k, v in defaults.items()})
+        for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            opt, text = cls.OPTIONS[f.name]
+            value = getattr(base, f.name)
+            if f.name == "sparse":
+                parser.add_argument(opt, dest="spec_dense", action="store_true", help=text)
+                continue
+            kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
+                    "group": str}[f.name]
+            shown = "" if value is None else f" (default {value})"
+            parser.add_argument(opt, dest=f"spec_{f.name}", type=kind, default=value, help=text + shown)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **changes) -> "JobSpec":
+        """The spec a parser built with :meth:`add_arguments` describes (fields it did not add
+        keep their defaults), validated."""
+        d = {}
+        for f in fields(cls):
+            if f.name == "sparse":
+                if hasattr(args, "spec_dense"):
+                    d["sparse"] = not args.spec_dense
+            elif hasattr(args, f"spec_{f.name}"):
+                d[f.name] = getattr(args, f"spec_{f.name}")
+        d.update(changes)
+        return cls(**d).validate()
+
+    def argv(self, only: Iterable[str] | None = None) -> list[str]:
+        """The options that make :meth:`from_args` rebuild this spec in a child process."""
+        out: list[str] = []
+        for f in fields(self):
+            if only is not None and f.name not in only:
+                continue
+            value = getattr(self, f.name)
+            opt = self.OPTIONS[f.name][0]
+            if f.name == "sparse":
+                if not value:
+                    out.append(opt)
+            elif value is not None:
+                out += [opt, str(value)]
+        return out
+
+
+#: the defaults, for signatures that take the fields one by one
+DEFAULT = JobSpec()
