@@ -4,7 +4,6 @@ and slot state, detach and unpin. ``status``/``stats``/``slots`` from a later pr
 pinned maps through bcc's typed tables (no hand-written mirror of kernel structs)."""
 from __future__ import annotations
 
-import ipaddress
 import json
 import secrets
 import shutil
@@ -13,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from . import bpf, proto
+from . import bpf, libbpf, proto
 from .addr import ip_net, ip_str, mac_bytes, multicast_mac
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from .jobspec import DEFAULT, JobSpec
@@ -153,7 +152,7 @@ class Aggregator:
             if configure:
                 agg.configure(agg_ip=ip, agg_mac=mac)
             agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
-            bpf.pin_fd(prog.fd, pdir / "prog")
+            libbpf.pin(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
             agg._save_state()
         except BaseException:
@@ -335,10 +334,10 @@ class Aggregator:
         }
 
     # --- test run --------------------------------------------------------------------------
-    def run(self, packet: bytes, repeat: int = 1) -> bpf.TestRunResult:
+    def run(self, packet: bytes, repeat: int = 1) -> libbpf.TestRunResult:
         if self.prog is None:
             raise MapError("this aggregator was opened for inspection; it has no program to run")
-        return bpf.test_run(self.prog.fd, packet, repeat=repeat)
+        return libbpf.test_run(self.prog.fd, packet, repeat=repeat)
 
     # --- teardown --------------------------------------------------------------------------
     def close(self) -> None:

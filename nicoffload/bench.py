@@ -56,6 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import libbpf
+from .errors import NicoffloadError
+
 SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi")
 AGG_SYSTEMS = ("xdp", "userspace")
 DESCRIPTION = {
@@ -195,44 +198,14 @@ def iface_bytes(ifname: str) -> tuple[int, int] | None:
 
 
 def bpf_runtime(prog_id: int | None) -> tuple[int, int] | None:
-    """(run_time_ns, run_cnt) of a BPF program (needs kernel.bpf_stats_enabled=1)."""
+    """(run_time_ns, run_cnt) of a BPF program (counted while stats are enabled)."""
     if not prog_id:
         return None
     try:
-        out = subprocess.run(["bpftool", "prog", "show", "id", str(prog_id), "--json"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+        st = libbpf.prog_stats(prog_id)
+    except (OSError, NicoffloadError):
         return None
-    if out.returncode != 0:
-        return None
-    d = json.loads(out.stdout)
-    return int(d.get("run_time_ns", 0)), int(d.get("run_cnt", 0))
-
-
-STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
-
-
-class BpfStats:
-    """Set kernel.bpf_stats_enabled=1 for the bench; put back what was there."""
-
-    def __init__(self):
-        self.before: str | None = None
-
-    def __enter__(self):
-        try:
-            self.before = STATS_SYSCTL.read_text().strip()
-            if self.before != "1":
-                STATS_SYSCTL.write_text("1")
-        except OSError:
-            self.before = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.before is not None and self.before != "1":
-            try:
-                STATS_SYSCTL.write_text(self.before)
-            except OSError:
-                pass
+    return st.run_time_ns, st.run_cnt
 
 
 def _python_check(code: str, timeout: float = 120.0) -> tuple[bool, str]:
@@ -921,8 +894,7 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> tuple[list[dict], li
         if avail[s]:
             prog.note(f"{s}: skipped ({avail[s]})")
     rows: list[dict] = []
-    with BpfStats() as st:
-        meta["bpf_stats_enabled_before"] = st.before
+    with libbpf.stats_enabled():
         for rate, n, points in plans:
             rbps = rate_bps(rate)
             label = rate_label(rate)

@@ -1,5 +1,6 @@
 """bcc plumbing shared by every program: compile with the job's constants, load with the
-verifier log captured, attach XDP inside a network namespace, run BPF_PROG_TEST_RUN, pin.
+verifier log captured (linking bpf_loop callbacks, which bcc cannot), attach XDP inside a
+network namespace. Raw bpf(2) calls (test runs, pins, maps, stats) are in :mod:`.libbpf`.
 
 bcc prints verifier logs to stderr only and does not track XDP attachments; this module wraps
 both: ``load_func`` raises :class:`VerifierError` carrying the log, and :class:`XdpAttachment`
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 import tempfile
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from . import libbpf
 from .errors import AttachError, NotFoundError, PrivilegeError, SetupError, VerifierError
 from .proto import xdp_dir
 
@@ -275,93 +276,11 @@ def detach_xdp(ifname: str, ns: str | None, mode: str = "native") -> bool:
     return True
 
 
-# --- BPF_PROG_TEST_RUN through libbpf -------------------------------------------------------
-class _TestRunOpts(ctypes.Structure):
-    _fields_ = [
-        ("sz", ctypes.c_size_t),
-        ("data_in", ctypes.c_void_p),
-        ("data_out", ctypes.c_void_p),
-        ("data_size_in", ctypes.c_uint32),
-        ("data_size_out", ctypes.c_uint32),
-        ("ctx_in", ctypes.c_void_p),
-        ("ctx_out", ctypes.c_void_p),
-        ("ctx_size_in", ctypes.c_uint32),
-        ("ctx_size_out", ctypes.c_uint32),
-        ("retval", ctypes.c_uint32),
-        ("repeat", ctypes.c_int),
-        ("duration", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("cpu", ctypes.c_uint32),
-        ("batch_size", ctypes.c_uint32),
-    ]
-
-
-_libbpf = None
-
-
-class _ProgLoadOpts(ctypes.Structure):
-    """struct bpf_prog_load_opts of libbpf 1.x (fields up to log_true_size)."""
-    _fields_ = [
-        ("sz", ctypes.c_size_t), ("attempts", ctypes.c_int), ("expected_attach_type", ctypes.c_int),
-        ("prog_btf_fd", ctypes.c_uint32), ("prog_flags", ctypes.c_uint32), ("prog_ifindex", ctypes.c_uint32),
-        ("kern_version", ctypes.c_uint32), ("attach_btf_id", ctypes.c_uint32),
-        ("attach_btf_obj_fd", ctypes.c_uint32), ("attach_prog_fd", ctypes.c_int),
-        ("fd_array", ctypes.c_void_p), ("func_info", ctypes.c_void_p), ("func_info_cnt", ctypes.c_uint32),
-        ("func_info_rec_size", ctypes.c_uint32), ("line_info", ctypes.c_void_p),
-        ("line_info_cnt", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
-        ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32), ("log_buf", ctypes.c_char_p),
-        ("log_true_size", ctypes.c_uint32),
-    ]
-
-
-class _FuncInfo(ctypes.Structure):
-    _fields_ = [("insn_off", ctypes.c_uint32), ("type_id", ctypes.c_uint32)]
-
-
-def libbpf():
-    """Debian's libbpf.so.1 through ctypes: the one binding of the toolkit."""
-    global _libbpf
-    if _libbpf is None:
-        name = ctypes.util.find_library("bpf") or "libbpf.so.1"
-        try:
-            lib = ctypes.CDLL(name, use_errno=True)
-        except OSError as e:
-            raise SetupError("libbpf.so.1 is missing: apt-get install libbpf1") from e
-        vp, ci, cu = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32
-        sigs = {
-            "bpf_prog_test_run_opts": ([ci, ctypes.POINTER(_TestRunOpts)], ci),
-            "bpf_obj_pin": ([ci, ctypes.c_char_p], ci),
-            "bpf_obj_get": ([ctypes.c_char_p], ci),
-            "bpf_prog_load": ([ci, ctypes.c_char_p, ctypes.c_char_p, vp, ctypes.c_size_t,
-                               ctypes.POINTER(_ProgLoadOpts)], ci),
-            "bpf_xdp_attach": ([ci, ci, cu, vp], ci),
-            "bpf_map_update_elem": ([ci, vp, vp, ctypes.c_uint64], ci),
-            "bpf_map_lookup_elem": ([ci, vp, vp], ci),
-            "bpf_map_delete_elem": ([ci, vp], ci),
-            "libbpf_num_possible_cpus": ([], ci),
-            "btf__new_empty": ([], vp),
-            "btf__free": ([vp], None),
-            "btf__add_int": ([vp, ctypes.c_char_p, ctypes.c_size_t, ci], ci),
-            "btf__add_func_proto": ([vp, ci], ci),
-            "btf__add_func_param": ([vp, ctypes.c_char_p, ci], ci),
-            "btf__add_func": ([vp, ctypes.c_char_p, ci, ci], ci),
-            "btf__load_into_kernel": ([vp], ci),
-            "btf__fd": ([vp], ci),
-        }
-        for fname, (args, res) in sigs.items():
-            f = getattr(lib, fname)
-            f.argtypes, f.restype = args, res
-        _libbpf = lib
-    return _libbpf
-
-
 # --- programs with callbacks (bpf_loop) ---------------------------------------------------------
-BPF_PROG_TYPE_XDP = 6
 BPF_PSEUDO_FUNC = 4
 BPF_F_XDP_HAS_FRAGS = 1 << 5
 _LD_IMM64 = 0x18
 _INSN = 8
-_BTF_FUNC_STATIC, _BTF_FUNC_GLOBAL = 0, 1
 _VERIFIER_LOG_BYTES = 16 << 20
 
 
@@ -421,70 +340,24 @@ def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, li
     return code, starts
 
 
-def _func_btf(names: list[str]):
-    """A BTF object holding one FUNC per subprogram (the verifier wants func_info once a program
-    has callbacks). The entry point is global, callbacks are static; the types are nominal
-    (static subprograms are verified from their code, not from their prototypes)."""
-    lib = libbpf()
-    btf = lib.btf__new_empty()
-    if not btf:
-        raise SetupError("libbpf could not create a BTF object")
-    t_int = lib.btf__add_int(btf, b"int", 4, 1)
-    t_long = lib.btf__add_int(btf, b"long", 8, 1)
-    ids = []
-    for k, name in enumerate(names):
-        proto = lib.btf__add_func_proto(btf, t_int if k == 0 else t_long)
-        lib.btf__add_func_param(btf, b"arg0", t_long)
-        if k:
-            lib.btf__add_func_param(btf, b"arg1", t_long)
-        ids.append(lib.btf__add_func(btf, name.encode(), _BTF_FUNC_GLOBAL if k == 0 else _BTF_FUNC_STATIC, proto))
-    if min(ids) < 0 or lib.btf__load_into_kernel(btf) != 0:
-        lib.btf__free(btf)
-        raise SetupError("loading a BTF object into the kernel failed (is CONFIG_DEBUG_INFO_BTF set?)")
-    return btf, ids
-
-
-def load_linked(b, entry: str, callbacks: tuple[str, ...] = (), *, prog_type: int = BPF_PROG_TYPE_XDP,
-                prog_flags: int = 0, source_name: str = "program") -> LoadedProgram:
+def load_linked(b, entry: str, callbacks: tuple[str, ...] = (), *,
+                prog_type: int = libbpf.BPF_PROG_TYPE_XDP, prog_flags: int = 0,
+                source_name: str = "program") -> LoadedProgram:
     """Load ``entry`` of a bcc module together with its bpf_loop ``callbacks``, which bcc alone
     cannot link. A verifier rejection raises VerifierError carrying the log."""
     require_root(f"loading {entry}")
     code, starts = _link_callbacks(_function_insns(b, entry), [_function_insns(b, c) for c in callbacks])
-    lib = libbpf()
-    btf, ids = _func_btf([entry, *callbacks]) if callbacks else (None, [])
-    try:
-        fi = (_FuncInfo * len(ids))(*[_FuncInfo(s, t) for s, t in zip(starts, ids)])
-        buf = (ctypes.c_char * len(code)).from_buffer(code)
-
-        def attempt(log_level: int, log=None) -> int:
-            o = _ProgLoadOpts()
-            o.sz = ctypes.sizeof(o)
-            o.prog_flags = prog_flags
-            if btf is not None:
-                o.prog_btf_fd = lib.btf__fd(btf)
-                o.func_info = ctypes.cast(fi, ctypes.c_void_p)
-                o.func_info_cnt = len(ids)
-                o.func_info_rec_size = ctypes.sizeof(_FuncInfo)
-            if log is not None:
-                o.log_level, o.log_size = log_level, len(log)
-                o.log_buf = ctypes.cast(log, ctypes.c_char_p)
-            return lib.bpf_prog_load(prog_type, entry[:15].encode(), b"GPL", buf, len(code) // _INSN,
-                                     ctypes.byref(o))
-
-        fd = attempt(0)
-        if fd < 0:
-            err = ctypes.get_errno()
-            if err == errno.EPERM and os.geteuid() != 0:
-                raise PrivilegeError(f"loading {entry} needs root")
-            log = ctypes.create_string_buffer(_VERIFIER_LOG_BYTES)
-            attempt(1, log)
-            text = log.value.decode(errors="replace")
-            tail = "\n".join(text.strip().splitlines()[-25:])
-            raise VerifierError(f"the kernel verifier rejected {entry} from {source_name}: {os.strerror(err)}\n"
-                                f"last lines of the verifier log:\n{tail}", text)
-    finally:
-        if btf is not None:
-            lib.btf__free(btf)
+    funcs = list(zip(starts, [entry, *callbacks])) if callbacks else []
+    fd, err = libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs)
+    if fd < 0:
+        if err == errno.EPERM and os.geteuid() != 0:
+            raise PrivilegeError(f"loading {entry} needs root")
+        log = ctypes.create_string_buffer(_VERIFIER_LOG_BYTES)
+        libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs, log=log)
+        text = log.value.decode(errors="replace")
+        tail = "\n".join(text.strip().splitlines()[-25:])
+        raise VerifierError(f"the kernel verifier rejected {entry} from {source_name}: {os.strerror(err)}\n"
+                            f"last lines of the verifier log:\n{tail}", text)
     return LoadedProgram(entry, fd, len(code) // _INSN)
 
 
@@ -492,12 +365,10 @@ def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") ->
     """Attach a program fd to ``ifname`` inside ``ns``; refuses to replace an existing program."""
     if mode not in MODES:
         raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
-    lib = libbpf()
     with netns(ns):
         idx = _ifindex(ifname, ns)
-        rc = lib.bpf_xdp_attach(idx, fd, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST, None)
-    if rc != 0:
-        err = -rc if rc < 0 else ctypes.get_errno()
+        err = libbpf.xdp_attach(idx, fd, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+    if err:
         where = f"{ifname} in {ns or 'the root namespace'}"
         if err in (errno.EBUSY, errno.EEXIST):
             raise AttachError(f"{where} already has an XDP program attached; unload it first")
@@ -507,40 +378,3 @@ def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") ->
                     f"(veth: at most {MAX_NATIVE_MTU}){hint}")
         raise AttachError(f"attaching XDP to {where} in {mode} mode failed: {os.strerror(err)}{hint}")
     return XdpAttachment(ifname, ns, mode)
-
-
-@dataclass
-class TestRunResult:
-    verdict: int
-    data: bytes
-    duration_ns: int
-
-
-XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
-VERDICTS = {0: "ABORTED", 1: "DROP", 2: "PASS", 3: "TX", 4: "REDIRECT"}
-
-
-def test_run(prog_fd: int, packet: bytes, repeat: int = 1, out_room: int = 4096) -> TestRunResult:
-    """Run the program once (or ``repeat`` times) on ``packet``; return verdict, output, avg ns."""
-    lib = libbpf()
-    inbuf = ctypes.create_string_buffer(bytes(packet), len(packet))
-    outbuf = ctypes.create_string_buffer(len(packet) + out_room)
-    opts = _TestRunOpts()
-    opts.sz = ctypes.sizeof(_TestRunOpts)
-    opts.data_in = ctypes.cast(inbuf, ctypes.c_void_p)
-    opts.data_size_in = len(packet)
-    opts.data_out = ctypes.cast(outbuf, ctypes.c_void_p)
-    opts.data_size_out = len(outbuf)
-    opts.repeat = max(1, repeat)
-    rc = lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts))
-    if rc != 0:
-        err = ctypes.get_errno() or -rc
-        raise OSError(err, f"BPF_PROG_TEST_RUN failed: {os.strerror(err)}")
-    return TestRunResult(opts.retval, outbuf.raw[: opts.data_size_out], opts.duration)
-
-
-def pin_fd(fd: int, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if libbpf().bpf_obj_pin(fd, str(path).encode()) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"pinning {path} failed: {os.strerror(err)}")

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import bpf, proto
+from . import bpf, libbpf, proto
 from .errors import NicoffloadError, TimeoutError_
 
 PY = [sys.executable, "-m", "nicoffload.cli"]
@@ -93,12 +93,8 @@ class AggregatorProcess:
     def bpf_runtime(self) -> tuple[int, int] | None:
         if self.agg is None or not self.agg.spec.prog_id:
             return None
-        out = subprocess.run(["bpftool", "prog", "show", "id", str(self.agg.spec.prog_id), "--json"],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            return None
-        d = json.loads(out.stdout)
-        return d.get("run_time_ns", 0), d.get("run_cnt", 0)
+        st = libbpf.prog_stats(self.agg.spec.prog_id)
+        return st.run_time_ns, st.run_cnt
 
     def stats(self) -> dict:
         return self.agg.stats() if self.agg is not None else {}

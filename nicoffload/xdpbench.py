@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bpf, proto
+from . import libbpf, proto
 
 
 def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: int = 2000) -> dict:
@@ -30,12 +30,12 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
     try:
         fd = agg.prog.fd
         for f in gen.join_frames(workers):
-            bpf.test_run(fd, f)
+            libbpf.test_run(fd, f)
         epoch = agg.job_state(agg.spec.job)["epoch"]
         out: dict = {}
         foreign = gen.foreign()[1][1]
-        single_pass = float(np.median([bpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
-        out["pass"] = float(bpf.test_run(fd, foreign, repeat=100000).duration_ns)
+        single_pass = float(np.median([libbpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
+        out["pass"] = float(libbpf.test_run(fd, foreign, repeat=100000).duration_ns)
         overhead = out["timer_overhead"] = max(0.0, single_pass - out["pass"])
 
         def cost(durations) -> float:
@@ -51,7 +51,7 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
             by_pos: dict[str, list[int]] = {"first": [], "add": [], "complete": []}
             for i, f in enumerate(frames):
                 pos = i % workers
-                r = bpf.test_run(fd, f)
+                r = libbpf.test_run(fd, f)
                 key = "first" if pos == 0 else "complete" if pos == workers - 1 else "add"
                 by_pos[key].append(r.duration_ns)
             for k, v in by_pos.items():
@@ -60,10 +60,10 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
                                                        + [out[f"{name}_add"]] * (workers - 2))) / elems
         dup = gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch, op=proto.OP_SUM, first_round=rounds,
                                 ack=rounds)
-        out["duplicate"] = cost([bpf.test_run(fd, f).duration_ns for f in dup[:workers * 200]])
+        out["duplicate"] = cost([libbpf.test_run(fd, f).duration_ns for f in dup[:workers * 200]])
         retx = gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch, op=proto.OP_SUM, first_round=rounds,
                                  ack=rounds, retx=True)
-        out["retx_answer"] = cost([bpf.test_run(fd, f).duration_ns for f in retx[:workers * 200]])
+        out["retx_answer"] = cost([libbpf.test_run(fd, f).duration_ns for f in retx[:workers * 200]])
         return out
     finally:
         agg.close()
@@ -77,9 +77,7 @@ def live_cost(workers: int = 4, size: int = 16 << 20, elems: int = proto.DEFAULT
     from .cli_worker import make_gradients
     from .runner import run_job
 
-    old = Path("/proc/sys/kernel/bpf_stats_enabled").read_text().strip()
-    Path("/proc/sys/kernel/bpf_stats_enabled").write_text("1")
-    try:
+    with libbpf.stats_enabled():
         grads = make_gradients(workers, size // 4, 0.0, 0)
         mtu = max(1500, proto.mtu_for_elems(elems))
         with running(workers, mtu=mtu) as tb, tempfile.TemporaryDirectory() as d:
@@ -93,5 +91,4 @@ def live_cost(workers: int = 4, size: int = 16 << 20, elems: int = proto.DEFAULT
                 "per_frame": ns / res.agg_bpf_cnt if res.agg_bpf_cnt else None,
                 "per_record": ns / records if records else None,
                 "per_element": ns / (records * elems) if records else None, "allreduce_s": res.seconds}
-    finally:
-        Path("/proc/sys/kernel/bpf_stats_enabled").write_text(old)
+

@@ -17,7 +17,6 @@ reconfigure the links of a live testbed; teardown removes the pins.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -25,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from nicoffload import bpf as nbpf
-from nicoffload.errors import InputError, MapError, NotFoundError, SetupError
+from nicoffload import libbpf
+from nicoffload.errors import InputError, NotFoundError
 from nicoffload.proto import C, DEFAULT_PORT, FAULTS
 
 from .netlink import ipr, link_index, tolerant
@@ -116,74 +116,6 @@ class FaultConfig:
         return (self.drop, self.dup) if direction in self.directions else (0.0, 0.0)
 
 
-# --- raw map access through libbpf (works from any process, via the pins) -------------------
-class _Lib:
-    _lib = None
-
-    @classmethod
-    def get(cls):
-        if cls._lib is None:
-            name = ctypes.util.find_library("bpf") or "libbpf.so.1"
-            try:
-                lib = ctypes.CDLL(name, use_errno=True)
-            except OSError as e:
-                raise SetupError("libbpf.so.1 is missing: apt-get install libbpf1") from e
-            vp = ctypes.c_void_p
-            lib.bpf_obj_get.argtypes, lib.bpf_obj_get.restype = [ctypes.c_char_p], ctypes.c_int
-            lib.bpf_map_update_elem.argtypes = [ctypes.c_int, vp, vp, ctypes.c_uint64]
-            lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, vp, vp]
-            lib.bpf_map_delete_elem.argtypes = [ctypes.c_int, vp]
-            for f in (lib.bpf_map_update_elem, lib.bpf_map_lookup_elem, lib.bpf_map_delete_elem):
-                f.restype = ctypes.c_int
-            lib.libbpf_num_possible_cpus.argtypes, lib.libbpf_num_possible_cpus.restype = [], ctypes.c_int
-            cls._lib = lib
-        return cls._lib
-
-
-def _obj_get(path: Path) -> int:
-    fd = _Lib.get().bpf_obj_get(str(path).encode())
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise NotFoundError(f"opening the pinned BPF object {path} failed: {os.strerror(err)}")
-    return fd
-
-
-class _Map:
-    def __init__(self, name: str, fd: int, value_type, percpu: bool = False):
-        self.name, self.fd, self.value_type, self.percpu = name, fd, value_type, percpu
-        self.ncpu = _Lib.get().libbpf_num_possible_cpus() if percpu else 1
-
-    def _err(self, op: str, key: int) -> MapError:
-        err = ctypes.get_errno()
-        return MapError(f"{op} of {self.name}[{key}] failed: {os.strerror(err)} (errno {err})")
-
-    def update(self, key: int, value: int) -> None:
-        k = ctypes.c_uint32(key)
-        if self.percpu:
-            v = (self.value_type * self.ncpu)(*([value] * self.ncpu))
-        else:
-            v = self.value_type(value)
-        if _Lib.get().bpf_map_update_elem(self.fd, ctypes.byref(k), ctypes.byref(v), 0) != 0:
-            raise self._err("update", key)
-
-    def lookup(self, key: int) -> int | None:
-        """The value (summed over CPUs for per-CPU maps); None when the key is absent."""
-        k = ctypes.c_uint32(key)
-        v = (self.value_type * self.ncpu)()
-        if _Lib.get().bpf_map_lookup_elem(self.fd, ctypes.byref(k), ctypes.byref(v)) != 0:
-            return None
-        return sum(v)
-
-    def delete(self, key: int) -> bool:
-        k = ctypes.c_uint32(key)
-        return _Lib.get().bpf_map_delete_elem(self.fd, ctypes.byref(k)) == 0
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 class FaultInjector:
     """The fault injector of one testbed (``tb.faults``).
 
@@ -194,7 +126,7 @@ class FaultInjector:
 
     def __init__(self, tb: "Testbed"):
         self.tb = tb
-        self._maps: dict[str, _Map] | None = None
+        self._maps: dict[str, libbpf.Map] | None = None
         self._progs: dict[str, int] | None = None
 
     # --- where things live -------------------------------------------------------------------
@@ -219,20 +151,20 @@ class FaultInjector:
             try:
                 for p in PROGS:
                     fn = nbpf.load_func(b, p, "SCHED_CLS", SOURCE)
-                    nbpf.pin_fd(fn.fd, self.pin_dir / p)
+                    libbpf.pin(fn.fd, self.pin_dir / p)
                 for m in MAPS:
-                    nbpf.pin_fd(b[m.encode()].map_fd, self.pin_dir / m)
+                    libbpf.pin(b[m.encode()].map_fd, self.pin_dir / m)
             except BaseException:
                 shutil.rmtree(self.pin_dir, ignore_errors=True)
                 raise
             finally:
                 b.cleanup()
-        self._progs = {p: _obj_get(self.pin_dir / p) for p in PROGS}
+        self._progs = {p: libbpf.obj_get(self.pin_dir / p) for p in PROGS}
         self._maps = {
-            "fault_link": _Map("fault_link", _obj_get(self.pin_dir / "fault_link"), ctypes.c_uint32),
-            "fault_cfg": _Map("fault_cfg", _obj_get(self.pin_dir / "fault_cfg"), ctypes.c_uint64),
-            "fault_seq": _Map("fault_seq", _obj_get(self.pin_dir / "fault_seq"), ctypes.c_uint64),
-            "fault_stats": _Map("fault_stats", _obj_get(self.pin_dir / "fault_stats"), ctypes.c_uint64, percpu=True),
+            "fault_link": libbpf.Map.pinned(self.pin_dir / "fault_link", ctypes.c_uint32),
+            "fault_cfg": libbpf.Map.pinned(self.pin_dir / "fault_cfg", ctypes.c_uint64),
+            "fault_seq": libbpf.Map.pinned(self.pin_dir / "fault_seq", ctypes.c_uint64),
+            "fault_stats": libbpf.Map.pinned(self.pin_dir / "fault_stats", ctypes.c_uint64, percpu=True),
         }
 
     def close(self) -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import bpf
+from nicoffload import libbpf
 from nicoffload.aggregator import Aggregator
 from nicoffload.packets import generators as gen
 
@@ -44,7 +44,7 @@ def form_epoch(agg, workers: int | None = None, run: int = 1, job: int | None = 
     workers = workers or agg.spec.workers
     job = agg.spec.job if job is None else job
     outs = [agg.run(f) for f in gen.join_frames(workers, [gen.nonce_of(r, run) for r in range(workers)], job=job)]
-    assert [o.verdict for o in outs] == [bpf.XDP_DROP] * (workers - 1) + [bpf.XDP_TX]
+    assert [o.verdict for o in outs] == [libbpf.XDP_DROP] * (workers - 1) + [libbpf.XDP_TX]
     epoch = agg.job_state(job)["epoch"]
     assert epoch
     return epoch

@@ -13,8 +13,8 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from nicoffload import bpf, proto
-from nicoffload.bpf import XDP_DROP, XDP_PASS, XDP_TX
+from nicoffload import proto
+from nicoffload.libbpf import XDP_DROP, XDP_PASS, XDP_TX
 from nicoffload.packets import generators as gen
 from nicoffload.packets.layers import AllReduce, split_records
 
