@@ -389,3 +389,14 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     if not (found or detached) and not missing_ok:
         raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
     return found or detached
+
+
+def loaded(netns_prefix: str = "") -> list[tuple[str | None, str]]:
+    """(netns, iface) of every aggregator recorded on this machine (optionally only those in
+    namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them."""
+    out = []
+    for f in sorted(STATE_DIR.glob("*__*.json")) if STATE_DIR.is_dir() else ():
+        ns, _, iface = f.stem.partition("__")
+        if ns.startswith(netns_prefix):
+            out.append((None if ns == "root" else ns, iface))
+    return out
