@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from nicoffload.errors import InputError
 from nicoffload.proto import DEFAULT_PORT, MAX_MTU, MAX_WORKERS
@@ -89,6 +90,12 @@ def check_name(name: str) -> str:
     return name
 
 
+def netns_prefix(name: str, whole: bool = True) -> str:
+    """How the namespace names of testbed ``name`` start (``whole``), or those of every testbed
+    whose name starts with ``name`` (``whole=False``: ``name`` is a name prefix, may be empty)."""
+    return f"{PREFIX}{check_name(name)}-" if whole else f"{PREFIX}{name}"
+
+
 def derived_subnet(name: str) -> int:
     """The subnet index a name maps to when it is free (stable across runs)."""
     h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "big")
@@ -124,10 +131,6 @@ class Host:
     mac: str
     link_id: int  # 0 for the aggregator, rank + 1 for workers (fault injector stream id)
     link: Link
-
-    @property
-    def is_aggregator(self) -> bool:
-        return self.role == "aggregator"
 
     def public(self) -> dict:
         """The JSON shape of ``testbed up --json``."""
@@ -190,10 +193,10 @@ class Topology:
     # --- derived names -----------------------------------------------------------------------
     @property
     def bridge_netns(self) -> str:
-        return f"{PREFIX}{self.name}-br"
+        return netns_prefix(self.name) + "br"
 
     def netns_of(self, host: str) -> str:
-        return f"{PREFIX}{self.name}-{host}"
+        return netns_prefix(self.name) + host
 
     def host_names(self) -> list[str]:
         return [AGG] + [f"w{r}" for r in range(self.workers)]
@@ -228,6 +231,25 @@ class Topology:
                             f"10.200.{x}.{WORKER_HOST_OCTET0 + r}", f"02:6e:63:{x:02x}:01:{r:02x}",
                             r + 1, self.link_of(h)))
         return out
+
+    def host(self, which: str | int | Host) -> Host:
+        """A host by name ("agg", "w0", ...), worker rank (int) or Host."""
+        if isinstance(which, Host):
+            which = which.name
+        if isinstance(which, int) and not isinstance(which, bool):
+            which = f"w{which}"
+        for h in self.hosts:
+            if h.name == which:
+                return h
+        raise InputError(f"no host {which!r} in testbed {self.name!r}; hosts are {', '.join(self.host_names())}")
+
+    def hosts_of(self, which: Iterable[str | int | Host] | str | int | Host | None) -> list[Host]:
+        """Several hosts as :meth:`host` names them; None: every host."""
+        if which is None:
+            return self.hosts
+        if isinstance(which, (str, int, Host)):
+            which = [which]
+        return [self.host(h) for h in which]
 
     # --- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
