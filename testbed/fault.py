@@ -13,15 +13,22 @@ lossy run can be replayed, and a test can predict which packets vanish.
 The program and its maps are pinned under /sys/fs/bpf/nicoffload/<bridge netns>/fault/, so any
 process (the CLI after ``testbed up --drop``, a test, a benchmark) can read the counters or
 reconfigure the links of a live testbed; teardown removes the pins.
+
+The injector belongs to a testbed (``tb.faults``) and knows it only through :class:`FaultSite`:
+the topology (bridge namespace, hosts and their links, port) and a place to keep the
+configuration where other processes find it (the testbed's state file).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol
+
+from pyroute2 import NetlinkError
 
 from nicoffload import bpf as nbpf
 from nicoffload import libbpf
@@ -29,9 +36,7 @@ from nicoffload.errors import InputError, NotFoundError
 from nicoffload.proto import C, DEFAULT_PORT, FAULTS
 
 from .netlink import ipr, link_index, tolerant
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .testbed import Testbed
+from .topology import Host, Topology
 
 SOURCE = "fault.c"
 DIRECTIONS = ("ingress", "egress")  # 0: from the host, 1: towards the host
@@ -116,6 +121,24 @@ class FaultConfig:
         return (self.drop, self.dup) if direction in self.directions else (0.0, 0.0)
 
 
+class FaultSite(Protocol):
+    """What the injector needs from the testbed that owns it (``Testbed`` is one)."""
+
+    @property
+    def topology(self) -> Topology:
+        """Read at every use: the bridge namespace, the hosts, their links and the port."""
+
+    def load_fault_config(self) -> dict[str, dict]:
+        """Host name -> its configuration as JSON, as last saved (by this or another process)."""
+
+    def save_fault_config(self, config: dict[str, dict]) -> None:
+        """Keep ``config`` where :meth:`load_fault_config` and other processes find it."""
+
+
+def pin_dir(bridge_netns: str) -> Path:
+    return nbpf.PIN_ROOT / bridge_netns / "fault"
+
+
 class FaultInjector:
     """The fault injector of one testbed (``tb.faults``).
 
@@ -124,20 +147,23 @@ class FaultInjector:
     >>> tb.faults.predict("w0", "ingress", 100)                 # ['pass', 'drop', ...]
     """
 
-    def __init__(self, tb: "Testbed"):
-        self.tb = tb
+    def __init__(self, site: FaultSite):
+        self.site = site
         self._maps: dict[str, libbpf.Map] | None = None
         self._progs: dict[str, int] | None = None
 
     # --- where things live -------------------------------------------------------------------
     @property
     def pin_dir(self) -> Path:
-        return nbpf.PIN_ROOT / self.tb.bridge_netns / "fault"
+        return pin_dir(self.site.topology.bridge_netns)
 
     def configured(self) -> dict[str, FaultConfig]:
-        """Host name -> its fault configuration, as recorded in the testbed state."""
-        raw = self.tb._state.get("faults", {})
+        """Host name -> its fault configuration, as recorded by the testbed."""
+        raw = self.site.load_fault_config()
         return {h: FaultConfig(**{**c, "directions": tuple(c["directions"])}) for h, c in raw.items()}
+
+    def _hosts(self, hosts) -> list[Host]:
+        return self.site.topology.hosts_of(hosts)
 
     # --- loading -----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -184,23 +210,24 @@ class FaultInjector:
         host, "egress" = towards it); ``seed`` makes the run replayable; ``port``: the AllReduce
         UDP port (default: the testbed's). Reconfiguring restarts the packet numbering (n = 0)
         and zeroes the counters of those links."""
-        cfg = FaultConfig(drop, dup, seed, tuple(directions), port or self.tb.port)
+        topo = self.site.topology
+        cfg = FaultConfig(drop, dup, seed, tuple(directions), port or topo.port)
         self._load()
-        hosts = self.tb._host_list(hosts)
-        with ipr(self.tb.bridge_netns) as sock:
-            for h in hosts:
+        record = self.site.load_fault_config()
+        with ipr(topo.bridge_netns) as sock:
+            for h in self._hosts(hosts):
                 idx = link_index(sock, h.peer)
                 self._attach_filters(sock, idx)
                 self._write_cfg(h.link_id, h.link_id, cfg)
                 self._maps["fault_link"].update(idx, h.link_id)
-                self.tb._state.setdefault("faults", {})[h.name] = {**asdict(cfg), "directions": list(cfg.directions)}
-        self.tb._save_state()
+                record[h.name] = {**asdict(cfg), "directions": list(cfg.directions)}
+        self.site.save_fault_config(record)
 
     def _attach_filters(self, sock, idx: int) -> None:
         try:
             sock.tc("add", "clsact", idx)
-        except Exception as e:  # EEXIST: already there from an earlier configure
-            if getattr(e, "code", None) != 17:
+        except NetlinkError as e:
+            if e.code != errno.EEXIST:  # there from an earlier configure: fine
                 raise
         for d, prog in zip(DIRECTIONS, PROGS):
             sock.tc("replace-filter", "bpf", idx, 1, fd=self._progs[prog], name=prog, parent=TC_PARENT[d],
@@ -230,18 +257,17 @@ class FaultInjector:
         """Restart the packet numbering (n = 0) and zero the counters of configured links."""
         self._load()
         conf = self.configured()
-        for h in self.tb._host_list(hosts):
+        for h in self._hosts(hosts):
             if h.name in conf:
                 self._reset_slot(h.link_id)
 
     def remove(self, hosts: Iterable[str] | str | None = None) -> None:
         """Take the injector off the links of ``hosts`` (default: every configured link)."""
-        conf = self.configured()
-        targets = [h for h in self.tb._host_list(hosts) if h.name in conf] if hosts is not None else \
-            [self.tb.host(n) for n in conf]
+        record = self.site.load_fault_config()
+        targets = [h for h in self._hosts(hosts if hosts is not None else list(record)) if h.name in record]
         if not targets:
             return
-        with ipr(self.tb.bridge_netns) as sock:
+        with ipr(self.site.topology.bridge_netns) as sock:
             for h in targets:
                 idx = sock.link_lookup(ifname=h.peer)
                 if idx:
@@ -249,8 +275,8 @@ class FaultInjector:
                     if self._maps is not None or self.pin_dir.exists():
                         self._load()
                         self._maps["fault_link"].delete(idx[0])
-                self.tb._state.get("faults", {}).pop(h.name, None)
-        self.tb._save_state()
+                record.pop(h.name, None)
+        self.site.save_fault_config(record)
 
     # --- reading -----------------------------------------------------------------------------
     def stats(self, host: str | int | None = None) -> dict:
@@ -258,9 +284,9 @@ class FaultInjector:
         "egress": {...}}; without ``host``: {host name: that} for every configured link."""
         if host is None:
             return {h: self.stats(h) for h in self.configured()}
-        h = self.tb.host(host)
+        h = self.site.topology.host(host)
         if h.name not in self.configured():
-            raise NotFoundError(f"no fault injector on the link of {h.name} in testbed {self.tb.name!r}")
+            raise NotFoundError(f"no fault injector on the link of {h.name} in testbed {self.site.topology.name!r}")
         self._load()
         out = {}
         for di, d in enumerate(DIRECTIONS):
@@ -268,14 +294,9 @@ class FaultInjector:
             out[d] = {name: self._maps["fault_stats"].lookup(base + i) or 0 for i, name in enumerate(FAULTS)}
         return out
 
-    def sequence(self, host: str | int, direction: str) -> int:
-        """How many AllReduce packets the link has numbered in ``direction`` (the next n)."""
-        self._load()
-        return self._maps["fault_seq"].lookup(self.tb.host(host).link_id * 2 + _dir_index(direction)) or 0
-
     def predict(self, host: str | int, direction: str, count: int, start: int = 0) -> list[str]:
         """Decisions for packets n = start .. start+count-1 under the link's current configuration."""
-        h = self.tb.host(host)
+        h = self.site.topology.host(host)
         conf = self.configured().get(h.name)
         if conf is None:
             return ["pass"] * count

@@ -78,6 +78,9 @@ class Testbed:
     or SIGTERM (handlers installed for the block's duration; the signal then surfaces as
     KeyboardInterrupt or SystemExit(128+signum) after teardown). Call ``keep()`` inside the
     block to leave the testbed up after a normal exit (what ``nicoffload testbed up`` does).
+
+    It owns its fault injector, ``faults``, which sees it as a
+    :class:`~nicoffload.testbed.fault.FaultSite`: the topology and the saved fault configuration.
     """
 
     __test__ = False  # not a pytest class, despite the name
@@ -177,6 +180,15 @@ class Testbed:
             "subnet": self.subnet,
             "mtu": self.topology.mtu,
         }
+
+    # --- the fault injector's view (FaultSite) -----------------------------------------------
+    def load_fault_config(self) -> dict[str, dict]:
+        return dict(self._state.get("faults", {}))
+
+    def save_fault_config(self, config: dict[str, dict]) -> None:
+        if self._state:
+            self._state["faults"] = dict(config)
+            self._save_state()
 
     # --- running things inside hosts ---------------------------------------------------------
     def in_host(self, host: str | int | Host):
