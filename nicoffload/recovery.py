@@ -1,0 +1,112 @@
+"""When a rank resends, pulls, acknowledges and gives up: the decisions of loss recovery, kept
+apart from the sockets so they can be tested on their own.
+
+A stream is K rounds; ``done[i]`` says whether round i has its result, ``sent_at[i]`` when it
+entered the window (or was last resent). The window is rounds [head, hi): head is the lowest
+round without a result, hi the first round not yet sent. Time is whatever clock the caller uses
+(seconds, monotonic); every method takes ``now``.
+
+- The retransmission timeout follows the smoothed time from send to result, as TCP's does:
+  rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
+- Rounds complete roughly in order: a round left behind by ``gap`` rounds that completed after
+  it has lost a packet and is resent at once (fast retransmit), once it is older than the base
+  timeout.
+- When everything sent has its result but the window cannot move (the job's gate holds it), the
+  rank asks the aggregator for the gate, at most once per srtt.
+- After ``timeout`` seconds without a new result the call fails; :func:`missing_ranks` names the
+  ranks the aggregator has not heard from.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: the shortest wait for datagrams between decisions (seconds)
+MAX_WAIT = 0.05
+#: the shortest interval between two requests for the gate (seconds)
+MIN_ASK_INTERVAL = 0.001
+
+
+class RoundTimer:
+    """Loss-recovery decisions for one rank. ``srtt`` carries over from stream to stream."""
+
+    def __init__(self, rto_min: float, rto_max: float, timeout: float, gap: int = 128,
+                 srtt: float | None = None):
+        self.rto_min, self.rto_max, self.timeout, self.gap = rto_min, rto_max, timeout, gap
+        self.srtt = rto_min if srtt is None else srtt
+        self.start(0.0)
+
+    def start(self, now: float) -> None:
+        """A new stream begins: the timeout restarts from the current srtt."""
+        self.base_rto = self.rto = max(self.rto_min, 3 * self.srtt)
+        self.last_progress = now
+        self.asked = float("-inf")
+
+    # --- results ----------------------------------------------------------------------------
+    def on_results(self, last_round: int, hi: int, sent_at: np.ndarray, now: float) -> None:
+        """Results arrived, ``last_round`` the latest of them. Only a round already in the window
+        has a send time: a round this rank does not contribute to can complete before it gets
+        there, and must not feed the estimate."""
+        self.last_progress = now
+        if last_round < hi:
+            self.srtt = 0.875 * self.srtt + 0.125 * (now - float(sent_at[last_round]))
+        self.base_rto = self.rto = max(self.rto_min, 3 * self.srtt)
+
+    def fast_retransmit(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
+        """Rounds in [head, hi) without a result that ``gap`` later rounds have overtaken and that
+        are older than the base timeout; their send time is reset to ``now``."""
+        later = np.flatnonzero(done[head:hi])
+        if not len(later):
+            return later
+        top = int(later[-1]) + head
+        lost = np.flatnonzero(done[head:max(head, top - self.gap)] == 0) + head
+        lost = lost[now - sent_at[lost] > self.base_rto]
+        sent_at[lost] = now
+        return lost
+
+    # --- no progress ------------------------------------------------------------------------
+    def expired(self, now: float) -> bool:
+        """True once ``timeout`` seconds have passed without a new result: the call fails."""
+        return now - self.last_progress > self.timeout
+
+    def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
+        """Rounds to resend now: those in the window without a result, sent at least one timeout
+        ago, once the oldest of them has waited that long. Each call that returns rounds backs
+        the timeout off (doubling, capped); their send time is reset to ``now``."""
+        if head >= hi or now - sent_at[head] < self.rto:
+            return np.empty(0, np.int64)
+        pending = np.flatnonzero(done[head:hi] == 0) + head
+        pending = pending[now - sent_at[pending] >= self.rto]
+        sent_at[pending] = now
+        self.rto = min(self.rto * 2, max(self.rto_max, self.base_rto))
+        return pending
+
+    def ask_gate(self, head: int, hi: int, K: int, now: float) -> bool:
+        """Everything sent has its result, rounds remain, and the window does not move: ask the
+        aggregator for the job's gate (not more often than once per srtt)."""
+        if head >= hi and hi < K and now - self.asked >= max(MIN_ASK_INTERVAL, self.srtt):
+            self.asked = now
+            return True
+        return False
+
+    def wait(self, head: int, hi: int, sent_at: np.ndarray, now: float) -> float:
+        """How long to wait for datagrams before deciding again."""
+        if head < hi:
+            return max(0.0, min(self.rto - (now - float(sent_at[head])), MAX_WAIT))
+        return MAX_WAIT
+
+
+def ack_due(head_abs: int, acked_abs: int, window: int, dense: bool) -> bool:
+    """A rank that contributes to every round reports its head in every record; one that skips
+    rounds (sparse) sends an ACK once its head has moved half a window past the last report, so
+    the aggregator can reuse sets without waiting for it."""
+    return not dense and head_abs - acked_abs >= max(1, window // 2)
+
+
+def missing_ranks(world: int, masks: np.ndarray, heard: np.ndarray) -> list[int]:
+    """Ranks that some incomplete round expects (``masks``) and the aggregator has not heard
+    from (``heard``: its contributor bitmap of that round, from a STATUS answer; -1 unknown)."""
+    known = heard >= 0
+    missing = 0
+    for m, b in zip(masks[known], heard[known]):
+        missing |= int(m) & ~int(b)
+    return [r for r in range(world) if missing >> r & 1]
