@@ -1,5 +1,9 @@
 """``nicoffload testbed``: bring a namespace testbed up, run commands in its hosts, inject
-faults, take it down, and clean up whatever the toolkit left behind."""
+faults, take it down, and clean up whatever the toolkit left behind.
+
+``down`` and ``clean`` first unload the XDP aggregators recorded in the namespaces that are about
+to go (through the aggregator's API: the testbed knows nothing of them), then take the testbeds
+down."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +34,14 @@ def _prob(text: str) -> float:
     if not 0.0 <= p <= 1.0:
         raise argparse.ArgumentTypeError(f"probability {p} outside 0..1")
     return p
+
+
+def _unload_aggregators(netns_prefix: str) -> list[str]:
+    """Unload every aggregator recorded in a namespace whose name starts with ``netns_prefix``."""
+    from . import aggregator
+
+    return [f"{ns}/{iface} aggregator" for ns, iface in aggregator.loaded(netns_prefix)
+            if aggregator.unload(ns, iface, missing_ok=True)]
 
 
 def cmd_up(args) -> int:
@@ -76,7 +88,9 @@ def cmd_exec(args) -> int:
 
 
 def cmd_down(args) -> int:
-    removed = _testbed().down(args.name)
+    tbm = _testbed()
+    removed = _unload_aggregators(tbm.netns_prefix(args.name))
+    removed += tbm.down(args.name)
     if args.json:
         print(json.dumps({"name": args.name, "removed": removed}))
     else:
@@ -100,7 +114,11 @@ def cmd_list(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    out = _testbed().clean(args.name_prefix or "")
+    tbm = _testbed()
+    prefix = args.name_prefix or ""
+    unloaded = _unload_aggregators(tbm.netns_prefix(prefix, whole=False))
+    out = tbm.clean(prefix)
+    out["removed"] = unloaded + out["removed"]
     if args.json:
         print(json.dumps(out))
         return 0

@@ -6,15 +6,20 @@ namespace, behind a Linux bridge in a namespace of its own, with shaped links an
         tb.agg.ip, tb.agg.mac, tb.agg.netns, tb.agg.iface, tb.mcast_group, tb.port
         tb.faults.configure(["w0"], drop=0.1, seed=1)
 
-Pieces: topology (pure data), testbed (realisation, teardown, state), fault (the injector),
-state (the JSON files that let other processes find a live testbed), netlink (pyroute2 helpers).
+Pieces, each importing only those listed before it: topology (pure data), netlink (pyroute2
+helpers, shaping), state (the JSON files that let other processes find a live testbed; name and
+subnet claims), fault (the injector, owned by a testbed through a small protocol), signals
+(SIGINT/SIGTERM become teardown), testbed (realisation of one topology, teardown), registry
+(list, down and clean testbeds by name or prefix, from any process).
 """
-from .fault import DIRECTIONS, FaultConfig, FaultInjector, decide, fault_hash
-from .testbed import Testbed, clean, down, list_testbeds, new_name, running, teardown
-from .topology import AGG, PREFIX, Host, Link, Topology, format_rate, parse_rate
+from .fault import DIRECTIONS, FaultConfig, FaultInjector, FaultSite, decide, fault_hash
+from .registry import clean, down, list_testbeds, live_netns
+from .state import new_name
+from .testbed import Testbed, running, teardown
+from .topology import AGG, PREFIX, Host, Link, Topology, format_rate, netns_prefix, parse_rate
 
 __all__ = [
-    "AGG", "DIRECTIONS", "FaultConfig", "FaultInjector", "Host", "Link", "PREFIX", "Testbed", "Topology",
-    "clean", "decide", "down", "fault_hash", "format_rate", "list_testbeds", "new_name", "parse_rate",
-    "running", "teardown",
+    "AGG", "DIRECTIONS", "FaultConfig", "FaultInjector", "FaultSite", "Host", "Link", "PREFIX", "Testbed",
+    "Topology", "clean", "decide", "down", "fault_hash", "format_rate", "list_testbeds", "live_netns", "netns_prefix",
+    "new_name", "parse_rate", "running", "teardown",
 ]

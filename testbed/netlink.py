@@ -1,17 +1,18 @@
-"""Small pyroute2 helpers: namespaces, a netlink socket inside a namespace that never creates
-it by accident, sysctls of a namespace, rate shaping, and tolerant deletion (teardown must not
-fail on objects that are already gone)."""
+"""Small pyroute2 helpers: namespaces (and the BPF pins kept for them), a netlink socket inside
+a namespace that never creates it by accident, sysctls of a namespace, rate shaping, and tolerant
+deletion (teardown must not fail on objects that are already gone)."""
 from __future__ import annotations
 
 import contextlib
 import errno
+import shutil
 import time
 from typing import Callable, Iterator
 
 from pyroute2 import IPRoute, NetlinkError
 from pyroute2 import netns as pyr_netns
 
-from nicoffload.bpf import NETNS_DIR, netns as enter_netns
+from nicoffload.bpf import NETNS_DIR, PIN_ROOT, netns as enter_netns
 from nicoffload.errors import NotFoundError, SetupError
 
 #: errors that mean "it is already gone" during teardown
@@ -41,6 +42,26 @@ def remove_netns(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def remove_pins(ns: str) -> list[str]:
+    """Remove the BPF pins kept for namespace ``ns`` under /sys/fs/bpf/nicoffload/NS (once the
+    namespace is gone, its programs went with its interfaces; pins would keep maps alive)."""
+    pins = PIN_ROOT / ns
+    if not pins.exists():
+        return []
+    shutil.rmtree(pins, ignore_errors=True)
+    return [str(pins)]
+
+
+def remove_netns_and_pins(ns: str) -> list[str]:
+    """Remove namespace ``ns`` and then its pins; what was removed."""
+    return ([ns] if remove_netns(ns) else []) + remove_pins(ns)
+
+
+def pinned_netns() -> list[str]:
+    """Namespaces that have a pin directory under /sys/fs/bpf/nicoffload/, sorted."""
+    return sorted(d.name for d in PIN_ROOT.iterdir()) if PIN_ROOT.is_dir() else []
 
 
 @contextlib.contextmanager
@@ -124,6 +145,14 @@ def shape(sock: IPRoute, index: int, rate_bps: int, mtu: int) -> None:
     """Root tbf at ``rate_bps`` on the egress of ``index`` (replaces whatever root was there)."""
     sock.tc("replace", "tbf", index, 0x10000, rate=rate_bps // 8, burst=tbf_burst(rate_bps, mtu),
             latency=TBF_LATENCY)
+
+
+def limit(sock: IPRoute, index: int, rate_bps: int | None, mtu: int) -> None:
+    """The egress qdisc of a testbed link: tbf at ``rate_bps``, or pfifo pushback if unshaped."""
+    if rate_bps:
+        shape(sock, index, rate_bps, mtu)
+    else:
+        pushback(sock, index)
 
 
 def unshape(sock: IPRoute, index: int) -> bool:

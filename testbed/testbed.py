@@ -9,33 +9,30 @@ Creation order: state file (status "creating"), namespaces (bridge first), the b
 veth pair (bridge side p-HOST, host side eth0) with addresses, the multicast route and static
 neighbours, shaping, the NAPI XDP_PASS program on p-agg; state file (status "up").
 Teardown is the reverse, idempotent, tolerant of objects that are already gone, and driven by
-the state file only, so another process (``nicoffload testbed down``) can do it.
+the state file only, so another process (``nicoffload testbed down``) can do it. Finding,
+listing and cleaning up testbeds by name is the registry's (registry.py).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-import shutil
-import signal
 import socket
 import subprocess
-import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from pyroute2.netlink.rtnl.ndmsg import flags as ntf_flags
 from pyroute2.netlink.rtnl.ndmsg import states as nud_states
 
 from nicoffload import bpf as nbpf
-from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, SetupError
+from nicoffload.errors import InputError, NotFoundError, SetupError
 
 from . import state as st
 from .fault import FaultInjector
-from .netlink import (create_netns, ipr, link_index, netns_exists, pushback, remove_netns, set_sysctl, shape,
+from .netlink import (create_netns, ipr, limit, link_index, netns_exists, remove_netns_and_pins, set_sysctl,
                       tolerant, unshape, wait_oper_up)
-from .topology import (BRIDGE_IFACE, PREFIX, PREFIXLEN, SUBNET_MAX, SUBNET_MIN, Host, Topology,
-                       check_name, derived_subnet)
+from .signals import SignalGuard
+from .topology import BRIDGE_IFACE, PREFIXLEN, Host, Topology, check_name
 
 MCAST_NET, MCAST_LEN = "224.0.0.0", 4
 BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables",
@@ -55,20 +52,8 @@ def attach_napi_pass(ifname: str, ns: str) -> None:
         b.cleanup()
 
 
-def new_name() -> str:
-    """A short unused testbed name ("tb" + 4 hex digits)."""
-    taken = set(st.names())
-    while True:
-        n = "tb" + secrets.token_hex(2)
-        if n not in taken and not any(ns.startswith(f"{PREFIX}{n}-") for ns in _list_ns()):
-            return n
-
-
-def _list_ns() -> list[str]:
-    try:
-        return os.listdir(nbpf.NETNS_DIR)
-    except FileNotFoundError:
-        return []
+def _from_topology(attr: str, doc: str = "") -> property:
+    return property(lambda self: getattr(self.topology, attr), doc=doc or f"The topology's {attr}.")
 
 
 class Testbed:
@@ -93,10 +78,9 @@ class Testbed:
         self._owned = True
         self._pid = os.getpid()  # forked children (pyroute2 forks) must never tear down
         self._procs: list[subprocess.Popen] = []
-        self._prev_handlers: dict[int, Any] = {}
+        self._signals = SignalGuard(on_signal=self._forget_keep)
         self.faults = FaultInjector(self)
 
-    # --- finding an existing one -------------------------------------------------------------
     @classmethod
     def load(cls, name: str, own: bool = False) -> "Testbed":
         """Re-attach to the live testbed ``name`` (made by this or another process).
@@ -111,19 +95,13 @@ class Testbed:
         tb._owned = own
         return tb
 
-    @staticmethod
-    def names() -> list[str]:
-        return st.names()
-
     # --- description -------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.topology.name
-
-    @property
-    def hosts(self) -> list[Host]:
-        """The aggregator first, then the workers by rank."""
-        return self.topology.hosts
+    name = _from_topology("name")
+    hosts = _from_topology("hosts", "The aggregator first, then the workers by rank.")
+    mcast_group = _from_topology("mcast_group")
+    port = _from_topology("port")
+    bridge_netns = _from_topology("bridge_netns")
+    subnet = _from_topology("subnet_cidr", "The subnet, e.g. 10.200.7.0/24.")
 
     @property
     def agg(self) -> Host:
@@ -133,53 +111,15 @@ class Testbed:
     def workers(self) -> list[Host]:
         return self.hosts[1:]
 
-    @property
-    def mcast_group(self) -> str:
-        return self.topology.mcast_group
-
-    @property
-    def port(self) -> int:
-        return self.topology.port
-
-    @property
-    def bridge_netns(self) -> str:
-        return self.topology.bridge_netns
-
-    @property
-    def subnet(self) -> str:
-        return self.topology.subnet_cidr
-
     def host(self, which: str | int | Host) -> Host:
         """A host by name ("agg", "w0", ...), worker rank (int) or Host."""
-        if isinstance(which, Host):
-            which = which.name
-        if isinstance(which, int) and not isinstance(which, bool):
-            which = f"w{which}"
-        for h in self.hosts:
-            if h.name == which:
-                return h
-        raise InputError(f"no host {which!r} in testbed {self.name!r}; hosts are "
-                         f"{', '.join(h.name for h in self.hosts)}")
-
-    def _host_list(self, hosts: Iterable[str | int | Host] | str | int | Host | None) -> list[Host]:
-        if hosts is None:
-            return list(self.hosts)
-        if isinstance(hosts, (str, int, Host)):
-            hosts = [hosts]
-        return [self.host(h) for h in hosts]
+        return self.topology.host(which)
 
     def describe(self) -> dict:
         """The JSON shape of ``nicoffload testbed up --json``."""
-        return {
-            "name": self.name,
-            "aggregator": self.agg.public(),
-            "workers": [w.public() for w in self.workers],
-            "mcast_group": self.mcast_group,
-            "port": self.port,
-            "bridge_netns": self.bridge_netns,
-            "subnet": self.subnet,
-            "mtu": self.topology.mtu,
-        }
+        return {"name": self.name, "aggregator": self.agg.public(), "workers": [w.public() for w in self.workers],
+                "mcast_group": self.mcast_group, "port": self.port, "bridge_netns": self.bridge_netns,
+                "subnet": self.subnet, "mtu": self.topology.mtu}
 
     # --- the fault injector's view (FaultSite) -----------------------------------------------
     def load_fault_config(self) -> dict[str, dict]:
@@ -226,12 +166,12 @@ class Testbed:
     def __enter__(self) -> "Testbed":
         if not self._owned:
             return self
-        self._install_signal_handlers()
+        self._signals.install()
         try:
             if not self._is_up:
                 self.up()
         except BaseException:
-            self._restore_signal_handlers()
+            self._signals.restore()
             raise
         return self
 
@@ -242,75 +182,16 @@ class Testbed:
             if exc_type is not None or not self._keep:
                 self.down()
         finally:
-            self._restore_signal_handlers()
+            self._signals.restore()
 
     def keep(self) -> None:
         """Leave the testbed up when the ``with`` block ends normally."""
         self._keep = True
 
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            prev = signal.getsignal(sig)
-            if prev is signal.SIG_IGN or prev is None:
-                continue
-            self._prev_handlers[sig] = prev
-            signal.signal(sig, self._on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        while self._prev_handlers:
-            sig, prev = self._prev_handlers.popitem()
-            signal.signal(sig, prev)
-
-    def _on_signal(self, signum, frame) -> None:
-        # Tear down from the unwinding (__exit__ / up's except) rather than from inside the
-        # handler: the signal may land in the middle of a netlink call of this very thread.
-        if os.getpid() != self._pid:
-            # a forked child (pyroute2 forks to open sockets in namespaces and stops them with
-            # SIGTERM): die the default way; unwinding here would tear the parent's testbed down
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            os._exit(128 + signum)
-        prev = self._prev_handlers.get(signum)
+    def _forget_keep(self) -> None:
         self._keep = False
-        if callable(prev) and prev is not signal.default_int_handler:
-            prev(signum, frame)  # an outer handler (e.g. an enclosing testbed) may raise itself
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
 
     # --- bring up ----------------------------------------------------------------------------
-    def _reserve(self) -> None:
-        """Claim the name and a subnet, and write the state file, atomically between processes."""
-        nbpf.require_root("creating a testbed")
-        with st.locked():
-            if st.state_path(self.name).exists():
-                raise AlreadyExistsError(
-                    f"a testbed named {self.name!r} exists; take it down with 'nicoffload testbed down {self.name}'")
-            clash = [n for n in self.topology.netns_names() if netns_exists(n)]
-            if clash:
-                raise AlreadyExistsError(
-                    f"namespace {clash[0]} exists (left over?); 'nicoffload testbed clean' removes stale testbeds")
-            used = {s.get("topology", {}).get("subnet") for s in st.all_states()}
-            want = self.topology.subnet
-            if want is not None and want in used:
-                raise AlreadyExistsError(f"subnet index {want} (10.200.{want}.0/24) is used by another testbed")
-            if want is None:
-                span = SUBNET_MAX - SUBNET_MIN + 1
-                first = derived_subnet(self.name)
-                want = next((SUBNET_MIN + (first - SUBNET_MIN + i) % span for i in range(span)
-                             if SUBNET_MIN + (first - SUBNET_MIN + i) % span not in used), None)
-                if want is None:
-                    raise SetupError(f"all {span} testbed subnets are in use; take some testbeds down")
-                self.topology = self.topology.with_subnet(want)
-            self._state = {"name": self.name, "status": "creating", "pid": os.getpid(),
-                           "created": time.time(), "topology": self.topology.to_dict(),
-                           "netns": self.topology.netns_names(), "napi_xdp": [], "faults": {}}
-            st.write(self.name, self._state)
-
     def _save_state(self) -> None:
         if self._state:
             st.write(self.name, self._state)
@@ -319,7 +200,8 @@ class Testbed:
         """Create everything. On any failure (or signal) what was made is torn down again."""
         if self._is_up:
             return self
-        self._reserve()
+        nbpf.require_root("creating a testbed")
+        self.topology, self._state = st.claim(self.topology)
         self._is_up = True
         try:
             self._build()
@@ -362,10 +244,7 @@ class Testbed:
                 # static FDB entry: unicast to a host that has not spoken yet is not flooded
                 br.fdb("add", ifindex=idx, lladdr=h.mac, state=nud_states["noarp"], flags=ntf_flags["master"])
                 br.link("set", index=idx, state="up")
-                if h.link.rate:
-                    shape(br, idx, h.link.rate, topo.mtu)
-                else:
-                    pushback(br, idx)
+                limit(br, idx, h.link.rate, topo.mtu)
 
         permanent = nud_states["permanent"]
         for h in hosts:
@@ -378,10 +257,7 @@ class Testbed:
                 for other in hosts:
                     if other.name != h.name:
                         sock.neigh("add", dst=other.ip, lladdr=other.mac, ifindex=idx, state=permanent)
-                if h.link.rate:
-                    shape(sock, idx, h.link.rate, topo.mtu)
-                else:
-                    pushback(sock, idx)
+                limit(sock, idx, h.link.rate, topo.mtu)
                 wait_oper_up(sock, idx, f"{h.iface} of {h.name}")
 
         if topo.agg_napi:
@@ -453,7 +329,6 @@ class Testbed:
     def down(self) -> list[str]:
         """Remove everything of this testbed, in reverse order; safe to call twice and on a
         half-built testbed. Returns what was removed (for messages)."""
-        removed: list[str] = []
         for p in self._procs:
             if p.poll() is None:
                 p.terminate()
@@ -465,186 +340,62 @@ class Testbed:
         self._procs.clear()
         self.faults.close()
         if not self._state and not self._is_up:
-            return removed
-        removed += teardown(self.topology, self._state)
+            return []
+        removed = teardown(self.topology, self._state)
         self._is_up = False
         self._state = {}
         return removed
-
-    @property
-    def is_up(self) -> bool:
-        return self._is_up
 
     def __repr__(self) -> str:
         return f"Testbed({self.name!r}, workers={self.topology.workers}, subnet={self.subnet}, up={self._is_up})"
 
 
-def _step(removed: list[str], what: str, fn: Callable, *args, **kwargs) -> None:
-    if tolerant(fn, *args, **kwargs):
-        removed.append(what)
-
-
 def teardown(topo: Topology, state: dict) -> list[str]:
-    """Reverse of Testbed._build, from the description alone; tolerant of anything missing."""
+    """Reverse of Testbed._build, from the description alone; tolerant of anything missing.
+    Returns what was removed."""
     removed: list[str] = []
     hosts = list(reversed(topo.hosts))
-    br_ns = topo.bridge_netns
-    # 1. programs and qdiscs on the bridge side (fault injector, NAPI XDP_PASS, shaping)
+    br_ns, peers = topo.bridge_netns, [h.peer for h in hosts]
+    # 1. programs and qdiscs on the bridge side (fault injector, shaping, NAPI XDP_PASS)
+    _remove_in(br_ns, peers, ("clsact", "tbf"), removed)
     if netns_exists(br_ns):
-        try:
-            with ipr(br_ns) as br:
-                for h in hosts:
-                    idx = br.link_lookup(ifname=h.peer)
-                    if not idx:
-                        continue
-                    _step(removed, f"{br_ns}/{h.peer} clsact", br.tc, "del", "clsact", idx[0])
-                    _step(removed, f"{br_ns}/{h.peer} tbf", unshape, br, idx[0])
-        except NotFoundError:
-            pass
         for ifname in state.get("napi_xdp", []) or ([topo.hosts[0].peer] if topo.agg_napi else []):
-            try:
+            with contextlib.suppress(Exception):
                 if nbpf.detach_xdp(ifname, br_ns, "native"):
                     removed.append(f"{br_ns}/{ifname} xdp")
-            except Exception:
-                pass
-    # 2. host side: shaping, then the veth pairs (deleting one end deletes both)
+    # 2. host side: shaping, then the veth pairs (deleting one end deletes both), then the bridge
     for h in hosts:
-        if not netns_exists(h.netns):
-            continue
-        try:
-            with ipr(h.netns) as sock:
-                idx = sock.link_lookup(ifname=h.iface)
-                if idx:
-                    _step(removed, f"{h.netns}/{h.iface} tbf", unshape, sock, idx[0])
-                    _step(removed, f"{h.netns}/{h.iface}", sock.link, "del", index=idx[0])
-        except NotFoundError:
-            pass
-    if netns_exists(br_ns):
-        try:
-            with ipr(br_ns) as br:
-                for h in hosts:
-                    idx = br.link_lookup(ifname=h.peer)
-                    if idx:
-                        _step(removed, f"{br_ns}/{h.peer}", br.link, "del", index=idx[0])
-                idx = br.link_lookup(ifname=BRIDGE_IFACE)
-                if idx:
-                    _step(removed, f"{br_ns}/{BRIDGE_IFACE}", br.link, "del", index=idx[0])
-        except NotFoundError:
-            pass
+        _remove_in(h.netns, [h.iface], ("tbf", "link"), removed)
+    _remove_in(br_ns, peers + [BRIDGE_IFACE], ("link",), removed)
     # 3. namespaces (hosts, then the bridge), their pins, the state file
-    for ns in list(reversed(topo.netns_names())):
-        if remove_netns(ns):
-            removed.append(ns)
-        removed.extend(_forget_bpf_state(ns))
+    for ns in reversed(topo.netns_names()):
+        removed += remove_netns_and_pins(ns)
     if st.remove(topo.name):
         removed.append(str(st.state_path(topo.name)))
     return removed
 
 
-from nicoffload.aggregator import STATE_DIR as AGG_STATE_DIR  # noqa: E402
-
-
-def down(name: str) -> list[str]:
-    """Take down the testbed ``name`` from its state file (any process)."""
-    check_name(name)
-    try:
-        s = st.read(name)
-    except NotFoundError:
-        leftovers = [ns for ns in _list_ns() if ns.startswith(f"{PREFIX}{name}-")]
-        if not leftovers:
-            raise
-        removed = []
-        for ns in leftovers:
-            if remove_netns(ns):
-                removed.append(ns)
-            removed.extend(_forget_bpf_state(ns))
-        return removed
-    return teardown(Topology.from_dict(s["topology"]), s)
-
-
-def clean(name_prefix: str = "") -> dict:
-    """Remove every testbed object carrying the toolkit prefix ``nco-`` (optionally only of
-    testbeds whose name starts with ``name_prefix``): namespaces, their BPF pins under
-    /sys/fs/bpf/nicoffload/, and state files. Nothing else is touched.
-
-    Returns {"removed": [...], "busy": {netns: [pids]}}; "busy" lists namespaces that processes
-    still use (they stay alive, invisibly, until those processes end)."""
-    removed: list[str] = []
-    prefix = PREFIX + name_prefix
-    # testbeds with a state file: the orderly way first
-    for n in st.names():
-        if n.startswith(name_prefix):
-            try:
-                removed += down(n)
-            except Exception:
-                if st.remove(n):
-                    removed.append(str(st.state_path(n)))
-    # whatever is left: namespaces carrying the prefix, pins of such namespaces
-    try:
-        from pyroute2.netns import ns_pids
-        pids = ns_pids()
-    except Exception:
-        pids = {}
-    busy = {}
-    for ns in sorted(_list_ns()):
-        if ns.startswith(prefix):
-            if pids.get(ns):
-                busy[ns] = pids[ns]
-            if remove_netns(ns):
-                removed.append(ns)
-    if nbpf.PIN_ROOT.is_dir():
-        for d in sorted(nbpf.PIN_ROOT.iterdir()):
-            if d.name.startswith(prefix) and not netns_exists(d.name):
-                removed.extend(_forget_bpf_state(d.name))
-    if AGG_STATE_DIR.is_dir():
-        for f in sorted(AGG_STATE_DIR.glob(f"{prefix}*__*.json")):
-            ns = f.name.split("__", 1)[0]
-            if not netns_exists(ns):
-                removed.extend(_forget_bpf_state(ns))
-    return {"removed": removed, "busy": busy}
-
-
-def _forget_bpf_state(ns: str) -> list[str]:
-    """Remove what the toolkit recorded for programs in a namespace that is gone: its pins
-    under /sys/fs/bpf/nicoffload/NS and the aggregator state files of its interfaces (the
-    programs themselves went with the namespace's interfaces)."""
-    gone = []
-    pins = nbpf.PIN_ROOT / ns
-    if pins.exists():
-        shutil.rmtree(pins, ignore_errors=True)
-        gone.append(str(pins))
-    if AGG_STATE_DIR.is_dir():
-        for f in AGG_STATE_DIR.glob(f"{ns}__*.json"):
-            f.unlink(missing_ok=True)
-            gone.append(str(f))
-    return gone
-
-
-def list_testbeds() -> list[dict]:
-    """One summary per state file: name, workers, subnet, status, which namespaces exist."""
-    out = []
-    for s in st.all_states():
-        try:
-            topo = Topology.from_dict(s["topology"])
-        except Exception:
-            out.append({"name": s.get("name", "?"), "status": "corrupt"})
-            continue
-        present = [ns for ns in topo.netns_names() if netns_exists(ns)]
-        status = s.get("status", "?")
-        if len(present) != len(topo.netns_names()):
-            status = "partial" if present else "gone"
-        out.append({"name": topo.name, "workers": topo.workers, "subnet": topo.subnet_cidr,
-                    "mcast_group": topo.mcast_group, "port": topo.port, "status": status,
-                    "pid": s.get("pid"), "created": s.get("created"),
-                    "faults": sorted(s.get("faults", {}))})
-    return out
+def _remove_in(ns: str, ifnames: list[str], kinds: tuple[str, ...], removed: list[str]) -> None:
+    """In namespace ``ns``, for each of ``ifnames`` that exists, delete in order each of
+    ``kinds``: "clsact" (the fault injector's filters), "tbf" (shaping), "link" (the interface);
+    append what went to ``removed``."""
+    if not netns_exists(ns):
+        return
+    with contextlib.suppress(NotFoundError), ipr(ns) as sock:
+        for ifname in ifnames:
+            idx = sock.link_lookup(ifname=ifname)
+            for kind in kinds if idx else ():
+                delete = {"clsact": lambda: sock.tc("del", "clsact", idx[0]), "tbf": lambda: unshape(sock, idx[0]),
+                          "link": lambda: sock.link("del", index=idx[0])}[kind]
+                if tolerant(delete):
+                    removed.append(f"{ns}/{ifname}" + ("" if kind == "link" else f" {kind}"))
 
 
 @contextlib.contextmanager
 def running(workers: int, name: str | None = None, **kwargs) -> Iterator[Testbed]:
     """Shortcut: ``with running(4, rate="1gbit") as tb:`` (a star topology, torn down after)."""
-    with Testbed(Topology.star(name or new_name(), workers, **kwargs)) as tb:
+    with Testbed(Topology.star(name or st.new_name(), workers, **kwargs)) as tb:
         yield tb
 
 
-__all__ = ["Testbed", "teardown", "down", "clean", "list_testbeds", "running", "new_name"]
+__all__ = ["Testbed", "attach_napi_pass", "running", "teardown"]

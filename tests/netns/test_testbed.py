@@ -1,5 +1,6 @@
 """The namespace testbed end to end: lifecycle and cleanup, reachability (unicast, multicast,
-XDP_TX through the NAPI peer), shaping, the seeded fault injector, and the CLI.
+XDP_TX through the NAPI peer), shaping, the seeded fault injector, and the CLI. The pure parts
+(topology, rates, fault decisions) are tested in tests/unit.
 
 Every test names its testbeds after the uid fixture and tears them down in a finalizer."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from nicoffload import bpf as nbpf
 from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError
-from nicoffload.testbed import Link, Testbed, Topology, decide
+from nicoffload.testbed import Link, Testbed, Topology
 from nicoffload.testbed import state as st
 from nicoffload.testbed.netlink import ipr, list_netns, qdisc_kinds
 
@@ -85,39 +86,6 @@ def cli(*args, check=True):
     return r
 
 
-# --- pure parts (no namespaces needed, but cheap) ---------------------------------------------
-def test_topology_is_pure_data():
-    t = Topology.star("abc", 3, rate="100mbit", subnet=42, links={"w1": Link(rate="1gbit", queues=2)})
-    names = [h.name for h in t.hosts]
-    assert names == ["agg", "w0", "w1", "w2"]
-    assert [h.rank for h in t.hosts] == [None, 0, 1, 2]
-    assert t.hosts[0].ip == "10.200.42.1" and t.hosts[2].ip == "10.200.42.11"
-    assert t.mcast_group == "239.77.42.1" and t.bridge_netns == "nco-abc-br"
-    assert t.hosts[1].netns == "nco-abc-w0" and t.hosts[1].iface == "eth0"
-    assert t.link_of("w0").rate == 100_000_000 and t.link_of("w1") == Link(1_000_000_000, 2)
-    assert len({h.mac for h in t.hosts}) == 4
-    assert all(len(h.peer) <= 15 for h in t.hosts)
-    assert Topology.from_dict(json.loads(json.dumps(t.to_dict()))) == t
-    # native XDP on veth refuses MTUs above 3506: a testbed prepared for it refuses them too
-    for bad in (dict(workers=0), dict(workers=2, mtu=9000, agg_napi=True), dict(workers=2, mtu=9001),
-                dict(workers=2, links={"w7": Link()})):
-        with pytest.raises(InputError):
-            Topology(name="x", **bad)
-    with pytest.raises(InputError):
-        Topology.star("Bad-Name", 2)
-
-
-def test_decisions_are_a_pure_function():
-    a = [decide(5, 1, "ingress", n, 0.3, 0.2) for n in range(1000)]
-    assert a == [decide(5, 1, 0, n, 0.3, 0.2) for n in range(1000)]
-    assert a != [decide(6, 1, "ingress", n, 0.3, 0.2) for n in range(1000)]
-    assert a != [decide(5, 2, "ingress", n, 0.3, 0.2) for n in range(1000)]
-    assert a != [decide(5, 1, "egress", n, 0.3, 0.2) for n in range(1000)]
-    assert abs(a.count("drop") / 1000 - 0.3) < 0.05
-    assert all(decide(1, 1, 0, n, 1.0, 0) == "drop" for n in range(100))
-    assert all(decide(1, 1, 0, n, 0, 0) == "pass" for n in range(100))
-
-
 # --- lifecycle ----------------------------------------------------------------------------------
 def test_up_down_leaves_nothing_behind(uid):
     root_links = sorted(os.listdir("/sys/class/net"))
@@ -177,7 +145,7 @@ def test_failed_up_removes_what_it_made(uid, monkeypatch):
     def broken(*a, **k):
         raise OSError(5, "injected failure")
 
-    monkeypatch.setattr(tbmod, "shape", broken)
+    monkeypatch.setattr(tbmod, "limit", broken)  # the qdisc of the first link
     name = f"t{uid}"
     with pytest.raises(OSError):
         Testbed(Topology.star(name, 2, rate="10mbit")).up()
@@ -458,18 +426,24 @@ def test_cli_up_exec_list_down(cli_names):
 
 
 def test_cli_clean_removes_only_prefixed_objects(cli_names, uid):
+    from nicoffload.aggregator import pin_dir, state_file
+    from nicoffload.testbed.netlink import create_netns
+
     a, b = cli_names
     cli("testbed", "up", "--workers", "1", "--name", a, "--drop", "0.5")
     cli("testbed", "up", "--workers", "1", "--name", b)
+    agg = Topology.star(a, 1).hosts[0]
+    cli("agg", "load", "--netns", agg.netns, "--iface", agg.iface, "--workers", "1")
     # a crash leftover: a namespace with the prefix and no state file, and a stray state file
-    from nicoffload.testbed.netlink import create_netns
     create_netns(f"nco-{a}-zz")
     st.state_path(a).unlink()
     pins = nbpf.PIN_ROOT / f"nco-{a}-br"
-    assert pins.exists()
+    assert pins.exists() and pin_dir(agg.netns, agg.iface).exists() and state_file(agg.netns, agg.iface).exists()
     r = json.loads(cli("testbed", "clean", "--name-prefix", a, "--json").stdout)
-    assert f"nco-{a}-zz" in r["removed"]
+    assert f"nco-{a}-zz" in r["removed"] and f"{agg.netns}/{agg.iface} aggregator" in r["removed"]
     assert ns_of(a) == [] and not pins.exists()
+    assert not pin_dir(agg.netns, agg.iface).exists(), "clean left the aggregator's pins"
+    assert not state_file(agg.netns, agg.iface).exists(), "clean left the aggregator's state file"
     assert sorted(ns_of(b)) == sorted(Topology.star(b, 1).netns_names())  # another testbed: untouched
     cli("testbed", "down", b)
 
