@@ -47,8 +47,9 @@ def _unload_aggregators(netns_prefix: str) -> list[str]:
 def cmd_up(args) -> int:
     tbm = _testbed()
     name = args.name or tbm.new_name()
+    port = {} if args.port is None else {"port": args.port}  # default: the topology's (AR_DEFAULT_PORT)
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
-                             port=args.port, agg_napi=args.xdp_mode == "native")
+                             agg_napi=args.xdp_mode == "native", **port)
     with tbm.Testbed(topo) as tb:
         if args.drop or args.dup:
             tb.faults.configure(_hosts_arg(args.fault_hosts), drop=args.drop, dup=args.dup, seed=args.seed,
@@ -158,6 +159,15 @@ def cmd_faults(args) -> int:
     return 0
 
 
+def _action(sub, name: str, help: str, description: str, examples: list[str], func) -> argparse.ArgumentParser:
+    from .cli import add_examples
+
+    p = sub.add_parser(name, help=help, description=description)
+    add_examples(p, *examples)
+    p.set_defaults(func=func)
+    return p
+
+
 def register(subparsers) -> None:
     from .cli import add_examples
 
@@ -173,14 +183,12 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="testbed_command", metavar="ACTION")
     sub.required = True
 
-    up = sub.add_parser("up", help="create a testbed and leave it running",
-                        description="Create N workers and an aggregator; the testbed stays up until "
-                                    "'nicoffload testbed down NAME'.")
-    add_examples(up,
-                 "sudo nicoffload testbed up --workers 4",
-                 "sudo nicoffload testbed up --workers 8 --rate 100mbit --mtu 3000 --name big",
-                 "sudo nicoffload testbed up --workers 2 --drop 0.05 --dup 0.01 --seed 7 --json",
-                 "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress")
+    up = _action(sub, "up", "create a testbed and leave it running",
+                 "Create N workers and an aggregator; the testbed stays up until 'nicoffload testbed down NAME'.",
+                 ["sudo nicoffload testbed up --workers 4",
+                  "sudo nicoffload testbed up --workers 8 --rate 100mbit --mtu 3000 --name big",
+                  "sudo nicoffload testbed up --workers 2 --drop 0.05 --dup 0.01 --seed 7 --json",
+                  "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress"], cmd_up)
     up.add_argument("--workers", "-n", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--rate", default="unshaped", help="per-link rate, both directions: 1gbit, 100mbit, ... "
                                                        "or 'unshaped' (default)")
@@ -200,46 +208,38 @@ def register(subparsers) -> None:
                          "program to its bridge-side veth (native XDP_TX needs it), generic must not have "
                          "it (it strips GSO, so result batches would be cut into datagrams); default generic")
     up.add_argument("--json", action="store_true", help="print the hosts as JSON")
-    up.set_defaults(func=_with_port(cmd_up))
 
-    ex = sub.add_parser("exec", help="run a command inside a host's namespace",
-                        description="Run CMD in the network namespace of HOST (agg, w0, w1, ...); "
-                                    "exits with the command's exit code.")
-    add_examples(ex,
-                 "sudo nicoffload testbed exec tb1a2b agg -- ip addr",
-                 "sudo nicoffload testbed exec tb1a2b w1 -- python3 -m nicoffload.worker --rank 1")
+    ex = _action(sub, "exec", "run a command inside a host's namespace",
+                 "Run CMD in the network namespace of HOST (agg, w0, w1, ...); exits with the command's exit code.",
+                 ["sudo nicoffload testbed exec tb1a2b agg -- ip addr",
+                  "sudo nicoffload testbed exec tb1a2b w1 -- python3 -m nicoffload.worker --rank 1"], cmd_exec)
     ex.add_argument("name")
     ex.add_argument("host", help="agg, w0, w1, ...")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-    ex.set_defaults(func=cmd_exec)
 
-    dn = sub.add_parser("down", help="take a testbed down", description="Remove a testbed: programs, qdiscs, "
-                                                                        "links, namespaces, pins, state file.")
-    add_examples(dn, "sudo nicoffload testbed down tb1a2b")
+    dn = _action(sub, "down", "take a testbed down",
+                 "Remove a testbed: programs, qdiscs, links, namespaces, pins, state file.",
+                 ["sudo nicoffload testbed down tb1a2b"], cmd_down)
     dn.add_argument("name")
     dn.add_argument("--json", action="store_true")
-    dn.set_defaults(func=cmd_down)
 
-    ls = sub.add_parser("list", help="list live testbeds", description="List testbeds that have a state file.")
-    add_examples(ls, "nicoffload testbed list", "nicoffload testbed list --json")
+    ls = _action(sub, "list", "list live testbeds", "List testbeds that have a state file.",
+                 ["nicoffload testbed list", "nicoffload testbed list --json"], cmd_list)
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=cmd_list)
 
-    cl = sub.add_parser("clean", help="remove everything the testbed left behind (prefix nco-)",
-                        description="Remove every namespace whose name starts with nco-, their BPF pins under "
-                                    "/sys/fs/bpf/nicoffload/, and every testbed state file. Nothing else.")
-    add_examples(cl, "sudo nicoffload testbed clean", "sudo nicoffload testbed clean --name-prefix ci")
+    cl = _action(sub, "clean", "remove everything the testbed left behind (prefix nco-)",
+                 "Remove every namespace whose name starts with nco-, their BPF pins under "
+                 "/sys/fs/bpf/nicoffload/, and every testbed state file. Nothing else.",
+                 ["sudo nicoffload testbed clean", "sudo nicoffload testbed clean --name-prefix ci"], cmd_clean)
     cl.add_argument("--name-prefix", default="", help="only testbeds whose name starts with this")
     cl.add_argument("--json", action="store_true")
-    cl.set_defaults(func=cmd_clean)
 
-    fa = sub.add_parser("faults", help="show or change the fault injector of a testbed",
-                        description="Show the per-link fault counters; with --drop/--dup reconfigure "
-                                    "(restarts packet numbering and counters).")
-    add_examples(fa,
-                 "sudo nicoffload testbed faults tb1a2b",
-                 "sudo nicoffload testbed faults tb1a2b --drop 0.1 --seed 3 --hosts w0,w1",
-                 "sudo nicoffload testbed faults tb1a2b --off")
+    fa = _action(sub, "faults", "show or change the fault injector of a testbed",
+                 "Show the per-link fault counters; with --drop/--dup reconfigure "
+                 "(restarts packet numbering and counters).",
+                 ["sudo nicoffload testbed faults tb1a2b",
+                  "sudo nicoffload testbed faults tb1a2b --drop 0.1 --seed 3 --hosts w0,w1",
+                  "sudo nicoffload testbed faults tb1a2b --off"], cmd_faults)
     fa.add_argument("name")
     fa.add_argument("--hosts", default=None, help="comma list of hosts (default all)")
     fa.add_argument("--drop", type=_prob, default=None)
@@ -249,15 +249,3 @@ def register(subparsers) -> None:
     fa.add_argument("--off", action="store_true", help="remove the injector from the links")
     fa.add_argument("--reset", action="store_true", help="zero counters and packet numbering")
     fa.add_argument("--json", action="store_true")
-    fa.set_defaults(func=cmd_faults)
-
-
-def _with_port(fn):
-    def run(args):
-        if args.port is None:
-            from .proto import DEFAULT_PORT
-
-            args.port = DEFAULT_PORT
-        return fn(args)
-
-    return run
