@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels, proto, quant
+from . import kernels, proto, pump, quant
 from .errors import InputError, ProtocolError, TimeoutError_
 from .records import RankRecords, ack_column, flags_column, read_join_reply
 from .recovery import RoundTimer, ack_due, missing_ranks
@@ -86,7 +86,7 @@ class RoundStream:
         self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
         self._acked = 0        # the last head this rank reported (unwrapped)
         self._records = RankRecords(rank, job, world)
-        # results of rounds beyond the current stream (see kernels.decode_results): up to 2S rounds
+        # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
         h = 2 * slots
         self._stash = np.zeros(h * self._rec, np.uint8)
         self._stash_round = np.full(h, -1, np.int64)
@@ -97,17 +97,18 @@ class RoundStream:
         # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         kernels.warm_up(elems)
+        pump.warm_up(elems)
         self._warm_pumps()
 
     def _warm_pumps(self) -> None:
         """Compile (or load) the system-call kernels for this transport's buffers."""
         one = np.zeros(1, np.int64)
-        kernels.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
-                          np.zeros(1, np.int32), 1, kernels.KIND_INT32, np.zeros(1, np.int32),
+        pump.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
+                          np.zeros(1, np.int32), 1, pump.KIND_INT32, np.zeros(1, np.int32),
                           np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
                           np.zeros(1, np.int64), np.zeros(1, np.int64), self._stash, self._stash_round, self._gate)
         t = self._t
-        kernels.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
+        pump.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
 
     def close(self) -> None:
         self._t.close()
@@ -218,18 +219,18 @@ class RoundStream:
         pos[mine] = np.arange(len(mine))
         recs = send[:len(mine) * rec].reshape(-1, rec)
         ack_col, flags_col = ack_column(recs), flags_column(recs)
-        out_i = res.view(np.int32) if kind == kernels.KIND_INT32 else np.empty(0, np.int32)
-        out_f32 = res if kind == kernels.KIND_FLOAT32 else np.empty(0, np.float32)
-        out_f64 = res if kind == kernels.KIND_FLOAT64 else np.empty(0, np.float64)
+        out_i = res.view(np.int32) if kind == pump.KIND_INT32 else np.empty(0, np.int32)
+        out_f32 = res if kind == pump.KIND_FLOAT32 else np.empty(0, np.float32)
+        out_f64 = res if kind == pump.KIND_FLOAT64 else np.empty(0, np.float64)
         dense = len(mine) == K
         rx_args = t.recv_args()
         stash = (self._stash, self._stash_round)
         gate = self._gate
-        ndone = kernels.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
+        ndone = pump.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
                                      shifts, self._bias, kind, out_i, out_f32, out_f64, done, status, newly,
                                      self._stash_lens, self._stash_segs, gate)
 
-        head = kernels.advance(done, 0, K)  # lowest round without a result (the stash may have some)
+        head = pump.advance(done, 0, K)  # lowest round without a result (the stash may have some)
         hi = 0        # rounds [0, hi) have entered the window
         j_sent = 0    # this rank's records [0, j_sent) have been sent
         j_enc = 0 if encode is not None else len(mine)  # ... and [0, j_enc) are written
@@ -258,11 +259,11 @@ class RoundStream:
                     j_sent = j_end
                 sent_at[hi:lim] = time.monotonic()
                 hi = lim
-            n, new, event = kernels.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
+            n, new, event = pump.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
                                               blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
                                               status, newly, *stash, gate)
             now = time.monotonic()
-            if event == kernels.EV_STALE_EPOCH:
+            if event == pump.EV_STALE_EPOCH:
                 raise ProtocolError(
                     f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
                     f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
@@ -270,7 +271,7 @@ class RoundStream:
             if new:
                 ndone += new
                 timer.on_results(int(newly[new - 1]), hi, sent_at, now)
-                head = kernels.advance(done, head, K)
+                head = pump.advance(done, head, K)
                 if ack_due(base + head, self._acked, S, dense):
                     t.send_one(self._records.ack(self._epoch, base + head), dest)
                     self._acked = base + head

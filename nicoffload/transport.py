@@ -18,6 +18,7 @@ import numpy as np
 
 from . import proto
 from .errors import SetupError
+from .pump import pump_send
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
@@ -137,7 +138,7 @@ class Transport:
         self.rx_segs = np.zeros(MAX_MSGS, dtype=np.int64)
 
     def recv_args(self) -> tuple:
-        """The socket and receive buffers, as kernels.pump_recv takes them."""
+        """The socket and receive buffers, as pump.pump_recv takes them."""
         return (self.fd, self.rx_msgs_addr, MAX_MSGS, self._rx_clen, self._cm_level, self._cm_type, self._cm_data,
                 self.rx_lens, self.rx_segs, _CMSG_SPACE_INT, self.rx, SLOT_BYTES)
 
@@ -179,8 +180,6 @@ class Transport:
     def send_records(self, buf: np.ndarray, first: int, count: int, dest: tuple[str, int]) -> None:
         """Send records [first, first + count) of ``buf`` (a uint8 array of whole records) to
         ``dest``: datagrams of ``per_datagram`` records, up to MAX_MSGS of them per sendmmsg."""
-        from .kernels import pump_send
-
         if count <= 0:
             return
         self._set_dest(dest)

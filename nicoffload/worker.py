@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import kernels, proto, quant
+from . import kernels, proto, pump, quant
 from .errors import InputError
 from .jobspec import DEFAULT, JobSpec
 from .stream import Buffers, CallStats, RoundStream
@@ -38,8 +38,8 @@ from .transport import SLOT_BYTES
 __all__ = ["Communicator", "CallStats", "DTYPES"]
 
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
-_KIND = {np.dtype(np.int32): kernels.KIND_INT32, np.dtype(np.float32): kernels.KIND_FLOAT32,
-         np.dtype(np.float64): kernels.KIND_FLOAT64}
+_KIND = {np.dtype(np.int32): pump.KIND_INT32, np.dtype(np.float32): pump.KIND_FLOAT32,
+         np.dtype(np.float64): pump.KIND_FLOAT64}
 
 
 @dataclass
@@ -235,7 +235,7 @@ class Communicator:
                                p * per)
         res = self._buf.get("meta_out", k * E, np.int32)
         self._s.run(base, k, blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,
-                     kernels.KIND_INT32, res)
+                     pump.KIND_INT32, res)
         self.last.meta_rounds += k
         out = [res[p * per * E:p * per * E + nb] for p in range(len(parts))]
         if exps is None:
