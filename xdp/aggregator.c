@@ -5,20 +5,22 @@
  * (or a UDP GRO batch) a whole super-packet of equal records, which ar_record() walks with
  * bpf_loop, each record under its own slot's spin lock:
  *
- *   parse      Ethernet / IPv4 (no options) / UDP to AR_PORT; anything else passes untouched
- *   frame      the first record names the job and rank: job table lookup, source address
- *   JOIN       epoch formation under the job's lock (join_epoch)
- *   ACK        the sender's head, for the Tx-spot rule (below)
- *   CONTRIB    per record: validate, then the slot algorithm (slot_update):
+ *   parse_l2l4   Ethernet / IPv4 (no options) / UDP to AR_PORT; anything else passes untouched
+ *   identify     the first record names the job and rank: job table lookup, source address
+ *   on_join      JOIN: epoch formation under the job's lock (join_epoch)
+ *   on_ack       ACK: the sender's head, for the Tx-spot rule (below)
+ *   on_contrib   CONTRIB: bpf_loop over the records; per record (ar_record) check_record, then
+ *                the slot algorithm (slot_update):
  *                a contribution for (slot, set) in the job's current epoch starts a round (the
  *                set's previous round is overwritten only once every rank has acknowledged its
  *                result), is added (SUM, SUM64, MAX, OR), or completes the round, whose record
  *                becomes the RESULT; a contribution already counted is a retransmission
  *                (answered from the Tx spot once complete, with a STATUS if it asks and the
  *                round still waits, else dropped); a PULL asks for a round without contributing.
- *   emit       records that need no answer become NOP; if any round completed, the whole frame
- *              goes out once to the job's multicast group (XDP_TX); else if a record answers the
- *              sender, back to it; else the frame is dropped.
+ *                Records that carry an answer move to the front (keep_record), the rest are cut
+ *                (trim_to_answers).
+ *   emit         if any round completed, the frame goes out once to the job's multicast group
+ *                (XDP_TX); else if a record answers the sender, back to it; else it is dropped.
  * Every record ends in exactly one counter of its job's row (ar_stats); malformed ones are
  * counted by reason and never touch a slot.
  *
@@ -543,118 +545,168 @@ static __always_inline int reject_unattributed(struct ar_counters *st0, u32 reas
     return reject(st0, reason);
 }
 
-int ar_aggregate(struct xdp_md *ctx)
+/* --- the frame's first record: which job, which rank ------------------------------------------- */
+
+/* What the first record of a frame establishes (wire order unless said). */
+struct sender {
+    struct ar_job *job;
+    struct ar_counters *st;  /* the job's counter row */
+    u32 rank;                /* host order, < AR_MAX_WORKERS */
+    u32 bit;                 /* 1 << rank */
+    u32 live;                /* the job's current epoch, host order (0: none) */
+};
+
+/* Ethernet / IPv4 / UDP to AR_PORT. Returns 0 with *ip, *udp set when the frame is ours, -1 when
+ * it is someone else's (it passes untouched), or the counter that rejects it. */
+static __always_inline int parse_l2l4(void *data, void *end, struct iphdr **ipp, struct udphdr **udpp)
 {
-    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
     struct cursor c = {.pos = data, .end = end};
     struct ethhdr *eth = parse_eth(&c);
-    struct ar_counters *st0 = stats_row(0);
-    if (!st0)
-        return XDP_PASS;
     if (!eth || eth->h_proto != bpf_htons(ETH_P_IP))
-        goto pass;
+        return -1;
     struct iphdr *ip = parse_ipv4(&c);
     if (!ip || ip->protocol != IPPROTO_UDP || (ip->frag_off & bpf_htons(AR_IP_MF_OFFSET)))
-        goto pass; /* fragments are not ours to reassemble */
+        return -1; /* fragments are not ours to reassemble */
     u32 ihl = ip->ihl;
     if (ihl < AR_IPV4_IHL)
-        goto pass; /* not a valid IPv4 header: the stack drops it */
+        return -1; /* not a valid IPv4 header: the stack drops it */
     c.pos = (void *)ip + ihl * 4;
     struct udphdr *udp = parse_udp(&c);
     if (!udp || udp->dest != bpf_htons(AR_PORT))
-        goto pass;
-
-    /* From here on the frame is ours: it is aggregated, answered, or counted and dropped
-     * (in its job's row once the job is known, in row 0 before). */
+        return -1;
+    /* ours from here on */
     if (ihl != AR_IPV4_IHL) /* results are rewritten in place: no IP options */
-        return reject_unattributed(st0, AR_STAT_BAD_LEN);
+        return AR_STAT_BAD_LEN;
     u32 udp_len = bpf_ntohs(udp->len);
     if (bpf_ntohs(ip->tot_len) != udp_len + AR_IPV4_LEN || udp_len < sizeof(*udp))
-        return reject_unattributed(st0, AR_STAT_BAD_LEN);
-    u32 len = udp_len - sizeof(*udp); /* bytes of records */
-    struct ar_hdr *h = parse_ar(&c);
-    if (!h || len < AR_HDR_LEN)
-        return reject_unattributed(st0, AR_STAT_BAD_TRUNCATED);
-    if (h->magic != bpf_htons(AR_MAGIC))
-        return reject_unattributed(st0, AR_STAT_BAD_MAGIC);
-    if (h->version != AR_VERSION)
-        return reject_unattributed(st0, AR_STAT_BAD_VERSION);
+        return AR_STAT_BAD_LEN;
+    *ipp = ip;
+    *udpp = udp;
+    return 0;
+}
 
+/* The job and rank the first record names, checked against the job table. Returns 0, or the
+ * counter that rejects the frame; *attributed says whether that counter belongs to the job's row
+ * (s->st) rather than row 0. */
+static __always_inline u32 identify(struct ar_hdr *h, struct iphdr *ip, struct sender *s, int *attributed)
+{
+    *attributed = 0;
+    if (h->magic != bpf_htons(AR_MAGIC))
+        return AR_STAT_BAD_MAGIC;
+    if (h->version != AR_VERSION)
+        return AR_STAT_BAD_VERSION;
     u32 job_id = bpf_ntohl(h->job);
     u32 *jidx = ar_job_index.lookup(&job_id);
     if (!jidx)
-        return reject_unattributed(st0, AR_STAT_BAD_JOB);
+        return AR_STAT_BAD_JOB;
     u32 ji = *jidx;
     struct ar_job *job = ar_jobs.lookup(&ji);
     struct ar_counters *st = stats_row(ji + 1);
     if (!job || !st || !job->configured)
-        return reject_unattributed(st0, AR_STAT_BAD_JOB);
+        return AR_STAT_BAD_JOB;
+    s->job = job;
+    s->st = st;
+    *attributed = 1;
     count(st, AR_STAT_RX);
     u32 rank = bpf_ntohs(h->rank);
     if (rank >= job->workers || rank >= AR_MAX_WORKERS)
-        return reject(st, AR_STAT_BAD_RANK);
+        return AR_STAT_BAD_RANK;
     u32 wip = job->worker_ip[rank & (AR_MAX_WORKERS - 1)];
     if (wip && wip != ip->saddr)
-        return reject(st, AR_STAT_BAD_SRC);
+        return AR_STAT_BAD_SRC;
     if (h->flags & ~AR_FLAGS_KNOWN)
-        return reject(st, AR_STAT_BAD_FLAGS);
-    u32 bit = 1u << rank;
-    u32 live = *(volatile u32 *)&job->live;
+        return AR_STAT_BAD_FLAGS;
+    s->rank = rank & (AR_MAX_WORKERS - 1);
+    s->bit = 1u << s->rank;
+    s->live = *(volatile u32 *)&job->live;
+    return 0;
+}
 
-    if (h->type == AR_TYPE_JOIN) {
-        if (len != AR_JOIN_LEN)
-            return reject(st, AR_STAT_BAD_LEN);
-        u64 *table = (void *)(h + 1);
-        if ((void *)table + AR_JOIN_PAYLOAD > end)
-            return reject(st, AR_STAT_BAD_TRUNCATED);
-        count(st, AR_STAT_RECORDS);
-        if (bpf_ntohl(h->mask) != job->worker_mask) {
-            /* this worker counts a different number of ranks than the job has */
-            to_status(h, job->worker_mask, AR_DETAIL_WORLD);
-            count(st, AR_STAT_STATUS_SENT);
-            return emit(ctx, job, 0, 1);
-        }
-        enum join_outcome o = join_epoch(job, h, table, rank, bit);
-        if (o == JOIN_SUPERSEDED) {
-            count(st, AR_STAT_STALE_JOIN);
-            if (!(h->flags & AR_FLAG_RETX))
-                return XDP_DROP;
-            to_status(h, 0, AR_DETAIL_SUPERSEDED);
-            return emit(ctx, job, 0, 1);
-        }
-        count(st, AR_STAT_JOIN);
-        if (o == JOIN_FORMED) {
-            count(st, AR_STAT_EPOCH_FORMED);
-            count(st, AR_STAT_RESULT_SENT);
-            return emit(ctx, job, 1, 1);
-        }
-        if (o == JOIN_WAIT)
-            return XDP_DROP;
+/* Note the sender's head (every result below it is held) for the Tx-spot rule. */
+static __always_inline void note_ack(struct sender *s, struct ar_hdr *h)
+{
+    u32 *ack = &s->job->ack[s->rank];
+    u32 a = bpf_ntohl(h->ack);
+    if (serial_after(a, *ack))
+        *ack = a;
+}
+
+/* --- the three kinds of frame ------------------------------------------------------------------- */
+
+static __always_inline int on_join(struct xdp_md *ctx, struct sender *s, struct ar_hdr *h, u32 len, void *end)
+{
+    struct ar_job *job = s->job;
+    struct ar_counters *st = s->st;
+    if (len != AR_JOIN_LEN)
+        return reject(st, AR_STAT_BAD_LEN);
+    u64 *table = (void *)(h + 1);
+    if ((void *)table + AR_JOIN_PAYLOAD > end)
+        return reject(st, AR_STAT_BAD_TRUNCATED);
+    count(st, AR_STAT_RECORDS);
+    if (bpf_ntohl(h->mask) != job->worker_mask) {
+        /* this worker counts a different number of ranks than the job has */
+        to_status(h, job->worker_mask, AR_DETAIL_WORLD);
+        count(st, AR_STAT_STATUS_SENT);
         return emit(ctx, job, 0, 1);
     }
-
-    if (h->type == AR_TYPE_ACK) {
-        if (len != AR_HDR_LEN)
-            return reject(st, AR_STAT_BAD_LEN);
-        if (!live || bpf_ntohl(h->epoch) != live)
-            return reject(st, AR_STAT_STALE_EPOCH);
-        count(st, AR_STAT_RECORDS);
-        count(st, AR_STAT_ACK);
-        u32 *ack = &job->ack[rank & (AR_MAX_WORKERS - 1)];
-        u32 a = bpf_ntohl(h->ack);
-        if (serial_after(a, *ack))
-            *ack = a;
+    enum join_outcome o = join_epoch(job, h, table, s->rank, s->bit);
+    if (o == JOIN_SUPERSEDED) {
+        count(st, AR_STAT_STALE_JOIN);
         if (!(h->flags & AR_FLAG_RETX))
             return XDP_DROP;
-        /* a worker whose window the gate holds asks for the current one */
-        h->rank = bpf_htons(AR_RANK_AGG);
-        h->flags = 0;
-        h->ack = bpf_htonl(job_gate(job));
+        to_status(h, 0, AR_DETAIL_SUPERSEDED);
         return emit(ctx, job, 0, 1);
     }
+    count(st, AR_STAT_JOIN);
+    if (o == JOIN_FORMED) {
+        count(st, AR_STAT_EPOCH_FORMED);
+        count(st, AR_STAT_RESULT_SENT);
+        return emit(ctx, job, 1, 1);
+    }
+    if (o == JOIN_WAIT)
+        return XDP_DROP;
+    return emit(ctx, job, 0, 1);
+}
 
-    if (h->type != AR_TYPE_CONTRIB)
-        return reject(st, AR_STAT_BAD_TYPE);
+static __always_inline int on_ack(struct xdp_md *ctx, struct sender *s, struct ar_hdr *h, u32 len)
+{
+    struct ar_counters *st = s->st;
+    if (len != AR_HDR_LEN)
+        return reject(st, AR_STAT_BAD_LEN);
+    if (!s->live || bpf_ntohl(h->epoch) != s->live)
+        return reject(st, AR_STAT_STALE_EPOCH);
+    count(st, AR_STAT_RECORDS);
+    count(st, AR_STAT_ACK);
+    note_ack(s, h);
+    if (!(h->flags & AR_FLAG_RETX))
+        return XDP_DROP;
+    /* a worker whose window the gate holds asks for the current one */
+    h->rank = bpf_htons(AR_RANK_AGG);
+    h->flags = 0;
+    h->ack = bpf_htonl(job_gate(s->job));
+    return emit(ctx, s->job, 0, 1);
+}
+
+/* Cut the records that need no answer (the answers were moved to the front). 0, or -1. */
+static __always_inline int trim_to_answers(struct xdp_md *ctx, u32 n, u32 kept)
+{
+    if (bpf_xdp_adjust_tail(ctx, -(int)((n - kept) * AR_REC_LEN)))
+        return -1;
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct iphdr *ip = data + sizeof(struct ethhdr);
+    struct udphdr *udp = (void *)ip + AR_IPV4_LEN;
+    if ((void *)(udp + 1) > end)
+        return -1;
+    u32 ulen = sizeof(struct udphdr) + kept * AR_REC_LEN;
+    udp->len = bpf_htons(ulen);
+    ip->tot_len = bpf_htons(ulen + AR_IPV4_LEN);
+    return 0;
+}
+
+static __always_inline int on_contrib(struct xdp_md *ctx, struct sender *s, struct ar_hdr *h, u32 len,
+                                      void *data, void *end)
+{
+    struct ar_counters *st = s->st;
     if (len % AR_REC_LEN || len / AR_REC_LEN > AR_MAX_RECS)
         return reject(st, AR_STAT_BAD_LEN);
     if (data + AR_L2L4_LEN + len > end)
@@ -662,41 +714,61 @@ int ar_aggregate(struct xdp_md *ctx)
     u32 n = len / AR_REC_LEN;
 
     /* the sender's head (same in every record of its batch) before any round may begin */
-    if (live && bpf_ntohl(h->epoch) == live) {
-        u32 *ack = &job->ack[rank & (AR_MAX_WORKERS - 1)];
-        u32 a = bpf_ntohl(h->ack);
-        if (serial_after(a, *ack))
-            *ack = a;
-    }
+    if (s->live && bpf_ntohl(h->epoch) == s->live)
+        note_ack(s, h);
 
     struct frame f = {
-        .ctx = ctx, .job = job, .st = st, .job_id = h->job, .live = live, .rank = h->rank,
-        .bit = bit, .mcast = 0, .answer = 0, .gate = bpf_htonl(job_gate(job)), .kept = 0,
+        .ctx = ctx, .job = s->job, .st = st, .job_id = h->job, .live = s->live, .rank = h->rank,
+        .bit = s->bit, .mcast = 0, .answer = 0, .gate = bpf_htonl(job_gate(s->job)), .kept = 0,
     };
     bpf_loop(n, ar_record, &f, 0);
 
     if (!f.mcast && !f.answer)
         return XDP_DROP;
-    if (f.kept < n && f.kept) {
-        /* the answers are at the front: cut the records that need none */
-        if (bpf_xdp_adjust_tail(ctx, -(int)((n - f.kept) * AR_REC_LEN)))
-            return reject(st, AR_STAT_TX_FAILED);
-        data = (void *)(long)ctx->data;
-        end = (void *)(long)ctx->data_end;
-        ip = data + sizeof(struct ethhdr);
-        udp = (void *)ip + AR_IPV4_LEN;
-        if ((void *)(udp + 1) > end)
-            return reject(st, AR_STAT_TX_FAILED);
-        u32 ulen = sizeof(struct udphdr) + f.kept * AR_REC_LEN;
-        udp->len = bpf_htons(ulen);
-        ip->tot_len = bpf_htons(ulen + AR_IPV4_LEN);
-    }
+    if (f.kept && f.kept < n && trim_to_answers(ctx, n, f.kept))
+        return reject(st, AR_STAT_TX_FAILED);
     if (f.mcast)
         count(st, AR_STAT_RESULT_SENT);
     /* a batch arrived as a GSO skb: its checksum state stays that of a batch (see emit) */
-    return emit(ctx, job, f.mcast, n);
+    return emit(ctx, s->job, f.mcast, n);
+}
 
-pass:
-    count(st0, AR_STAT_PASSED);
-    return XDP_PASS;
+/* --- entry ------------------------------------------------------------------------------------------ */
+
+int ar_aggregate(struct xdp_md *ctx)
+{
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ar_counters *st0 = stats_row(0);
+    if (!st0)
+        return XDP_PASS;
+    struct iphdr *ip;
+    struct udphdr *udp;
+    int bad = parse_l2l4(data, end, &ip, &udp);
+    if (bad < 0) {
+        count(st0, AR_STAT_PASSED);
+        return XDP_PASS;
+    }
+    /* From here on the frame is ours: it is aggregated, answered, or counted and dropped
+     * (in its job's row once the job is known, in row 0 before). */
+    if (bad)
+        return reject_unattributed(st0, bad);
+    u32 len = bpf_ntohs(udp->len) - sizeof(*udp); /* bytes of records */
+    struct cursor c = {.pos = udp + 1, .end = end};
+    struct ar_hdr *h = parse_ar(&c);
+    if (!h || len < AR_HDR_LEN)
+        return reject_unattributed(st0, AR_STAT_BAD_TRUNCATED);
+
+    struct sender s = {};
+    int attributed;
+    u32 why = identify(h, ip, &s, &attributed);
+    if (why)
+        return attributed ? reject(s.st, why) : reject_unattributed(st0, why);
+
+    if (h->type == AR_TYPE_JOIN)
+        return on_join(ctx, &s, h, len, end);
+    if (h->type == AR_TYPE_ACK)
+        return on_ack(ctx, &s, h, len);
+    if (h->type == AR_TYPE_CONTRIB)
+        return on_contrib(ctx, &s, h, len, data, end);
+    return reject(s.st, AR_STAT_BAD_TYPE);
 }
