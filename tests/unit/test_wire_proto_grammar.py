@@ -77,9 +77,8 @@ def test_error_names_the_line():
         proto.parse_header(block("#define AR_OK 1", "int x;"))
 
 
-def test_real_header_parses_and_is_consistent():
-    c = proto.parse_header((proto.xdp_dir() / proto.HEADER_NAME).read_text())
-    assert c == proto.C
+def test_the_real_header_is_consistent():
+    c = proto.C
     assert c["AR_VERSION"] == 2 and c["AR_HDR_LEN"] == 40
     offsets = [off for _, off, _ in proto.FIELDS]
     assert offsets == sorted(set(offsets))
