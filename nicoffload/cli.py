@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from . import __version__
-from .errors import NicoffloadError, VerifierError
+from .errors import NicoffloadError, SetupError, VerifierError
 
 #: modules that contribute subcommands, in help order
 SUBCOMMAND_MODULES = [
@@ -40,18 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue  # not built yet
-            raise
-        mod.register(sub)
+        # a module that fails to import is a broken installation: say so, never drop its commands
+        importlib.import_module(name).register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ImportError as e:
+        print(f"nicoffload: error: the installation is broken: {e}; run scripts/setup.sh (or pip install -e .) "
+              f"again", file=sys.stderr)
+        if argv is not None and "--debug" in argv or argv is None and "--debug" in sys.argv:
+            raise
+        return SetupError.exit_code
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
