@@ -16,6 +16,7 @@ from scapy.layers.l2 import Ether
 from nicoffload import proto
 from nicoffload.libbpf import XDP_DROP, XDP_PASS, XDP_TX
 from nicoffload.packets import generators as gen
+from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, split_records
 
 
@@ -391,7 +392,7 @@ def test_a_batch_mixing_ranks_or_jobs_only_loses_the_odd_records(make_agg, joine
 # --- malformed, foreign, unconfigured -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", gen.malformed_cases(epoch=7), ids=lambda c: f"{c.reason}:{c.what}")
+@pytest.mark.parametrize("case", hostile.malformed_cases(epoch=7), ids=lambda c: f"{c.reason}:{c.what}")
 def test_every_malformed_reason_is_counted_and_dropped(make_agg, joined, case):
     agg = make_agg(workers=4, slots=8)
     joined(agg, 4)
@@ -406,11 +407,11 @@ def test_every_malformed_reason_is_counted_and_dropped(make_agg, joined, case):
 
 
 def test_malformed_cases_cover_every_bad_counter():
-    covered = {c.reason for c in gen.malformed_cases()}
+    covered = {c.reason for c in hostile.malformed_cases()}
     assert covered == {s for s in proto.STATS if s.startswith("bad_")}
 
 
-@pytest.mark.parametrize("name,frame", gen.foreign(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name,frame", hostile.foreign(), ids=lambda x: x if isinstance(x, str) else "")
 def test_foreign_traffic_passes_untouched(make_agg, joined, name, frame):
     agg = make_agg()
     out = agg.run(frame)

@@ -10,6 +10,7 @@ import pytest
 
 from nicoffload import proto
 from nicoffload.packets import generators as g
+from nicoffload.packets import hostile
 
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
@@ -313,7 +314,7 @@ def test_malformed_counted_by_the_userspace_aggregator(harness):
     live = h.form()
     h.sent.clear()
     seen_good = False
-    for c in g.malformed_cases(workers=W, slots=S, elems=E, epoch=live):
+    for c in hostile.malformed_cases(workers=W, slots=S, elems=E, epoch=live):
         if c.cut:
             continue
         before = h.stats

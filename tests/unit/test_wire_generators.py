@@ -20,6 +20,7 @@ from scapy.layers.l2 import Ether
 from nicoffload import proto
 from nicoffload.errors import InputError
 from nicoffload.packets import generators as g
+from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, payload_array, split_records
 
 W, S, E = 4, 8, 256
@@ -56,8 +57,8 @@ def _all_outputs() -> list[bytes]:
     out += [g.joined_record(1, 3, g.nonce_of(1), 5, [g.nonce_of(r) for r in range(3)])]
     out += [g.ack_frame(1, 9, epoch=5), g.batch([g.record(rank=0, round=4, slots=2, epoch=5, mask=3),
                                                  g.pull(0, 5, slots=2, epoch=5, mask=2)], 0)]
-    out += [c.frame for c in g.malformed_cases(epoch=5)]
-    out += [f for _, f in g.foreign()]
+    out += [c.frame for c in hostile.malformed_cases(epoch=5)]
+    out += [f for _, f in hostile.foreign()]
     return out
 
 

@@ -13,6 +13,7 @@ from scapy.layers.l2 import Ether
 from nicoffload import proto
 from nicoffload.errors import InputError
 from nicoffload.packets import generators as g
+from nicoffload.packets import hostile
 
 W, S, E = 4, 8, 256
 BAD = {s for s in proto.STATS if s.startswith("bad_")}
@@ -34,16 +35,16 @@ def _udp(frame: bytes) -> tuple[bytes, str, int]:
 
 
 def test_malformed_covers_every_bad_counter():
-    cases = g.malformed_cases()
+    cases = hostile.malformed_cases()
     reasons = {c.reason for c in cases}
     assert reasons == BAD
     assert BAD >= {"bad_op", "bad_mixed", "bad_src", "bad_truncated", "bad_len"}
-    assert [(c.reason, c.frame) for c in cases] == g.malformed()
+    assert [(c.reason, c.frame) for c in cases] == hostile.malformed()
     assert len({c.what for c in cases}) == len(cases)  # every case says what is wrong, distinctly
 
 
 def test_malformed_truncation_at_every_field_boundary():
-    cases = [c for c in g.malformed_cases() if c.reason == "bad_truncated"]
+    cases = [c for c in hostile.malformed_cases() if c.reason == "bad_truncated"]
     boundaries = {off for _, off, _ in proto.FIELDS}
     short = {len(c.frame) - proto.L2L4_LEN for c in cases if not c.cut}
     cut = {len(c.frame) - proto.L2L4_LEN for c in cases if c.cut}
@@ -78,7 +79,7 @@ def test_each_malformed_packet_has_exactly_one_fault(workers, rank):
     good = g.record(rank=rank, round=0, slots=S, epoch=9, mask=full, payload=np.arange(1, E + 1), elems=E)
     good_frame = g.batch([good], rank)
     size = len(good)
-    for c in g.malformed_cases(workers=workers, rank=rank, slots=S, elems=E, epoch=9):
+    for c in hostile.malformed_cases(workers=workers, rank=rank, slots=S, elems=E, epoch=9):
         if c.cut:  # a prefix of the good frame
             assert good_frame.startswith(c.frame) and len(c.frame) < len(good_frame), c.what
             continue
@@ -107,23 +108,23 @@ def test_each_malformed_packet_has_exactly_one_fault(workers, rank):
 @pytest.mark.parametrize("workers,rank", [(1, 0), (32, 31), (2, 0)])
 def test_malformed_edge_sizes(workers, rank):
     """One worker (no other rank's address to spoof) and 32 (no rank >= workers fits the mask)."""
-    cases = g.malformed_cases(workers=workers, rank=rank, elems=2, slots=1)
+    cases = hostile.malformed_cases(workers=workers, rank=rank, elems=2, slots=1)
     assert {c.reason for c in cases} == BAD
     src = [c.what for c in cases if c.reason == "bad_src"]
-    assert f"from {g.STRANGER_IP}, no rank's address" in src and len(src) == min(workers, 2)
+    assert f"from {hostile.STRANGER_IP}, no rank's address" in src and len(src) == min(workers, 2)
     with pytest.raises(InputError):
-        g.malformed_cases(workers=2, rank=2)
+        hostile.malformed_cases(workers=2, rank=2)
     with pytest.raises(InputError):
-        g.malformed_cases(elems=1)
+        hostile.malformed_cases(elems=1)
 
 
 def test_foreign_traffic_is_not_ours():
-    names = [n for n, _ in g.foreign()]
+    names = [n for n, _ in hostile.foreign()]
     assert {"arp_request", "icmp_echo", "ipv6_udp_to_port", "udp_other_port", "udp_from_port_to_other",
             "tcp_to_port", "ipv4_fragment_to_port"} <= set(names)
     assert len(set(names)) == len(names)
     for port in (proto.DEFAULT_PORT, 40000, 0xFFFF):
-        for name, f in g.foreign(port=port):
+        for name, f in hostile.foreign(port=port):
             p = Ether(f)
             ours = (p.haslayer(IP) and p.haslayer(UDP) and p[UDP].dport == port
                     and not (p[IP].flags.MF or p[IP].frag))
