@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import proto
 from .errors import NicoffloadError, SetupError
+from .jobspec import DEFAULT
 
 try:
     import torch
@@ -84,9 +84,9 @@ class NicoffloadHookState:
     before an all-reduce fails naming the missing ranks). ``communicator`` may be given instead
     (already built; the state then owns it and closes it)."""
 
-    def __init__(self, aggregator: str | None = None, *, group: str = "239.77.0.1",
-                 local_ip: str | None = None, port: int = proto.DEFAULT_PORT, job: int = 1,
-                 slots: int = 1024, elems: int = proto.DEFAULT_ELEMS, timeout: float = 5.0,
+    def __init__(self, aggregator: str | None = None, *, group: str = DEFAULT.group,
+                 local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
+                 slots: int = DEFAULT.slots, elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout,
                  rank: int | None = None, world: int | None = None, overlap: bool = True,
                  communicator: Communicator | None = None, **communicator_kwargs: Any):
         if communicator is None:
