@@ -66,6 +66,36 @@ def _put32(b, off, v):
 
 # --- per-block metadata ----------------------------------------------------------------------
 
+@njit(cache=True, inline="always")
+def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
+    """block_meta_* on the float's bits ``u``: ``emask``/``amask`` the exponent and magnitude
+    masks, ``mbits`` the mantissa bits, ``inf_field`` the exponent field of Inf/NaN, ``bias``
+    what makes frexp's exponent of the field, ``tiny`` the smallest subnormal."""
+    n = u.size
+    for b in range(exps.size):
+        lo = b * elems
+        hi = min(lo + elems, n)
+        s = u[lo:hi]
+        m = emask & 0
+        for i in range(hi - lo):
+            v = s[i] & emask
+            m = v if v > m else m
+        field = np.int32(m >> mbits)
+        if field == inf_field:
+            for i in range(hi - lo):
+                if s[i] & emask == emask:
+                    return lo + i
+        if field == 0:  # zero or subnormal only: the largest mantissa decides
+            mm = amask & 0
+            for i in range(hi - lo):
+                v = s[i] & amask
+                mm = v if v > mm else mm
+            exps[b] = ZERO_EXP if mm == 0 else math.frexp(float(mm) * tiny)[1]
+        else:
+            exps[b] = field - bias
+    return -1
+
+
 @njit(cache=True, boundscheck=False)
 def block_meta_f32(x, elems, exps):
     """exps[b] = E with max|x| < 2^E in block b (math.frexp's exponent of the largest magnitude),
@@ -75,60 +105,15 @@ def block_meta_f32(x, elems, exps):
     a normal number frexp's exponent is that field - 126; an all-ones field is Inf or NaN. One
     32-bit max per element (this vectorises); blocks without a normal number (zero or subnormal
     only) take an exact slow path."""
-    u = x.view(np.int32)
-    n = u.size
-    for b in range(exps.size):
-        lo = b * elems
-        hi = min(lo + elems, n)
-        s = u[lo:hi]
-        m = np.int32(0)
-        for i in range(hi - lo):
-            v = s[i] & np.int32(0x7F800000)
-            m = v if v > m else m
-        field = m >> 23
-        if field == 0xFF:
-            for i in range(hi - lo):
-                if s[i] & np.int32(0x7F800000) == np.int32(0x7F800000):
-                    return lo + i
-        if field == 0:  # zero or subnormal only: the largest mantissa decides
-            mm = np.int32(0)
-            for i in range(hi - lo):
-                v = s[i] & np.int32(0x7FFFFFFF)
-                mm = v if v > mm else mm
-            exps[b] = ZERO_EXP if mm == 0 else math.frexp(float(mm) * 2.0 ** -149)[1]
-        else:
-            exps[b] = field - 126
-    return -1
+    return _block_meta(x.view(np.int32), elems, exps, np.int32(0x7F800000), np.int32(0x7FFFFFFF), 23, 0xFF, 126,
+                       2.0 ** -149)
 
 
 @njit(cache=True, boundscheck=False)
 def block_meta_f64(x, elems, exps):
     """As block_meta_f32 for float64 (exponent field 11 bits, frexp's exponent = field - 1022)."""
-    u = x.view(np.int64)
-    n = u.size
-    mask = np.int64(0x7FF0000000000000)
-    for b in range(exps.size):
-        lo = b * elems
-        hi = min(lo + elems, n)
-        s = u[lo:hi]
-        m = np.int64(0)
-        for i in range(hi - lo):
-            v = s[i] & mask
-            m = v if v > m else m
-        field = np.int32(m >> 52)
-        if field == 0x7FF:
-            for i in range(hi - lo):
-                if s[i] & mask == mask:
-                    return lo + i
-        if field == 0:
-            mm = np.int64(0)
-            for i in range(hi - lo):
-                v = s[i] & np.int64(0x7FFFFFFFFFFFFFFF)
-                mm = v if v > mm else mm
-            exps[b] = ZERO_EXP if mm == 0 else math.frexp(float(mm) * 2.0 ** -1074)[1]
-        else:
-            exps[b] = field - 1022
-    return -1
+    return _block_meta(x.view(np.int64), elems, exps, np.int64(0x7FF0000000000000),
+                       np.int64(0x7FFFFFFFFFFFFFFF), 52, 0x7FF, 1022, 2.0 ** -1074)
 
 
 @njit(cache=True, boundscheck=False)
