@@ -4,7 +4,6 @@ predicts from the configuration its testbed keeps (through the FaultSite protoco
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from dataclasses import asdict
 
@@ -15,15 +14,15 @@ from nicoffload.errors import InputError, NotFoundError
 from nicoffload.testbed.fault import FaultConfig, FaultInjector, decide, fault_hash
 from nicoffload.testbed.topology import Topology
 
+from wirecheck import c_compiler
+
 SEEDS = (0, 1, 7, 2**63 + 5, 2**64 - 1)
 CASES = [(seed, link, d, n) for seed in SEEDS for link in (0, 1, 63) for d in (0, 1) for n in (0, 1, 999, 2**40)]
 
 
 def c_fault_hash(tmp_path, cases):
     """fault_hash as xdp/fault.c computes it: its GOLDEN, mix64 and fault_hash, compiled natively."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
+    cc = c_compiler()
     src = (proto.xdp_dir() / "fault.c").read_text()
     m = re.search(r"^#define GOLDEN .*?^static __always_inline u64 fault_hash\(.*?^}\n", src, re.S | re.M)
     assert m, "xdp/fault.c: GOLDEN, mix64 and fault_hash not found"

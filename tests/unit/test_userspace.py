@@ -3,8 +3,6 @@ against the generators' reference, the Tx-spot rule, retransmissions, pulls, bat
 malformed input, counted as the XDP program counts them."""
 from __future__ import annotations
 
-import socket
-import struct
 
 import pytest
 
@@ -12,23 +10,15 @@ from nicoffload import proto
 from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
 
+from wirecheck import header_of, udp_of
+
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
 OPS = [proto.OP_SUM, proto.OP_SUM64, proto.OP_MAX, proto.OP_OR]
-NAMES = [n for n, _, _ in proto.FIELDS]
 OUTCOMES = {"aggregated", "retx_answered", "pull_answered", "status_sent", "dup_dropped", "join", "ack", "early",
             "mismatch"}
 
 
-def _hdr(dgram: bytes) -> dict:
-    return dict(zip(NAMES, struct.unpack(proto.HDR_STRUCT, bytes(dgram[:proto.HDR_LEN]))))
-
-
-def _udp(frame: bytes) -> tuple[bytes, str, int]:
-    """(UDP payload, source address, source port) of an Ethernet/IPv4/UDP frame, read by hand."""
-    assert frame[12:14] == b"\x08\x00" and frame[14] == 0x45 and frame[23] == 17
-    ulen = int.from_bytes(frame[38:40], "big")
-    return frame[42:34 + ulen], socket.inet_ntoa(frame[26:30]), int.from_bytes(frame[34:36], "big")
 
 
 # --- agreement with the user-space aggregator ---------------------------------------------------
@@ -49,7 +39,7 @@ class Harness:
 
     def feed(self, frame: bytes, sport: int | None = None) -> list[tuple[bytes, tuple[str, int]]]:
         """Hand the frame's UDP payload to the aggregator; return what it sent for it."""
-        dgram, ip, port = _udp(frame)
+        dgram, ip, port = udp_of(frame)
         n = len(self.sent)
         self.agg.handle_datagram(memoryview(bytearray(dgram)), (ip, port if sport is None else sport))
         return self.sent[n:]
@@ -95,7 +85,7 @@ def test_epoch_formation(harness):
         assert h.feed(f) == [] and h.agg.live == 0
     # a RETX JOIN of a rank that has joined: who has joined so far
     (status, addr), = h.feed(g.join_frames(W, ranks=[0], retx=True)[0], sport=40123)
-    s = _hdr(status)
+    s = header_of(status)
     assert addr == (g.worker_ip(0), 40123)
     assert (s["type"], s["detail"], s["mask"], s["rank"]) == (proto.TYPE_STATUS, proto.DETAIL["joining"], 0b0111, 0)
     # the last JOIN forms the epoch: its JOINED goes to the group, to the sender's port
@@ -111,7 +101,7 @@ def test_epoch_formation(harness):
     wrong = g.frame(g.join_record(2, W - 1, g.nonce_of(2)), src_mac=g.worker_mac(2), dst_mac=g.AGG_MAC,
                     src_ip=g.worker_ip(2), dst_ip=g.AGG_IP)
     (status, addr), = h.feed(wrong)
-    s = _hdr(status)
+    s = header_of(status)
     assert (s["type"], s["detail"], s["mask"], addr[0]) == (proto.TYPE_STATUS, proto.DETAIL["world"], FULL,
                                                            g.worker_ip(2))
     assert h.agg.live == live
@@ -133,7 +123,7 @@ def test_a_newer_nonce_ends_the_epoch_and_an_older_one_is_superseded(harness):
     before = h.stats
     assert h.feed(first[1]) == []
     (status, addr), = h.feed(g.contributions(arrs, slots=S, epoch=live, retx=True)[0])
-    s = _hdr(status)
+    s = header_of(status)
     assert (s["type"], s["detail"], s["epoch"], addr[0]) == (proto.TYPE_STATUS, proto.DETAIL["epoch"], live,
                                                              g.worker_ip(0))
     assert h.delta(before) == {"rx": 2, "records": 2, "stale_epoch": 2}  # the STATUS is its outcome
@@ -141,7 +131,7 @@ def test_a_newer_nonce_ends_the_epoch_and_an_older_one_is_superseded(harness):
     before = h.stats
     assert h.feed(g.join_frames(W, ranks=[2])[0]) == []
     (status, _), = h.feed(g.join_frames(W, ranks=[2], retx=True)[0])
-    assert (_hdr(status)["type"], _hdr(status)["detail"]) == (proto.TYPE_STATUS, proto.DETAIL["superseded"])
+    assert (header_of(status)["type"], header_of(status)["detail"]) == (proto.TYPE_STATUS, proto.DETAIL["superseded"])
     assert h.delta(before) == {"rx": 2, "records": 2, "stale_join": 2}
     # the other ranks join again (same nonces): a new epoch with rank 2's new nonce
     for f in g.join_frames(W, newer, ranks=[0, 1, 3]):
@@ -166,7 +156,7 @@ def test_results_equal_the_userspace_aggregator(harness, op, sparse):
     frames = g.contributions(arrs, **kw)
     acked = False
     for f in frames:
-        rnd = _hdr(_udp(f)[0])["round"]
+        rnd = header_of(udp_of(f)[0])["round"]
         if rnd == 3 + 2 * S and not acked:  # the first reuse of a set: every rank acknowledges
             for r in range(W):
                 assert h.feed(g.ack_frame(r, 3 + 2 * S, epoch=live)) == []
@@ -176,7 +166,7 @@ def test_results_equal_the_userspace_aggregator(harness, op, sparse):
     gates = [0 if 3 + b < 3 + 2 * S else 3 + 2 * S for b in range(nb)]
     want = g.expected_results(arrs, gate=gates, **kw)
     assert [d for d, _ in h.sent[1:]] == want
-    assert [a for _, a in h.sent[1:]] == [(g.GROUP_IP, 40000 + _hdr(d)["round"]) for d in want]
+    assert [a for _, a in h.sent[1:]] == [(g.GROUP_IP, 40000 + header_of(d)["round"]) for d in want]
     st = h.stats
     assert (st["completed"], st["result_sent"] - 1, st["early"], st["mismatch"], st["ack"]) == (nb, nb, 0, 0, W)
     assert st["aggregated"] == len(frames)
@@ -225,13 +215,13 @@ def test_retransmissions_pulls_and_stale_rounds(harness):
     assert h.feed(f[0]) == []
     assert h.feed(f[0]) == []  # duplicate without RETX: dropped
     (status, addr), = h.feed(r[0], sport=40001)  # RETX before completion: who has contributed
-    s = _hdr(status)
+    s = header_of(status)
     assert addr == (g.worker_ip(0), 40001)
     assert (s["type"], s["detail"], s["mask"], s["count"], s["rank"], len(status)) == (
         proto.TYPE_STATUS, proto.DETAIL["waiting"], 0b001, 0, 0, proto.record_size(E))
     pull0 = g.batch([g.pull(2, 0, slots=1, epoch=live, mask=0b011)], 2)
     (status, addr), = h.feed(pull0, sport=40002)
-    assert (_hdr(status)["detail"], _hdr(status)["mask"], addr) == (proto.DETAIL["waiting"], 0b001,
+    assert (header_of(status)["detail"], header_of(status)["mask"], addr) == (proto.DETAIL["waiting"], 0b001,
                                                                     (g.worker_ip(2), 40002))
     assert h.feed(f[1]) == [(want[0], (g.GROUP_IP, proto.DEFAULT_PORT))]
     assert h.feed(r[0], sport=40003) == [(want[0], (g.worker_ip(0), 40003))]  # RETX after completion
@@ -250,10 +240,10 @@ def test_retransmissions_pulls_and_stale_rounds(harness):
     before = h.stats
     assert h.feed(f[0]) == []
     (status, _), = h.feed(r[0])
-    assert (_hdr(status)["type"], _hdr(status)["detail"], _hdr(status)["round"]) == (
+    assert (header_of(status)["type"], header_of(status)["detail"], header_of(status)["round"]) == (
         proto.TYPE_STATUS, proto.DETAIL["gone"], 0)
     (status, _), = h.feed(pull0)
-    assert _hdr(status)["detail"] == proto.DETAIL["gone"]
+    assert header_of(status)["detail"] == proto.DETAIL["gone"]
     assert h.delta(before) == {"rx": 3, "records": 3, "stale_round": 1, "status_sent": 2}
 
 
@@ -284,19 +274,19 @@ def test_batches_answer_once_with_only_their_answers(harness):
     arrs = g.sample_arrays(2, 4 * E, seed=7)
     f = g.contributions(arrs, slots=S, epoch=live)
     want = g.expected_results(arrs, slots=S, epoch=live)
-    rank0 = [_udp(x)[0] for x in f[0::2]]
+    rank0 = [udp_of(x)[0] for x in f[0::2]]
     h.feed(f[1]), h.feed(f[3])  # rank 1 has contributed to rounds 0 and 1
     (out, addr), = h.feed(g.batch(rank0[1::-1] + rank0[2:], 0), sport=40005)  # rounds 1, 0, 2, 3
     assert addr == (g.GROUP_IP, 40005) and out == want[1] + want[0]  # rounds 2 and 3 need no answer
     assert h.stats["result_sent"] == 2 and h.stats["completed"] == 2
     # a batch whose only answer is to the sender (a RETX of a completed round) goes back to it
-    retx1 = _udp(g.contributions(arrs, slots=S, epoch=live, retx=True)[3])[0]  # rank 1, round 1
-    dup0 = _udp(f[1])[0]  # rank 1, round 0 again, without RETX
+    retx1 = udp_of(g.contributions(arrs, slots=S, epoch=live, retx=True)[3])[0]  # rank 1, round 1
+    dup0 = udp_of(f[1])[0]  # rank 1, round 0 again, without RETX
     (out, addr), = h.feed(g.batch([dup0, retx1], 1))
     assert addr == (g.worker_ip(1), proto.DEFAULT_PORT) and out == want[1]
     # a batch of records that need no answer is not sent at all
     before = h.stats
-    assert h.feed(g.batch([dup0, _udp(f[3])[0]], 1)) == []
+    assert h.feed(g.batch([dup0, udp_of(f[3])[0]], 1)) == []
     assert h.delta(before) == {"rx": 1, "records": 2, "dup_dropped": 2}
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-import socket
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,21 +21,13 @@ from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, payload_array, split_records
 
+from wirecheck import NAMES, header_of, udp_of
+
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
 OPS = [proto.OP_SUM, proto.OP_SUM64, proto.OP_MAX, proto.OP_OR]
-NAMES = [n for n, _, _ in proto.FIELDS]
 
 
-def _hdr(dgram: bytes) -> dict:
-    return dict(zip(NAMES, struct.unpack(proto.HDR_STRUCT, bytes(dgram[:proto.HDR_LEN]))))
-
-
-def _udp(frame: bytes) -> tuple[bytes, str, int]:
-    """(UDP payload, source address, source port) of an Ethernet/IPv4/UDP frame, read by hand."""
-    assert frame[12:14] == b"\x08\x00" and frame[14] == 0x45 and frame[23] == 17
-    ulen = int.from_bytes(frame[38:40], "big")
-    return frame[42:34 + ulen], socket.inet_ntoa(frame[26:30]), int.from_bytes(frame[34:36], "big")
 
 
 def _digest(frames) -> str:
@@ -257,7 +247,7 @@ def test_expected_results_match_the_reference(op):
                              op=op)
     assert len(res) == 6 and all(len(r) == proto.record_size(8) for r in res)
     for b, r in enumerate(res):
-        h = _hdr(r)
+        h = header_of(r)
         i = 7 + b
         assert {k: h[k] for k in NAMES} == dict(
             magic=0x4E58, version=proto.VERSION, type=proto.TYPE_RESULT, flags=0, set=(i // 2) % 2,
@@ -308,7 +298,7 @@ def test_join_record_by_hand():
     assert rec.hex() == GOLDEN_JOIN
     assert len(rec) == proto.HDR_LEN + proto.JOIN_PAYLOAD == 296
     retx = g.join_record(2, 4, 0x0102030405060708, job=9, retx=True, mask=0b0111)
-    assert _hdr(retx) == {**_hdr(rec), "flags": proto.FLAG_RETX, "mask": 0b0111}
+    assert header_of(retx) == {**header_of(rec), "flags": proto.FLAG_RETX, "mask": 0b0111}
     assert retx[proto.HDR_LEN:] == rec[proto.HDR_LEN:]
 
 
@@ -316,13 +306,13 @@ def test_join_frames_and_nonces():
     frames = g.join_frames(3, job=5)
     assert len(frames) == 3
     for r, f in enumerate(frames):
-        dgram, ip, port = _udp(f)
-        h = _hdr(dgram)
+        dgram, ip, port = udp_of(f)
+        h = header_of(dgram)
         assert (ip, port) == (g.worker_ip(r), proto.DEFAULT_PORT)
         assert h["round"] | h["ack"] << 32 == g.nonce_of(r)
         assert (h["type"], h["rank"], h["job"], h["mask"], h["epoch"]) == (proto.TYPE_JOIN, r, 5, 0b111, 0)
     some = g.join_frames(3, [11, 12, 13], ranks=[2], retx=True)
-    h = _hdr(_udp(some[0])[0])
+    h = header_of(udp_of(some[0])[0])
     assert len(some) == 1 and (h["rank"], h["round"], h["ack"], h["flags"]) == (2, 13, 0, proto.FLAG_RETX)
     # nonces: distinct per rank, and every rank's later run is above every rank's earlier run
     first = [g.nonce_of(r) for r in range(32)]
@@ -333,7 +323,7 @@ def test_join_frames_and_nonces():
 def test_joined_record():
     table = [g.nonce_of(r) for r in range(3)]
     rec = g.joined_record(1, 3, g.nonce_of(1), 0xCAFE, table, job=2)
-    h = _hdr(rec)
+    h = header_of(rec)
     assert (h["type"], h["rank"], h["job"], h["epoch"], h["mask"], h["count"], h["flags"], h["detail"]) == (
         proto.TYPE_JOINED, 1, 2, 0xCAFE, 0b111, 0, 0, 0)
     assert h["round"] | h["ack"] << 32 == g.nonce_of(1)
@@ -342,14 +332,14 @@ def test_joined_record():
     assert [int.from_bytes(body[8 * r:8 * r + 8], "little") for r in range(32)] == table + [0] * 29
     # the JOIN it answers differs only in type, epoch and the table
     join = g.join_record(1, 3, g.nonce_of(1), job=2)
-    assert {k for k in NAMES if _hdr(join)[k] != h[k]} == {"type", "epoch"}
+    assert {k for k in NAMES if header_of(join)[k] != h[k]} == {"type", "epoch"}
 
 
 def test_ack_frame():
     f = g.ack_frame(1, 0x10, epoch=7, job=2)
-    dgram, ip, port = _udp(f)
+    dgram, ip, port = udp_of(f)
     assert len(dgram) == proto.HDR_LEN and (ip, port) == (g.worker_ip(1), proto.DEFAULT_PORT)
-    assert _hdr(dgram) == dict(magic=proto.MAGIC, version=proto.VERSION, type=proto.TYPE_ACK, flags=0, set=0,
+    assert header_of(dgram) == dict(magic=proto.MAGIC, version=proto.VERSION, type=proto.TYPE_ACK, flags=0, set=0,
                                rank=1, job=2, epoch=7, slot=0, round=0, mask=0b10, ack=0x10, count=0, exp=0,
                                op=0, detail=0, pad=0)
 
@@ -357,17 +347,17 @@ def test_ack_frame():
 def test_record_and_pull():
     rec = g.record(rank=2, round=11, slots=4, epoch=3, mask=0b110, elems=8, job=5, payload=np.arange(8),
                    op=proto.OP_MAX, exp=-1, ack=9)
-    h = _hdr(rec)
+    h = header_of(rec)
     assert len(rec) == proto.record_size(8)
     assert (h["slot"], h["set"], h["round"], h["count"], h["ack"], h["op"], h["exp"], h["flags"]) == (
         3, 0, 11, 8, 9, proto.OP_MAX, -1, 0)
     assert np.frombuffer(rec[proto.HDR_LEN:], "<i4").tolist() == list(range(8))
     p = g.pull(0, 13, slots=4, epoch=3, mask=0b110, elems=8)
-    h = _hdr(p)
+    h = header_of(p)
     assert len(p) == proto.record_size(8)  # full size, payload ignored
     assert (h["type"], h["flags"], h["count"], h["rank"], h["slot"], h["set"], h["round"], h["mask"]) == (
         proto.TYPE_CONTRIB, proto.FLAG_PULL, 0, 0, 1, 1, 13, 0b110)
-    assert _hdr(g.pull(0, 13, slots=4, epoch=3, mask=6, elems=8, flags=proto.FLAG_RETX))["flags"] == \
+    assert header_of(g.pull(0, 13, slots=4, epoch=3, mask=6, elems=8, flags=proto.FLAG_RETX))["flags"] == \
         proto.FLAG_PULL | proto.FLAG_RETX
 
 
@@ -375,7 +365,7 @@ def test_batch_frame():
     recs = [g.record(rank=1, round=i, slots=S, epoch=4, mask=3, payload=np.full(E, i)) for i in range(3)]
     recs.append(g.pull(1, 3, slots=S, epoch=4, mask=1))
     f = g.batch(recs, 1)
-    dgram, ip, port = _udp(f)
+    dgram, ip, port = udp_of(f)
     assert (ip, port) == (g.worker_ip(1), proto.DEFAULT_PORT) and dgram == b"".join(recs)
     assert len(dgram) == 4 * proto.record_size(E) and 4 <= proto.max_records(E)
     parts = split_records(dgram, proto.record_size(E))

@@ -6,7 +6,6 @@ program is compiled; here the host's C compiler lays the struct out from its own
 from __future__ import annotations
 
 import re
-import shutil
 import struct
 import subprocess
 
@@ -15,6 +14,8 @@ import pytest
 from nicoffload import codec, proto
 from nicoffload.packets.layers import AllReduce
 
+from wirecheck import c_compiler
+
 TYPES = "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32;\n" \
         "typedef signed short s16; typedef unsigned long long u64;\n"
 
@@ -22,9 +23,7 @@ TYPES = "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned 
 @pytest.fixture(scope="module")
 def c_layout(tmp_path_factory) -> dict:
     """{"size": sizeof, field: (offset, size, signed)} of struct ar_hdr as cc lays it out."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler (apt-get install gcc)")
+    cc = c_compiler()
     text = (proto.xdp_dir() / "parse.h").read_text()
     m = re.search(r"^struct ar_hdr \{\n(.*?)^\} __attribute__\(\(packed\)\);", text, re.S | re.M)
     assert m, "xdp/parse.h: struct ar_hdr not found"

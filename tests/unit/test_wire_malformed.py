@@ -2,8 +2,6 @@
 (its valid variants are accepted), and foreign traffic is never taken for ours."""
 from __future__ import annotations
 
-import socket
-import struct
 
 import numpy as np
 import pytest
@@ -15,20 +13,12 @@ from nicoffload.errors import InputError
 from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
 
+from wirecheck import NAMES, header_of, udp_of
+
 W, S, E = 4, 8, 256
 BAD = {s for s in proto.STATS if s.startswith("bad_")}
-NAMES = [n for n, _, _ in proto.FIELDS]
 
 
-def _hdr(dgram: bytes) -> dict:
-    return dict(zip(NAMES, struct.unpack(proto.HDR_STRUCT, bytes(dgram[:proto.HDR_LEN]))))
-
-
-def _udp(frame: bytes) -> tuple[bytes, str, int]:
-    """(UDP payload, source address, source port) of an Ethernet/IPv4/UDP frame, read by hand."""
-    assert frame[12:14] == b"\x08\x00" and frame[14] == 0x45 and frame[23] == 17
-    ulen = int.from_bytes(frame[38:40], "big")
-    return frame[42:34 + ulen], socket.inet_ntoa(frame[26:30]), int.from_bytes(frame[34:36], "big")
 
 
 # --- malformed and foreign traffic --------------------------------------------------------------
@@ -63,7 +53,7 @@ def test_malformed_truncation_at_every_field_boundary():
 def _valid_variants(good: bytes, case: dict) -> list[tuple[dict, int]]:
     """Valid records near ``good`` (header, datagram length): the contribution itself, the same
     with the case's count if that count is valid, a PULL, a JOIN and an ACK with this header."""
-    h = _hdr(good)
+    h = header_of(good)
     out = [(h, len(good))]
     if 1 <= case["count"] <= E:
         out.append(({**h, "count": case["count"]}, len(good)))
@@ -83,7 +73,7 @@ def test_each_malformed_packet_has_exactly_one_fault(workers, rank):
         if c.cut:  # a prefix of the good frame
             assert good_frame.startswith(c.frame) and len(c.frame) < len(good_frame), c.what
             continue
-        dgram, ip, _ = _udp(c.frame)
+        dgram, ip, _ = udp_of(c.frame)
         src_fault = ip != g.worker_ip(rank)
         assert c.frame[:12] == good_frame[:12] and c.frame[30:34] == good_frame[30:34], c.what  # MACs, dst
         if c.reason == "bad_truncated":
@@ -92,10 +82,10 @@ def test_each_malformed_packet_has_exactly_one_fault(workers, rank):
         if len(dgram) > size and len(dgram) % size == 0:  # a batch: a good record, then one bad one
             first, second = dgram[:size], dgram[size:]
             assert len(dgram) == 2 * size and first == good and not src_fault, c.what
-            diff = {k for k in NAMES if _hdr(second)[k] != _hdr(good)[k]}
+            diff = {k for k in NAMES if header_of(second)[k] != header_of(good)[k]}
             assert len(diff) == 1 and second[proto.HDR_LEN:] == good[proto.HDR_LEN:], (c.what, diff)
             continue
-        case = _hdr(dgram)
+        case = header_of(dgram)
         faults = min(
             sum(case[k] != ref[k] for k in NAMES) + (len(dgram) != length) + src_fault
             for ref, length in _valid_variants(good, case)
