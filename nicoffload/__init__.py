@@ -21,7 +21,7 @@ MAPPED = {"xdp": "xdp", "packets": "packets", "testbed": "testbed"}
 
 class _SourceTreeFinder(importlib.abc.MetaPathFinder):
     """Finds ``nicoffload.<name>`` in ``<checkout>/<folder>`` when it is not installed inside
-    the package (a plain checkout); an installed or editable package is found the normal way."""
+    the package (a plain checkout, or an editable install); an installed package holds them."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -44,8 +44,9 @@ def _install_finder() -> None:
     root = here.parent
     if any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
         return
-    # after the normal finders: an editable install's own mapping wins
-    sys.meta_path.append(_SourceTreeFinder(root))
+    # first: the subpackages come from the tree this package was imported from, even when
+    # another copy of nicoffload is installed (an editable install of this tree maps the same)
+    sys.meta_path.insert(0, _SourceTreeFinder(root))
 
 
 _install_finder()

@@ -1,0 +1,77 @@
+"""What is installed is one namespace (nicoffload, with nicoffload.xdp / .packets / .testbed /
+.lab), and it works three ways: a non-editable ``pip install .``, a plain checkout with nothing
+installed, and the editable install the suite runs in. Each check runs in a fresh interpreter
+whose import path holds only that copy (ahead of the editable install)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = """
+import sys
+from pathlib import Path
+import nicoffload
+from nicoffload import proto
+from nicoffload.packets import generators, hostile, layers
+from nicoffload.testbed import topology
+from nicoffload.lab import plan
+from nicoffload.cli import build_parser
+where = Path(sys.argv[1]).resolve()
+for m in (nicoffload, generators, hostile, layers, topology, plan):
+    assert where in Path(m.__file__).resolve().parents, (m.__name__, m.__file__, where)
+x = proto.xdp_dir().resolve()
+assert where in x.parents, (x, where)
+for f in ("aggregator.c", "agg_maps.h", "parse.h", "nicoffload_proto.h", "fault.c"):
+    assert (x / f).is_file(), f
+assert proto.HDR_LEN == 40
+build_parser()
+print("ok", nicoffload.__version__)
+"""
+
+
+def _source_copy(dest: Path) -> Path:
+    """The committed tree plus the working tree's changes, as a user's checkout would hold it."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    if not any(files):
+        pytest.skip("not a git checkout")
+    for f in filter(None, files):
+        src = ROOT / f.decode()
+        if src.is_file():
+            (dest / f.decode()).parent.mkdir(parents=True, exist_ok=True)
+            (dest / f.decode()).write_bytes(src.read_bytes())
+    return dest
+
+
+def _run_check(path: Path, where: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(path)}
+    r = subprocess.run([sys.executable, "-c", CHECK, str(where)], cwd="/", env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_a_plain_checkout_imports_from_its_own_tree(tmp_path):
+    src = _source_copy(tmp_path / "checkout")
+    assert "ok" in _run_check(src, src)
+
+
+def test_a_non_editable_install_holds_everything(tmp_path):
+    src = _source_copy(tmp_path / "src")
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--no-index", "--target", str(target), str(src)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pkg = target / "nicoffload"
+    for sub in ("xdp", "packets", "testbed", "lab"):
+        assert (pkg / sub / "__init__.py").is_file(), f"nicoffload/{sub} missing from the install"
+    assert not (target / "packets").exists() and not (target / "testbed").exists(), \
+        "top-level packages named packets/testbed would clash with other projects"
+    assert "ok" in _run_check(target, target)
