@@ -12,14 +12,14 @@ sender thread pushes the outgoing chunk (one blocking ``sendall``) while the cal
 receives the incoming one in pieces of 256 KiB and adds each piece as soon as it is in, so the
 reduction overlaps the transfer.
 
-Arithmetic: in the array's own dtype with numpy, in ring order. float32 is summed in float32
-(|error| <= (N-1) * 2^-24 * sum_i |x_i| per element, plus nothing else: no quantization); int32
-is exact and wraps modulo 2^32; float64 in float64. Every rank ends with bit-identical results
+Arithmetic: in the array's own dtype with numpy, in ring order: float32 in float32 (within
+nicoffload.lab.reference.host_sum's bound, no quantization), int32 exact and wrapping modulo
+2^32, float64 in float64. Every rank ends with bit-identical results
 (the all-gather copies the one reduced chunk).
 
 Run one rank::
 
-    python -m nicoffload.ring --rank 0 --world 3 --peers 10.0.0.10,10.0.0.11,10.0.0.12 \\
+    python -m nicoffload.lab.tcpring --rank 0 --world 3 --peers 10.0.0.10,10.0.0.11,10.0.0.12 \\
         --input g0.npy --output sum.npy --json
 """
 from __future__ import annotations
@@ -37,10 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, NicoffloadError, TimeoutError_
+from ..errors import InputError, NicoffloadError, TimeoutError_
+from .counters import timed_reps
 
 DEFAULT_PORT = 48900
-DTYPES = (np.int32, np.float32, np.float64)
+DEFAULT_TIMEOUT = 30.0  # seconds without progress before a rank fails
 _HELLO = struct.Struct("!4sII")  # magic, rank, world
 _MAGIC = b"NCOR"
 _PIECE = 256 << 10  # bytes received (and added) at a time
@@ -52,7 +53,7 @@ class RingComm:
     ``(peers[r], port)``, connects to rank r+1 and accepts rank r-1 (mod N)."""
 
     def __init__(self, rank: int, world: int, peers: list[str], port: int = DEFAULT_PORT,
-                 timeout: float = 30.0):
+                 timeout: float = DEFAULT_TIMEOUT):
         if not 0 <= rank < world:
             raise InputError(f"rank {rank} / world {world}: need 0 <= rank < world")
         if len(peers) != world:
@@ -150,13 +151,12 @@ class RingComm:
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Elementwise sum over all ranks, in the array's dtype (see the module docstring)."""
         x = np.ascontiguousarray(array)
-        if x.dtype not in DTYPES:
-            raise InputError(f"ring allreduce supports int32, float32 and float64, not {x.dtype}")
-        if out is None:
-            out = np.empty_like(x)
-        elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
-            raise InputError("out must be a C-contiguous array with the input's shape and dtype")
-        flat = out.reshape(-1)
+        if x.dtype.kind not in "iuf":
+            raise InputError(f"ring allreduce sums numbers, not {x.dtype}")
+        out = np.empty_like(x) if out is None else out
+        flat = out.reshape(-1)  # the ring writes through it: it must be out's own memory
+        if out.dtype != x.dtype or flat.size != x.size or (flat.size and not np.shares_memory(flat, out)):
+            raise InputError("out must be a C-contiguous array with the input's size and dtype")
         flat[:] = x.reshape(-1)
         N, r = self.world, self.rank
         if N == 1 or flat.size == 0:
@@ -229,13 +229,13 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 
 # --- the rank process -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nicoffload.ring",
+    p = argparse.ArgumentParser(prog="python -m nicoffload.lab.tcpring",
                                 description="One rank of a TCP Ring AllReduce (reduce-scatter + all-gather).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="examples:\n"
-                                "  python -m nicoffload.ring --rank 0 --world 2 --peers 10.0.0.10,10.0.0.11 "
+                                "  python -m nicoffload.lab.tcpring --rank 0 --world 2 --peers 10.0.0.10,10.0.0.11 "
                                 "--input g0.npy --output sum.npy\n"
-                                "  python -m nicoffload.ring --rank 1 --world 2 --peers 10.0.0.10,10.0.0.11 "
+                                "  python -m nicoffload.lab.tcpring --rank 1 --world 2 --peers 10.0.0.10,10.0.0.11 "
                                 "--input g1.npy --reps 5 --json")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", type=Path, required=True, help=".npy file (int32, float32 or float64)")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds without progress before failing")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds without progress before failing")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -254,14 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         x = np.load(args.input, allow_pickle=False)
         peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-        times = []
         with RingComm(args.rank, args.world, peers, args.port, args.timeout) as ring:
-            out = np.empty_like(x)
-            for _ in range(max(1, args.reps)):
-                ring.barrier()
-                t0 = time.perf_counter()
-                ring.allreduce(x, out)
-                times.append(time.perf_counter() - t0)
+            out, times = timed_reps(ring, x, args.reps)
         if args.output:
             np.save(args.output, out)
     except NicoffloadError as e:

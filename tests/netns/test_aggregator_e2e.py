@@ -13,7 +13,9 @@ import pytest
 
 from nicoffload import bpf, proto
 from nicoffload.aggregator import AggSpec, Aggregator, pin_dir, state_file, unload
-from nicoffload.runner import AggregatorProcess, enable_gro, run_workers
+from nicoffload.lab.aggregators import AggregatorProcess
+from nicoffload.lab.jobs import run_workers
+from nicoffload.lab.links import enable_gro
 
 CLI = [sys.executable, "-m", "nicoffload.cli"]
 
@@ -31,7 +33,7 @@ def test_more_than_10000_completions_exact_on_both_cpus(make_testbed, tmp_path, 
         np.save(ins[-1], a)
     tb = make_testbed(n)
     enable_gro(tb)
-    with AggregatorProcess(tb, "xdp", 1024, E, mode=mode) as ap:
+    with AggregatorProcess(tb, "xdp", mode=mode) as ap:
         assert ap.agg.spec.mode == mode
         reports = run_workers(tb, ins, outs, sparse=False, timeout=20, pin_cpus=True)
         st = ap.stats()

@@ -1,0 +1,130 @@
+"""The aggregator side of a job on a testbed: the XDP aggregator loaded and attached from this
+process, or the user-space aggregator as a process on the aggregator host (and that process's
+own side, :func:`serve_userspace`)."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import time
+from typing import Callable, Iterable
+
+from ..errors import InputError
+from ..jobspec import DEFAULT, JobSpec
+from . import counters
+from .launcher import CLI, Launch, RankSpec
+
+KINDS = ("xdp", "userspace")
+#: seconds the user-space aggregator may take to say it is ready (imports, first compile)
+START_TIMEOUT = 120.0
+#: the fields of a job the aggregator must know
+AGG_FIELDS = ("job", "port", "group", "slots", "elems")
+
+
+def on_testbed(tb, spec: JobSpec) -> JobSpec:
+    """``spec`` with the testbed's port and multicast group."""
+    return spec.replace(port=tb.port, group=tb.mcast_group)
+
+
+class AggregatorProcess:
+    """The aggregator of one job on testbed ``tb``: ``xdp`` (loaded and attached here, in
+    ``mode``) or ``userspace`` (``nicoffload aggregator-userspace`` on the aggregator host)."""
+
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto"):
+        self.tb, self.kind = tb, kind
+        self.spec = on_testbed(tb, spec)
+        self.agg = None
+        self.launch: Launch | None = None
+        self.mode: str | None = None
+        if kind == "xdp":
+            self._load_xdp(mode)
+        elif kind == "userspace":
+            self._start_userspace()
+        else:
+            raise InputError(f"unknown aggregator {kind!r}: choose {' or '.join(KINDS)}")
+
+    def _load_xdp(self, mode: str) -> None:
+        from ..aggregator import AggSpec, Aggregator, resolve_mode
+
+        a, s = self.tb.agg, self.spec
+        mode, _why = resolve_mode(mode, a.iface, a.netns)
+        self.tb.set_agg_napi(mode == "native")  # native XDP_TX on veth needs it; generic must not have it
+        self.agg = Aggregator.load(AggSpec(a.netns, a.iface, len(self.tb.workers), s.slots, s.elems, s.port, mode,
+                                           s.job, s.group, [w.ip for w in self.tb.workers]))
+        self.mode = self.agg.spec.mode
+
+    def _start_userspace(self) -> None:
+        argv = CLI + ["aggregator-userspace", "--workers", str(len(self.tb.workers)), *self.spec.argv(AGG_FIELDS),
+                      "--local-ip", self.tb.agg.ip, "--json"]
+        for w in self.tb.workers:
+            argv += ["--worker-ip", w.ip]
+        self.launch = Launch(self.tb, [RankSpec("the user-space aggregator", self.tb.agg, argv)])
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                _, line = self.launch.next_line(deadline - time.monotonic())
+            except queue.Empty:
+                line = None
+            if line is not None and "ready" in line:
+                return
+            if line is None:  # it ended, or said nothing in time
+                o = self.launch.wait(time.monotonic() + 1.0)[0]
+                self.launch = None
+                raise o.error_class(f"the user-space aggregator did not start: {o.reason}")
+
+    @property
+    def prog_id(self) -> int | None:
+        return self.agg.spec.prog_id if self.agg is not None else None
+
+    def bpf_runtime(self) -> tuple[int, int] | None:
+        """(run_time_ns, run_cnt) of the XDP program so far; None for the user-space one."""
+        return counters.bpf_runtime(self.prog_id)
+
+    def stats(self) -> dict:
+        return self.agg.stats() if self.agg is not None else {}
+
+    def close(self) -> dict:
+        """Stop the aggregator; its counters."""
+        st: dict = {}
+        if self.agg is not None:
+            try:
+                st = self.agg.stats()
+            finally:
+                self.agg.close()
+                self.agg = None
+        if self.launch is not None:
+            o = self.launch.stop()[0]
+            self.launch = None
+            for line in o.json_lines():
+                st = json.loads(line).get("stats", st)
+        return st
+
+    def __enter__(self) -> "AggregatorProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,
+                    worker_ips: Iterable[str] = (), duration: float | None = None,
+                    ready: Callable[[], None] = lambda: None) -> dict:
+    """Run the user-space aggregator in this process until SIGTERM/SIGINT (or ``duration``
+    seconds); ``ready`` is called once it listens. Returns its counters."""
+    from ..userspace import UserspaceAggregator
+
+    agg = UserspaceAggregator(workers, spec.port, spec.slots, spec.elems, spec.job, spec.group, local_ip,
+                              list(worker_ips))
+
+    def on_term(signum, frame):
+        agg.request_stop()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    ready()
+    try:
+        agg.serve(until=None if duration is None else time.monotonic() + duration)
+    finally:
+        agg.close()
+    return agg.stats
+

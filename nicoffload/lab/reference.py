@@ -1,0 +1,124 @@
+"""Expected results of an AllReduce, and how far from them a system may land: the one home of
+both, used by ``demo``, ``allreduce``, the bench and the tests.
+
+* Integers: the exact sum, computed in int64. A system summing int32 lanes (nicoffload, or a
+  host in int32) must match it modulo 2^32, bit for bit.
+* nicoffload on floats (:func:`quantized`): the exact sum within :func:`nicoffload.quant.error_bound`
+  for each block of ``elems`` elements (block exponents are the largest over the ranks, as the
+  workers agree on them), plus half an ulp of the result's dtype for the final cast.
+* A host summing floats in their own dtype (TCP ring, gloo, MPI; :func:`host_sum`): within
+  N * u * sum_i |x_i| plus half an ulp of the result, u the dtype's unit roundoff (2^-24 for
+  float32). N - 1 additions in any order stay within gamma_(N-1) * sum_i |x_i|, and gamma_(N-1)
+  < N * u while N * u < 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..jobspec import DEFAULT
+from ..quant import block_exponents, error_bound
+
+
+@dataclass
+class Check:
+    """A result held against its reference."""
+
+    max_abs_err: float
+    within_bound: bool
+    reason: str = ""                 # why not, when it is not
+
+
+@dataclass
+class Expected:
+    exact: np.ndarray                # int64 for integer inputs, float64 for floats
+    bound: np.ndarray | None         # per element; None: exact (integers, modulo the result's width)
+
+    def check(self, result: np.ndarray) -> Check:
+        result = np.asarray(result).reshape(-1)
+        if result.shape != self.exact.shape:
+            return Check(float("inf"), False, f"result has {result.size} elements, expected {self.exact.size}")
+        if self.bound is None:
+            want = self.exact.astype(result.dtype)  # wraps like the sum's int32 lanes
+            bad = np.flatnonzero(result != want)
+            err = float(np.abs(result.astype(np.float64) - want).max()) if result.size else 0.0
+            reason = f"{result.dtype} sum not exact at {len(bad)} elements (first {int(bad[0])})" if len(bad) else ""
+            return Check(err, not len(bad), reason)
+        err = np.abs(result.astype(np.float64) - self.exact)
+        ok = bool((err <= self.bound).all())
+        reason = ""
+        if not ok:
+            i = int(np.argmax(err - self.bound))
+            reason = f"result outside the error bound at element {i}: |err| {err[i]:.3g} > {self.bound[i]:.3g}"
+        return Check(float(err.max()) if err.size else 0.0, ok, reason)
+
+
+def _flat(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [np.asarray(a).reshape(-1) for a in arrays]
+
+
+def exact_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """int64 sum of integer inputs, float64 sum of float inputs (one rank at a time, so inputs
+    may be memory maps)."""
+    xs = _flat(arrays)
+    acc = np.zeros(xs[0].size, dtype=np.int64 if xs[0].dtype.kind in "iu" else np.float64)
+    for x in xs:
+        acc += x
+    return acc
+
+
+def _half_ulp(exact: np.ndarray, dtype) -> np.ndarray:
+    return np.spacing(np.abs(exact).astype(dtype)).astype(np.float64) / 2
+
+
+def _integer(arrays) -> Expected | None:
+    if np.asarray(arrays[0]).dtype.kind in "iu":
+        return Expected(exact_sum(arrays), None)
+    return None
+
+
+def quantization_bound(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> np.ndarray:
+    """Per element, nicoffload's bound on |sum_hat - sum| before the final cast."""
+    xs = _flat(arrays)
+    n = xs[0].size
+    nb = -(-n // elems)
+    exps = None
+    for x in xs:
+        pad = np.zeros(nb * elems, dtype=x.dtype)
+        pad[:n] = x
+        e = block_exponents(pad.reshape(nb, elems))
+        exps = e if exps is None else np.maximum(exps, e)
+    return np.repeat(error_bound(exps, len(xs)), elems)[:n]
+
+
+def quantized(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expected:
+    """What nicoffload must return for these inputs (records of ``elems`` elements)."""
+    exp = _integer(arrays)
+    if exp is not None:
+        return exp
+    exact = exact_sum(arrays)
+    dtype = np.asarray(arrays[0]).dtype
+    return Expected(exact, quantization_bound(arrays, elems) + _half_ulp(exact, dtype))
+
+
+def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
+    """What a host summing in the inputs' own dtype must return."""
+    exp = _integer(arrays)
+    if exp is not None:
+        return exp
+    xs = _flat(arrays)
+    exact = np.zeros(xs[0].size, dtype=np.float64)
+    abs_sum = np.zeros(xs[0].size, dtype=np.float64)
+    for x in xs:
+        x64 = np.asarray(x, dtype=np.float64)
+        exact += x64
+        abs_sum += np.abs(x64)
+    u = np.finfo(xs[0].dtype).eps / 2
+    return Expected(exact, len(xs) * u * abs_sum + _half_ulp(exact, xs[0].dtype))
+
+
+def expected(arrays: Sequence[np.ndarray], quantizes: bool, elems: int = DEFAULT.elems) -> Expected:
+    """:func:`quantized` for a system that sums through nicoffload's fixed point, else :func:`host_sum`."""
+    return quantized(arrays, elems) if quantizes else host_sum(arrays)
