@@ -1,5 +1,7 @@
 """``nicoffload bench``: nicoffload (XDP and user-space aggregators) against a TCP ring, gloo and
-Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots."""
+Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots.
+
+Arguments only; the sweep is :mod:`nicoffload.lab.sweep`."""
 from __future__ import annotations
 
 import argparse
@@ -8,58 +10,16 @@ from pathlib import Path
 
 from .cli import add_examples
 from .errors import InputError
+from .lab import plan
 
 
 def _list(conv, what):
     def parse(text: str):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"empty list of {what}")
         try:
-            return [conv(t) for t in items]
+            return plan.parse_list(conv, text)
         except (ValueError, InputError) as e:
             raise argparse.ArgumentTypeError(f"bad {what} {text!r}: {e}") from None
     return parse
-
-
-def _size(t: str) -> int:
-    from .cli_worker import parse_size
-
-    n = parse_size(t)
-    if n < 4:
-        raise ValueError("at least 4 bytes (one float32)")
-    return n
-
-
-def _sparsity(t: str) -> float:
-    v = float(t)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError("a fraction in [0, 1]")
-    return v
-
-
-def _workers(t: str) -> int:
-    from . import proto
-
-    v = int(t)
-    if not 1 <= v <= proto.MAX_WORKERS:
-        raise ValueError(f"1..{proto.MAX_WORKERS}")
-    return v
-
-
-def _rate(t: str) -> str:
-    from nicoffload.testbed.topology import parse_rate
-
-    parse_rate(t)  # raises InputError with the accepted forms
-    return t
-
-
-def _system(t: str) -> str:
-    from .bench import SYSTEMS
-
-    if t not in SYSTEMS:
-        raise ValueError(f"choose from {','.join(SYSTEMS)}")
-    return t
 
 
 def register(sub) -> None:
@@ -70,15 +30,15 @@ def register(sub) -> None:
                  "sudo nicoffload bench --workers 4 --sizes 16MiB --rate unshaped --reps 10",
                  "sudo nicoffload bench --workers 4 --sizes 64MiB --rate 1gbit --systems xdp,userspace,ring",
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full")
-    p.add_argument("--workers", type=_list(_workers, "worker counts"), default=None,
+    p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
                    help="worker counts, one testbed each (default 2,4,8)")
-    p.add_argument("--sizes", type=_list(_size, "sizes"), default=None,
+    p.add_argument("--sizes", type=_list(plan.size, "sizes"), default=None,
                    help="bytes of float32 gradients per worker (default 4KiB,64KiB,1MiB)")
-    p.add_argument("--sparsity", type=_list(_sparsity, "sparsities"), default=None,
+    p.add_argument("--sparsity", type=_list(plan.sparsity, "sparsities"), default=None,
                    help="fractions of 1 KiB blocks that are zero (default 0,0.5,0.75)")
-    p.add_argument("--rate", type=_list(_rate, "rates"), default=None,
+    p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
                    help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
-    p.add_argument("--systems", type=_list(_system, "systems"), default=None,
+    p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
                    help="default xdp,userspace,ring,gloo,mpi (unavailable ones are skipped with a reason)")
     p.add_argument("--reps", type=int, default=None, help="timed AllReduces per point, at least (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed AllReduces per point (default 1)")
@@ -90,22 +50,22 @@ def register(sub) -> None:
     p.add_argument("--full", action="store_true",
                    help="every size x sparsity at every worker count (default: all sizes at the lowest "
                         "sparsity, and all sparsities at the centre worker count and largest size <= 16MiB)")
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results and plots")
+    p.add_argument("--out", type=Path, default=plan.BenchConfig.out, help="directory for results and plots")
     p.add_argument("--quick", action="store_true",
                    help="a tiny sweep for tests: 2 workers, 4KiB and 256KiB, unshaped and 200mbit, 3 reps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mpirun", default="mpirun", help="the mpirun to use (default: from PATH)")
+    p.add_argument("--seed", type=int, default=plan.BenchConfig.seed)
+    p.add_argument("--mpirun", default=plan.BenchConfig.mpirun, help="the mpirun to use (default: from PATH)")
     p.add_argument("--timeout", type=float, default=None, help="seconds without progress before a rank fails")
-    p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
+    p.add_argument("--dtype", choices=["float32", "int32"], default=plan.BenchConfig.dtype,
                    help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
-    p.add_argument("--mode", choices=["auto", "generic", "native"], default="auto",
+    p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
                    help="XDP attach mode of the aggregator (default auto: generic batches on veth)")
     p.set_defaults(func=_bench)
 
 
 def _bench(args) -> int:
     from . import bpf
-    from .bench import SYSTEMS, BenchConfig, run, table
+    from .lab import report, sweep
 
     bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")
     given = {k: v for k, v in dict(workers=args.workers, sizes=args.sizes, sparsities=args.sparsity,
@@ -114,25 +74,12 @@ def _bench(args) -> int:
                                    max_point_s=args.max_point_time).items()
              if v is not None}
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype)
-    for k in ("reps", "max_reps"):
-        if k in given and given[k] < 1:
-            raise InputError(f"--{k.replace('_', '-')} must be at least 1")
-    if given.get("warmup", 0) < 0 or given.get("min_time", 0) < 0 or given.get("max_point_s", 1) <= 0:
-        raise InputError("--warmup and --min-time cannot be negative, --max-point-time must be positive")
-    if "systems" in given:
-        given["systems"] = [s for s in SYSTEMS if s in given["systems"]]
-    cfg = BenchConfig.quick(**given) if args.quick else BenchConfig(**given)
-    if cfg.max_reps < cfg.reps:
-        cfg.max_reps = cfg.reps
+    cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)
-    rows, pngs = run(cfg, argv=sys.argv)
-    print(table(rows))
-    skipped = {r["system"]: r["reason"] for r in rows if r["status"] == "skipped"}
-    for s, why in skipped.items():
-        print(f"skipped {s}: {why}")
-    print(f"results: {cfg.out / 'results.json'}, {cfg.out / 'results.csv'}, {cfg.out / 'meta.json'}")
-    print("plots:   " + ", ".join(str(p) for p in pngs))
+    rows, pngs = sweep.run(cfg, argv=sys.argv)
+    print(report.table(rows))
+    print(report.summary(rows, cfg.out, pngs))
     errors = [r for r in rows if r["status"] == "error"]
     if errors:
         print(f"{len(errors)} point(s) failed; see 'reason' in results.json", file=sys.stderr)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nicoffload import bench
+from nicoffload.lab import plan, reference, report, systems
 
 REPO = Path(__file__).resolve().parents[2]
 PNGS = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
@@ -35,15 +35,15 @@ def test_quick_bench_writes_sane_results_and_plots(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     with open(out / "results.csv") as f:
         csv_rows = list(csv.DictReader(f))
-    assert len(csv_rows) == len(rows) and set(bench.FIELDS) <= set(csv_rows[0])
+    assert len(csv_rows) == len(rows) and set(report.FIELDS) <= set(csv_rows[0])
     for p in PNGS:
         assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
     meta = json.loads((out / "meta.json").read_text())
 
-    cfg = bench.BenchConfig.quick()
-    points = {(p.bytes, p.sparsity) for p in bench.plan_points(cfg, 2)}
-    assert {r["system"] for r in rows} == set(bench.SYSTEMS)
-    for sys_ in bench.SYSTEMS:
+    cfg = plan.BenchConfig.quick()
+    points = {(p.bytes, p.sparsity) for p in plan.plan_points(cfg, 2)}
+    assert {r["system"] for r in rows} == set(plan.SYSTEMS)
+    for sys_ in plan.SYSTEMS:
         for rate in ("unshaped", "200mbit"):
             got = {(r["bytes"], r["sparsity"]) for r in rows if r["system"] == sys_ and r["rate"] == rate}
             assert got == points, (sys_, rate)
@@ -62,7 +62,7 @@ def test_quick_bench_writes_sane_results_and_plots(tmp_path):
         assert r["cpu_s"] is not None and r["cpu_s"] >= 0
         assert r["within_bound"] is True and r["max_abs_err"] < 1e-3
         # the data really crossed worker 0's link (no shared-memory shortcut)
-        share = (1 - r["sparsity"]) * M if r["system"] in bench.AGG_SYSTEMS else 2 * (N - 1) / N * M
+        share = (1 - r["sparsity"]) * M if r["system"] in plan.AGG_SYSTEMS else 2 * (N - 1) / N * M
         assert r["w0_tx_bytes"] >= 0.8 * share, r
         if r["system"] == "xdp":
             assert r["bpf_ns"] > 0 and r["bpf_cnt"] > 0
@@ -71,7 +71,7 @@ def test_quick_bench_writes_sane_results_and_plots(tmp_path):
         if r["rate"] == "unshaped":
             assert r["bound_s"] is None and r["bound_fraction"] is None
         else:
-            ba, br = bench.bounds(M, N, 200_000_000)
+            ba, br = plan.bounds(M, N, 200_000_000)
             assert (r["bound_agg_s"], r["bound_ring_s"]) == (pytest.approx(ba), pytest.approx(br))
             assert r["bound_fraction"] == pytest.approx(r["bound_s"] / r["median_s"])
     # shaping held: the largest quick size cannot beat its bound by much (tbf's bucket is ~4 ms)
@@ -92,9 +92,9 @@ def test_unavailable_systems_are_skipped_with_a_reason(tmp_path):
 
 
 def test_probe_reasons():
-    assert "mpirun not found" in bench.probe("mpi", mpirun="/nonexistent/mpirun")[0]
-    assert bench.probe("ring")[0] is None and bench.probe("userspace")[0] is None
-    assert "unknown system" in bench.probe("nccl")[0]
+    assert "mpirun not found" in systems.probe("mpi", mpirun="/nonexistent/mpirun")[0]
+    assert systems.probe("ring")[0] is None and systems.probe("userspace")[0] is None
+    assert "unknown system" in systems.probe("nccl")[0]
 
 
 # --- the ring baseline ------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def _ring(tb, ranks, x, tmp: Path, tag: str, port: int):
     procs = []
     for i, r in enumerate(ranks):
         np.save(tmp / f"{tag}-in{i}.npy", x[i])
-        argv = [sys.executable, "-m", "nicoffload.ring", "--rank", str(i), "--world", str(len(ranks)),
+        argv = [sys.executable, "-m", "nicoffload.lab.tcpring", "--rank", str(i), "--world", str(len(ranks)),
                 "--peers", peers, "--port", str(port), "--input", str(tmp / f"{tag}-in{i}.npy"),
                 "--output", str(tmp / f"{tag}-out{i}.npy"), "--reps", "2", "--timeout", "10", "--json"]
         procs.append(tb.popen(tb.workers[r], argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -121,14 +121,12 @@ def test_ring_sums_exactly_or_within_the_float32_bound(make_testbed, tmp_path, n
     for k, size in enumerate((1, 1001, 300_007)):  # fewer elements than ranks, uneven chunks, ~1 MiB
         ints = rng.integers(-2**30, 2**30, size=(n, size), dtype=np.int64).astype(np.int32)
         outs = _ring(tb, list(range(n)), ints, tmp_path, f"i{k}", 47000 + k)
-        want = ints.sum(axis=0, dtype=np.int64).astype(np.int32)  # wraps modulo 2^32, like the ring
+        want = reference.host_sum(list(ints))  # the int64 sum; the ring's int32 wraps modulo 2^32
         for o in outs:
-            assert o.dtype == np.int32 and np.array_equal(o, want)
+            assert o.dtype == np.int32 and want.check(o).within_bound, want.check(o).reason
         fl = (rng.standard_normal((n, size)) * 10.0 ** rng.integers(-3, 3, size=(n, size))).astype(np.float32)
         outs = _ring(tb, list(range(n)), fl, tmp_path, f"f{k}", 47100 + k)
-        exact = fl.astype(np.float64).sum(axis=0)
-        bound = (n - 1) * 2.0 ** -24 * np.abs(fl.astype(np.float64)).sum(axis=0) + \
-            np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64) / 2
+        want = reference.host_sum(list(fl))
         for o in outs:
             assert o.dtype == np.float32 and np.array_equal(o, outs[0])  # every rank bit-identical
-            assert (np.abs(o.astype(np.float64) - exact) <= bound).all()
+            assert want.check(o).within_bound, want.check(o).reason
