@@ -7,6 +7,7 @@ import time
 
 from . import proto
 from .cli import add_examples
+from .jobspec import JobSpec
 
 
 def register(sub) -> None:
@@ -45,14 +46,7 @@ def register(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the status as JSON")
     q.set_defaults(func=_load)
 
-    q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
-    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live")
-    q.add_argument("--workers", type=int, default=4)
-    q.add_argument("--elems", type=int, default=proto.DEFAULT_ELEMS)
-    q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
-    q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
-    q.add_argument("--json", action="store_true")
-    q.set_defaults(func=_bench)
+    _register_bench(asub)
 
     for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
                           ("stats", _stats, "show the per-reason counters"),
@@ -181,29 +175,26 @@ def _unload(args) -> int:
     return 0
 
 
+def _register_bench(asub) -> None:
+    q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
+    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live")
+    q.add_argument("--workers", type=int, default=4)
+    JobSpec.add_arguments(q, only=("elems",))
+    q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
+    q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_bench)
+
+
 def _bench(args) -> int:
     from . import bpf
-    from .xdpbench import live_cost, test_run_costs
+    from .lab import xdpbench
 
     bpf.require_root("nicoffload agg bench")
-    out = {"workers": args.workers, "elems": args.elems, "test_run_ns": test_run_costs(args.workers, args.elems,
-                                                                                        args.rounds)}
+    elems = JobSpec.from_args(args).elems
+    out = {"workers": args.workers, "elems": elems, "test_run_ns": xdpbench.test_run_costs(args.workers, elems,
+                                                                                            args.rounds)}
     if not args.no_live:
-        out["live"] = live_cost(args.workers, elems=args.elems)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    t = out["test_run_ns"]
-    print(f"BPF_PROG_TEST_RUN, {args.workers} workers, {args.elems} int32 per record, one record per frame "
-          f"(median ns per frame; each frame run once, less {t['timer_overhead']:.0f} ns of timer overhead):")
-    for op in ("sum64", "sum"):
-        print(f"  {op:<6} first {t[op + '_first']:7.1f}   add {t[op + '_add']:7.1f}   complete "
-              f"{t[op + '_complete']:7.1f}   -> {t[op + '_per_element']:.2f} ns per element")
-    print(f"  duplicate {t['duplicate']:.1f}   retransmission answered {t['retx_answer']:.1f}   "
-          f"foreign pass {t['pass']:.1f}")
-    if "live" in out:
-        lv = out["live"]
-        print(f"live testbed ({lv['mode']} XDP, kernel bpf stats, 3 x 16 MiB float32 AllReduce): {lv['frames']} frames, "
-              f"{lv['records']} records; {lv['per_frame']:.0f} ns per frame, {lv['per_record']:.0f} ns per record, "
-              f"{lv['per_element']:.2f} ns per element")
+        out["live"] = xdpbench.live_cost(args.workers, elems=elems)
+    print(json.dumps(out) if args.json else xdpbench.describe(out))
     return 0

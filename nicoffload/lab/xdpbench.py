@@ -1,17 +1,22 @@
-"""In-kernel cost of the XDP aggregator: BPF_PROG_TEST_RUN on each code path, and kernel bpf stats
-(run_time_ns / run_cnt) on live testbed traffic, per record and per element. A benchmark, not a
-test."""
+"""In-kernel cost of the XDP aggregator (``nicoffload agg bench``): BPF_PROG_TEST_RUN on each
+code path, and kernel bpf stats (run_time_ns / run_cnt) on live testbed traffic, per record and
+per element. A benchmark, not a test."""
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from . import libbpf, proto
+from .. import libbpf, proto
+from ..jobspec import DEFAULT
+from .inputs import make_gradients
+from .jobs import run_job, tempdir, testbed
+
+#: bytes of float32 gradients per worker of the live measurement, and its AllReduces
+LIVE_SIZE, LIVE_REPS = 16 << 20, 3
 
 
-def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: int = 2000) -> dict:
+def test_run_costs(workers: int = 4, elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
     """Average ns per single-record frame, per path: the first contribution of a round (copy),
     the middle ones (add), the last (add, write the result, rewrite the headers); a duplicate
     (dropped), a retransmission of a completed round (answered from the Tx spot), foreign traffic
@@ -21,8 +26,9 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
     over 100,000 repeats, which the pass path allows: it does not change the frame). float32
     rounds use SUM64, int32 rounds SUM."""
     from nicoffload.packets import generators as gen
+    from nicoffload.packets import hostile
 
-    from .aggregator import Aggregator
+    from ..aggregator import Aggregator
 
     slots = min(rounds, 4096)
     agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
@@ -33,7 +39,7 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
             libbpf.test_run(fd, f)
         epoch = agg.job_state(agg.spec.job)["epoch"]
         out: dict = {}
-        foreign = gen.foreign()[1][1]
+        foreign = hostile.foreign()[1][1]
         single_pass = float(np.median([libbpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
         out["pass"] = float(libbpf.test_run(fd, foreign, repeat=100000).duration_ns)
         overhead = out["timer_overhead"] = max(0.0, single_pass - out["pass"])
@@ -69,22 +75,16 @@ def test_run_costs(workers: int = 4, elems: int = proto.DEFAULT_ELEMS, rounds: i
         agg.close()
 
 
-def live_cost(workers: int = 4, size: int = 16 << 20, elems: int = proto.DEFAULT_ELEMS, mode: str = "auto") -> dict:
+def live_cost(workers: int = 4, size: int = LIVE_SIZE, elems: int = DEFAULT.elems, mode: str = "auto") -> dict:
     """Run AllReduces of float32 gradients on a testbed with kernel bpf stats on: the XDP
     program's time per frame, per record and per element."""
-    from nicoffload.testbed.testbed import running
-
-    from .cli_worker import make_gradients
-    from .runner import run_job
-
     with libbpf.stats_enabled():
         grads = make_gradients(workers, size // 4, 0.0, 0)
-        mtu = max(1500, proto.mtu_for_elems(elems))
-        with running(workers, mtu=mtu) as tb, tempfile.TemporaryDirectory() as d:
+        with testbed(workers, elems) as tb, tempdir() as d:
             ins = [Path(d) / f"g{r}.npy" for r in range(workers)]
             for g, p in zip(grads, ins):
                 np.save(p, g)
-            res = run_job(tb, ins, [None] * workers, "xdp", elems=elems, reps=3, mode=mode)
+            res = run_job(tb, ins, [None] * workers, "xdp", elems=elems, reps=LIVE_REPS, mode=mode)
         records = res.agg_stats.get("records", 0)
         ns = res.agg_bpf_ns or 0
         return {"mode": res.mode, "frames": res.agg_bpf_cnt, "records": records, "run_time_ns": ns,
@@ -92,3 +92,21 @@ def live_cost(workers: int = 4, size: int = 16 << 20, elems: int = proto.DEFAULT
                 "per_record": ns / records if records else None,
                 "per_element": ns / (records * elems) if records else None, "allreduce_s": res.seconds}
 
+
+
+def describe(out: dict) -> str:
+    """The text ``nicoffload agg bench`` prints for ``{"workers", "elems", "test_run_ns", "live"?}``."""
+    t = out["test_run_ns"]
+    lines = [f"BPF_PROG_TEST_RUN, {out['workers']} workers, {out['elems']} int32 per record, one record per frame "
+             f"(median ns per frame; each frame run once, less {t['timer_overhead']:.0f} ns of timer overhead):"]
+    for op in ("sum64", "sum"):
+        lines.append(f"  {op:<6} first {t[op + '_first']:7.1f}   add {t[op + '_add']:7.1f}   complete "
+                     f"{t[op + '_complete']:7.1f}   -> {t[op + '_per_element']:.2f} ns per element")
+    lines.append(f"  duplicate {t['duplicate']:.1f}   retransmission answered {t['retx_answer']:.1f}   "
+                 f"foreign pass {t['pass']:.1f}")
+    if "live" in out:
+        lv = out["live"]
+        lines.append(f"live testbed ({lv['mode']} XDP, kernel bpf stats, {LIVE_REPS} x {LIVE_SIZE >> 20} MiB float32 "
+                     f"AllReduce): {lv['frames']} frames, {lv['records']} records; {lv['per_frame']:.0f} ns per frame, "
+                     f"{lv['per_record']:.0f} ns per record, {lv['per_element']:.2f} ns per element")
+    return "\n".join(lines)
