@@ -1,21 +1,26 @@
-"""Control plane of the XDP aggregator: compile with the job's sizes, attach inside a network
-namespace, pin program and maps so they outlive the process, configure the job, read counters
-and slot state, detach and unpin. ``status``/``stats``/``slots`` from a later process reopen the
-pinned maps through bcc's typed tables (no hand-written mirror of kernel structs)."""
+"""Control plane of the XDP aggregator: compile with the pool's sizes, attach inside a network
+namespace, pin program and maps so they outlive the process, register and remove jobs (each with
+its ranks, addresses, multicast group and share of the slot pool: :mod:`nicoffload.jobtable`),
+read counters and slot state, detach and unpin. A later process reopens the pinned maps through
+bcc's typed tables (:mod:`nicoffload.aggmaps`; no hand-written mirror of kernel structs); the
+jobs and addresses are recorded next to the pins, and changed under a lock, so several
+processes can add and remove jobs of one aggregator."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-import secrets
 import shutil
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterator, Sequence
 
 from . import bpf, libbpf, proto
-from .addr import ip_net, ip_str, mac_bytes, multicast_mac
+from .aggmaps import AggMaps
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from .jobspec import DEFAULT, JobSpec
+from .jobtable import JobEntry, JobTable
 
 STATE_DIR = Path("/run/nicoffload/aggregators")
 SOURCE = "aggregator.c"
@@ -38,8 +43,6 @@ def resolve_mode(mode: str, iface: str, netns: str | None) -> tuple[str, str]:
         return "generic", "generic XDP (batches): veth hands UDP_SEGMENT sends to generic XDP whole"
     return "native", f"native XDP (per datagram): driver {driver or 'unknown'}; try --mode generic with " \
                      f"rx-udp-gro-forwarding for batches"
-#: index of the job table entry that holds the job given at load time
-DEFAULT_JOB_INDEX = 0
 
 
 def pin_dir(netns: str | None, iface: str) -> Path:
@@ -52,11 +55,13 @@ def state_file(netns: str | None, iface: str) -> Path:
 
 @dataclass
 class AggSpec:
-    """What is loaded where; saved next to the pins so later processes find it."""
+    """What is loaded where, and the job registered at load time (``workers`` 0: none; its share
+    ``job_slots``, None: the whole pool). Saved next to the pins with the registered ``jobs``
+    and the addresses results are sent from, so later processes find them."""
 
     netns: str | None
     iface: str
-    workers: int
+    workers: int = 0
     slots: int = DEFAULT.slots
     elems: int = DEFAULT.elems
     port: int = DEFAULT.port
@@ -66,15 +71,19 @@ class AggSpec:
     worker_ips: list[str] = field(default_factory=list)
     prog_id: int | None = None
     mode_reason: str = ""
+    job_slots: int | None = None
+    agg_ip: str = ""
+    agg_mac: str = ""
+    jobs: list[dict] = field(default_factory=list)
 
     def validate(self) -> None:
-        if not 1 <= self.workers <= proto.MAX_WORKERS:
+        if not 0 <= self.workers <= proto.MAX_WORKERS:
             raise InputError(f"--workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
         JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems).validate()
         if self.mode not in MODES:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.worker_ips and len(self.worker_ips) != self.workers:
-            raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
+        if self.workers:
+            JobEntry(self.job, self.workers, self.group, list(self.worker_ips)).validate()
 
     def defines(self, pinned: bool) -> dict[str, int | str]:
         d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port}
@@ -116,6 +125,8 @@ class Aggregator:
                  attachment: bpf.XdpAttachment | None = None, owner: bool = True):
         self.spec = spec
         self.b = b
+        self.maps = AggMaps(b, spec.slots)
+        self.table = JobTable.from_dicts(spec.slots, spec.jobs)
         self.prog = prog
         self.attachment = attachment
         # close() unloads only what this object loaded (not a test program, not an inspection)
@@ -124,13 +135,13 @@ class Aggregator:
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
-    def load(cls, spec: AggSpec, configure: bool = True) -> "Aggregator":
+    def load(cls, spec: AggSpec) -> "Aggregator":
         spec.validate()
         bpf.require_root("loading the XDP aggregator")
         bpf.ensure_bpffs()
         pdir = pin_dir(spec.netns, spec.iface)
         # checks that name the problem before anything is created
-        ip, mac, mtu = iface_addr(spec.iface, spec.netns)
+        spec.agg_ip, spec.agg_mac, mtu = iface_addr(spec.iface, spec.netns)
         if bpf.xdp_prog_id(spec.iface, spec.netns) is not None:
             raise AlreadyExistsError(
                 f"{spec.iface} in {spec.netns or 'the root namespace'} already has an XDP program attached; "
@@ -143,14 +154,16 @@ class Aggregator:
         if mtu < need_mtu:
             raise InputError(f"{spec.elems} elements per packet need an MTU of {need_mtu}, {spec.iface} has {mtu}")
         spec.mode, spec.mode_reason = resolve_mode(spec.mode, spec.iface, spec.netns)
+        spec.jobs = []
         pdir.mkdir(parents=True, exist_ok=True)
         agg = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
             prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
             agg = cls(spec, b, prog)
-            if configure:
-                agg.configure(agg_ip=ip, agg_mac=mac)
+            agg.maps.reset_stats()
+            if spec.workers:
+                agg._admit(spec.job, spec.workers, spec.group, spec.worker_ips, spec.job_slots)
             agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
             libbpf.pin(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
@@ -167,25 +180,25 @@ class Aggregator:
     def for_test(cls, workers: int, slots: int = 64, elems: int = proto.DEFAULT_ELEMS,
                  port: int = DEFAULT.port, job: int = DEFAULT.job, group: str = DEFAULT.group,
                  agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
-                 worker_ips: Sequence[str] = ()) -> "Aggregator":
-        """Load (not attach, not pin) for BPF_PROG_TEST_RUN."""
+                 worker_ips: Sequence[str] = (), defines: dict | None = None) -> "Aggregator":
+        """Load (not attach, not pin) for BPF_PROG_TEST_RUN, with one job over the whole pool
+        (``workers`` 0: none). ``defines``: extra compile-time constants (tests)."""
         spec = AggSpec(None, "", workers, slots, elems, port, job=job, group=group,
-                       worker_ips=list(worker_ips))
+                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac)
         spec.validate()
-        b = bpf.compile_bpf(SOURCE, spec.defines(pinned=False))
+        b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
         prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
         agg = cls(spec, b, prog, owner=False)
-        agg.configure(agg_ip=agg_ip, agg_mac=agg_mac)
+        agg.maps.reset_stats()
+        if workers:
+            agg._admit(job, workers, group, list(worker_ips), None)
         return agg
 
     @classmethod
     def open(cls, netns: str | None, iface: str) -> "Aggregator":
         """Find an aggregator loaded by another process and reopen its pinned maps."""
         bpf.require_root("inspecting the XDP aggregator")
-        sf = state_file(netns, iface)
-        if not sf.exists():
-            raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}")
-        spec = AggSpec(**json.loads(sf.read_text()))
+        spec = _read_spec(netns, iface)
         pdir = pin_dir(netns, iface)
         if not (pdir / "ar_stats").exists():
             raise NotFoundError(f"aggregator state for {iface} in {netns} exists but its pins in {pdir} are gone; "
@@ -196,141 +209,115 @@ class Aggregator:
                                                    attached=bpf.xdp_prog_id(iface, netns) is not None),
                    owner=False)
 
+    def release(self) -> None:
+        """Leave the aggregator loaded when this object goes away (``agg load`` exits after this)."""
+        self._owner = False
+
+    @property
+    def live(self) -> bool:
+        """Attached and recorded (jobs changed here are saved for later processes)."""
+        return bool(self.spec.iface) and state_file(self.spec.netns, self.spec.iface).exists()
+
     def _save_state(self) -> None:
+        self.spec.jobs = self.table.to_dicts()
         sf = state_file(self.spec.netns, self.spec.iface)
         sf.parent.mkdir(parents=True, exist_ok=True)
-        sf.write_text(json.dumps(asdict(self.spec)))
+        tmp = sf.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self.spec)))
+        tmp.replace(sf)
 
-    # --- job configuration -----------------------------------------------------------------
-    def configure(self, agg_ip: str | None = None, agg_mac: str | None = None, job: int | None = None,
-                  worker_ips: Iterable[str] | None = None, group: str | None = None,
-                  workers: int | None = None) -> None:
-        """Validate, keep the shadow in ``spec``, then write the job table. Writing a job entry
-        ends any epoch the job had: its workers must JOIN again."""
-        s = self.spec
-        if job is not None:
-            s.job = job
-        if group is not None:
-            s.group = group
-        if workers is not None:
-            s.workers = workers
-        if worker_ips is not None:
-            s.worker_ips = list(worker_ips)
-        s.validate()
-        jobs = self.b["ar_jobs"]
-        old = jobs[jobs.Key(DEFAULT_JOB_INDEX)]
-        e = jobs.Leaf()
-        e.agg_ip = ip_net(agg_ip) if agg_ip is not None else old.agg_ip
-        e.agg_mac[:] = list(mac_bytes(agg_mac)) if agg_mac is not None else list(old.agg_mac)
-        e.job = s.job
-        e.workers = s.workers
-        e.worker_mask = (1 << s.workers) - 1
-        e.slot_base, e.slot_count = 0, s.slots
-        e.mcast_ip = ip_net(s.group)
-        e.mcast_mac[:] = list(mac_bytes(multicast_mac(s.group)))
-        # epochs of a new entry start at a random point, so a worker of an earlier load of this
-        # aggregator cannot hit a current epoch by chance
-        e.live, e.epoch = 0, secrets.randbits(32)
-        for r, ip in enumerate(s.worker_ips):
-            e.worker_ip[r] = ip_net(ip)
-        e.configured = 1
-        index = self.b["ar_job_index"]
-        for k in list(index.keys()):
-            if index[k].value == DEFAULT_JOB_INDEX and k.value != s.job:
-                del index[k]
-        self._write(jobs, DEFAULT_JOB_INDEX, e)
-        self._write(index, s.job, index.Leaf(DEFAULT_JOB_INDEX))
-        if self.spec.iface and state_file(self.spec.netns, self.spec.iface).exists():
-            self._save_state()  # a live aggregator: later processes read the spec from there
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Change the jobs of a live aggregator under its lock, from the latest saved table."""
+        if not self.live:
+            yield
+            return
+        lock = state_file(self.spec.netns, self.spec.iface).with_suffix(".lock")
+        with open(lock, "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            self.spec.jobs = _read_spec(self.spec.netns, self.spec.iface).jobs
+            self.table = JobTable.from_dicts(self.spec.slots, self.spec.jobs)
+            yield
+            self._save_state()
 
-    def _write(self, table, key: int, value) -> None:
+    # --- jobs ------------------------------------------------------------------------------
+    def add_job(self, job: int, workers: int, group: str | None = None, worker_ips: Sequence[str] = (),
+                slots: int | None = None) -> JobEntry:
+        """Register a job with its own share of the pool (``slots``; None: the largest free
+        range) and its own multicast group (None: the first one no job uses, see
+        :func:`default_group`). Refused with CapacityError when the pool has no room."""
+        with self._changing():
+            g = group or default_group(job, self.table)
+            return self._admit(job, workers, g, list(worker_ips), slots)
+
+    def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None) -> JobEntry:
+        e = self.table.admit(job, workers, group, worker_ips, slots)
         try:
-            table[table.Key(key)] = value
-        except Exception as e:  # bcc raises plain Exception with errno text
-            raise MapError(f"writing {table.name.decode() if isinstance(table.name, bytes) else table.name}"
-                           f"[{key}] failed: {e}") from e
+            self.maps.clear_slots(e.slots)
+            self.maps.reset_stats([e.index + 1])
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
+        except BaseException:
+            self.table.remove(job)
+            self.maps.erase_job(e)
+            raise
+        return e
+
+    def remove_job(self, job: int) -> JobEntry:
+        """Unregister a job: its packets are counted as bad_job from now on; its slots are free."""
+        with self._changing():
+            e = self.table.remove(job)
+            self.maps.erase_job(e)
+            return e
+
+    def reset_jobs(self) -> None:
+        """Write every job's entry anew: every epoch ends, workers must JOIN again (tests)."""
+        for e in self.table.entries.values():
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
 
     def reset_slots(self) -> None:
         """Zero every slot. Not needed between runs (epochs keep them apart); for tests."""
-        t = self.b["ar_slots"]
-        empty = t.Leaf()
-        for i in range(self.spec.slots):
-            self._write(t, i, empty)
+        self.maps.clear_slots(range(self.spec.slots))
 
     def reset_stats(self) -> None:
-        t = self.b["ar_stats"]
-        for i in range(proto.MAX_JOBS + 1):
-            t[t.Key(i)] = t.Leaf(*([t.sLeaf()] * t.total_cpu))
+        self.maps.reset_stats()
 
     # --- inspection ------------------------------------------------------------------------
     def stats(self, job: int | None = None) -> dict[str, int]:
         """Counters summed over CPUs: of one job (wire id), or over every row (``job=None``)."""
-        t = self.b["ar_stats"]
-        if job is None:
-            rows = range(proto.MAX_JOBS + 1)
-        else:
-            idx = self._job_index(job)
-            rows = [idx + 1]
-        out = dict.fromkeys(proto.STATS, 0)
-        for row in rows:
-            for cpu in t[t.Key(row)]:
-                for i, name in enumerate(proto.STATS):
-                    out[name] += int(cpu.c[i])
-        return out
+        rows = range(proto.MAX_JOBS + 1) if job is None else [self.maps.job_index(job) + 1]
+        return self.maps.stats(rows)
 
-    def _job_index(self, job: int) -> int:
-        index = self.b["ar_job_index"]
-        try:
-            return int(index[index.Key(job)].value)
-        except KeyError:
-            raise NotFoundError(f"job {job} is not registered on this aggregator") from None
-
-    def config(self) -> dict:
-        """The default job's entry (addresses, ranks, epoch state)."""
-        return self.job_state(self.spec.job)
+    def unattributed(self) -> dict[str, int]:
+        """Counters of traffic that named no registered job (row 0)."""
+        return self.maps.stats([0])
 
     def job_state(self, job: int) -> dict:
-        c = self.b["ar_jobs"][self.b["ar_jobs"].Key(self._job_index(job))]
-        n = c.workers
-        return {
-            "job": c.job, "workers": n, "worker_mask": c.worker_mask, "configured": bool(c.configured),
-            "agg_ip": ip_str(c.agg_ip), "group": ip_str(c.mcast_ip),
-            "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac),
-            "slot_base": c.slot_base, "slots": c.slot_count,
-            "epoch": c.live, "last_epoch": c.epoch, "joined": c.joined,
-            "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
-            "worker_ips": [ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
-        }
+        return self.maps.job_state(job)
+
+    def config(self) -> dict:
+        """The load-time job's entry (addresses, ranks, epoch state)."""
+        return self.job_state(self.spec.job)
+
+    def jobs(self) -> list[dict]:
+        """Every registered job: its share, group and addresses, epoch state and counters."""
+        out = []
+        for e in sorted(self.table.entries.values(), key=lambda e: e.slot_base):
+            out.append({**self.job_state(e.job), "stats": self.stats(e.job)})
+        return out
 
     def slot(self, i: int, with_data: bool = False) -> dict:
-        if not 0 <= i < self.spec.slots:
-            raise InputError(f"slot {i} out of range 0..{self.spec.slots - 1}")
-        t = self.b["ar_slots"]
-        v = t[t.Key(i)]
-        sets = []
-        for k in range(2):
-            s = v.set[k]
-            exp = socket.ntohs(s.exp & 0xFFFF)
-            d = {
-                "set": k, "used": bool(s.epoch), "epoch": s.epoch, "round": s.round, "bitmap": s.bitmap,
-                "mask": s.mask, "complete": bool(s.complete), "count": s.count,
-                "exp": exp - 0x10000 if exp >= 0x8000 else exp, "op": proto.OPS.get(s.op, str(s.op)),
-            }
-            if with_data:
-                import numpy as np
-
-                d["acc"] = np.ctypeslib.as_array(s.acc).view("<i4").copy()
-            sets.append(d)
-        return {"slot": i, "sets": sets}
+        return self.maps.slot(i, with_data)
 
     def status(self) -> dict:
+        s = self.spec
         return {
-            "netns": self.spec.netns, "iface": self.spec.iface, "mode": self.spec.mode,
-            "mode_reason": self.spec.mode_reason,
-            "attached": bool(self.spec.iface) and bpf.xdp_prog_id(self.spec.iface, self.spec.netns) is not None,
-            "prog_id": self.spec.prog_id, "workers": self.spec.workers, "slots": self.spec.slots,
-            "elems": self.spec.elems, "port": self.spec.port, "job": self.spec.job,
-            "group": self.spec.group, "pins": str(pin_dir(self.spec.netns, self.spec.iface)),
+            "netns": s.netns, "iface": s.iface, "mode": s.mode, "mode_reason": s.mode_reason,
+            "attached": bool(s.iface) and bpf.xdp_prog_id(s.iface, s.netns) is not None,
+            "prog_id": s.prog_id, "slots": s.slots, "elems": s.elems, "port": s.port,
+            "agg_ip": s.agg_ip, "pins": str(pin_dir(s.netns, s.iface)),
+            "jobs": self.table.to_dicts(), "free_slots": self.table.free_slots(),
+            # the load-time job, as before several jobs could share an aggregator
+            "job": s.job, "workers": s.workers, "group": s.group,
         }
 
     # --- test run --------------------------------------------------------------------------
@@ -341,7 +328,8 @@ class Aggregator:
 
     # --- teardown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Unload: detach, remove pins and state. Safe to call twice."""
+        """Unload what this object loaded (detach, remove pins and state); release the rest.
+        Safe to call twice."""
         if self._closed:
             return
         self._closed = True
@@ -359,6 +347,27 @@ class Aggregator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def default_group(job: int, table: JobTable) -> str:
+    """A multicast group no registered job uses: DEFAULT.group for the first job, then
+    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
+    used = {e.group for e in table.entries.values()}
+    if DEFAULT.group not in used:
+        return DEFAULT.group
+    for x in range(2, 255):
+        g = f"239.77.0.{x}"
+        if g not in used:
+            return g
+    raise InputError(f"no free default multicast group for job {job}: give one with --group")
+
+
+def _read_spec(netns: str | None, iface: str) -> AggSpec:
+    sf = state_file(netns, iface)
+    try:
+        return AggSpec(**json.loads(sf.read_text()))
+    except FileNotFoundError:
+        raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}") from None
 
 
 def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
@@ -386,6 +395,7 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
         except OSError:
             pass
     sf.unlink(missing_ok=True)
+    sf.with_suffix(".lock").unlink(missing_ok=True)
     if not (found or detached) and not missing_ok:
         raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
     return found or detached

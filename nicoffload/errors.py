@@ -66,3 +66,9 @@ class InputError(NicoffloadError):
     """Bad user input (files, shapes, dtypes, NaN)."""
 
     exit_code = 2
+
+
+class CapacityError(NicoffloadError):
+    """The aggregator has no room for a job (slots or job-table entries)."""
+
+    exit_code = 10

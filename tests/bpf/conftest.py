@@ -33,7 +33,7 @@ def make_agg(_agg_cache):
         else:
             agg.reset_slots()
             agg.reset_stats()
-            agg.configure(agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC)
+            agg.reset_jobs()
         return agg
 
     return make

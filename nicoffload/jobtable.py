@@ -1,0 +1,131 @@
+"""The aggregator's job table as data: which jobs are registered, with which ranks, addresses,
+multicast group and share of the slot pool, and the rules for admitting a new one. No BPF here:
+:class:`nicoffload.aggregator.Aggregator` writes what this decides into the kernel's maps.
+
+Rules (each refusal names what to do):
+- at most ``proto.MAX_JOBS`` jobs; job ids are unique;
+- a job's share is a contiguous range of the pool, never overlapping another job's (a job's
+  packets can only touch its own slots: the XDP program adds ``slot_base`` to the record's slot
+  and checks it against ``slot_count``); a new job gets the first free range that fits
+  (first fit); when none fits the job is refused (:class:`CapacityError`) with the largest free
+  range in the message;
+- every job has its own multicast group (results of one job must never reach another's hosts);
+- ranks' source addresses are registered per job; a rank whose address is given can only
+  contribute from that address (the XDP program counts anything else as ``bad_src``).
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import asdict, dataclass, field
+
+from . import proto
+from .errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
+from .jobspec import JobSpec
+
+
+@dataclass
+class JobEntry:
+    """One registered job: ``index`` is its row of the kernel's job table (its counters are in
+    row ``index + 1`` of the stats map; row 0 counts traffic of no job)."""
+
+    job: int
+    workers: int
+    group: str
+    worker_ips: list[str] = field(default_factory=list)
+    slot_base: int = 0
+    slot_count: int = 0
+    index: int = 0
+
+    def validate(self) -> "JobEntry":
+        if not 1 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"a job has 1..{proto.MAX_WORKERS} workers, not {self.workers}")
+        JobSpec(job=self.job, group=self.group).validate()
+        if self.worker_ips and len(self.worker_ips) != self.workers:
+            raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
+        for ip in self.worker_ips:
+            try:
+                ipaddress.IPv4Address(ip)
+            except ValueError:
+                raise InputError(f"worker address {ip!r} is not an IPv4 address") from None
+        if len(set(self.worker_ips)) != len(self.worker_ips):
+            raise InputError(f"job {self.job}: two ranks registered with the same address")
+        return self
+
+    @property
+    def slots(self) -> range:
+        return range(self.slot_base, self.slot_base + self.slot_count)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class JobTable:
+    """The registered jobs of one aggregator whose pool has ``pool`` slots."""
+
+    def __init__(self, pool: int, entries: list[JobEntry] | None = None):
+        self.pool = pool
+        self.entries: dict[int, JobEntry] = {e.job: e for e in entries or []}
+
+    @classmethod
+    def from_dicts(cls, pool: int, rows: list[dict]) -> "JobTable":
+        return cls(pool, [JobEntry(**r) for r in rows])
+
+    def to_dicts(self) -> list[dict]:
+        return [e.to_dict() for e in sorted(self.entries.values(), key=lambda e: e.slot_base)]
+
+    def get(self, job: int) -> JobEntry:
+        try:
+            return self.entries[job]
+        except KeyError:
+            known = ", ".join(str(j) for j in sorted(self.entries)) or "none"
+            raise NotFoundError(f"job {job} is not registered on this aggregator (registered: {known})") from None
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """(base, count) of every unused range of the pool, in order."""
+        out, at = [], 0
+        for e in sorted(self.entries.values(), key=lambda e: e.slot_base):
+            if e.slot_base > at:
+                out.append((at, e.slot_base - at))
+            at = max(at, e.slot_base + e.slot_count)
+        if at < self.pool:
+            out.append((at, self.pool - at))
+        return out
+
+    def free_slots(self) -> int:
+        return sum(c for _, c in self.free_ranges())
+
+    def admit(self, job: int, workers: int, group: str, worker_ips: list[str] | tuple = (),
+              slots: int | None = None) -> JobEntry:
+        """Register a job: its share is ``slots`` slots (None: the largest free range). Raises
+        AlreadyExistsError, InputError or CapacityError, naming the conflict; changes nothing then."""
+        if job in self.entries:
+            raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
+        entry = JobEntry(job, workers, group, list(worker_ips)).validate()
+        for other in self.entries.values():
+            if other.group == group:
+                raise InputError(f"multicast group {group} is already job {other.job}'s: give each job its own "
+                                 f"group (--group), or its results would reach the other job's hosts")
+        if len(self.entries) >= proto.MAX_JOBS:
+            raise CapacityError(f"the aggregator holds {proto.MAX_JOBS} jobs, its most; remove one first")
+        free = self.free_ranges()
+        largest = max((c for _, c in free), default=0)
+        want = largest if slots is None else slots
+        if want < 1:
+            raise CapacityError(f"no free slots left in the pool of {self.pool}: remove a job, or load the "
+                                f"aggregator with more --slots")
+        fit = next(((b, c) for b, c in free if c >= want), None)
+        if fit is None:
+            raise CapacityError(
+                f"job {job} asks for {want} slots, but the largest free range of the pool holds {largest} "
+                f"({self.free_slots()} of {self.pool} free): ask for fewer (--slots), remove a job, or load the "
+                f"aggregator with more --slots")
+        used = {e.index for e in self.entries.values()}
+        entry.index = min(i for i in range(proto.MAX_JOBS) if i not in used)
+        entry.slot_base, entry.slot_count = fit[0], want
+        self.entries[job] = entry
+        return entry
+
+    def remove(self, job: int) -> JobEntry:
+        entry = self.get(job)
+        del self.entries[job]
+        return entry
