@@ -138,7 +138,7 @@ class Launch:
             raise
 
     def _start(self, tb, spec: RankSpec) -> None:
-        err = tempfile.TemporaryFile("w+", prefix="nicoffload-stderr-")
+        err = tempfile.TemporaryFile("w+", errors="replace", prefix="nicoffload-stderr-")
         self._err.append(err)
         p = tb.popen(spec.host, spec.argv, stdout=subprocess.PIPE, stderr=err, text=True, env=spec.env)
         lines: list[str] = []
