@@ -1,9 +1,6 @@
 """The XDP aggregator on whole frames through BPF_PROG_TEST_RUN: batches of records, malformed,
-foreign and unregistered traffic, concurrency on two CPUs, record sizes."""
+foreign and unregistered traffic, record sizes (concurrency: test_concurrency.py)."""
 from __future__ import annotations
-
-import os
-import threading
 
 import pytest
 from scapy.layers.inet import IP, UDP
@@ -121,36 +118,7 @@ def test_an_unregistered_job_is_counted_in_row_zero(make_agg, joined):
     assert agg.stats()["bad_job"] == 1 and agg.stats(job=1)["bad_job"] == 0
 
 
-# --- concurrency and sizes -------------------------------------------------------------------------
-
-
-def test_exact_under_concurrency_on_two_cpus(make_agg, joined):
-    """Two threads pinned to different CPUs run contributions for the same rounds at once."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("needs two CPUs")
-    n, rounds = 2, 64
-    agg = make_agg(workers=n, slots=rounds)
-    ep = joined(agg, n)
-    arrays = gen.sample_arrays(n, 256 * rounds, seed=14)
-    frames = gen.contributions(arrays, slots=rounds, epoch=ep)
-    per_rank = [frames[r::n] for r in range(n)]
-    results: list[list] = [[], []]
-
-    def worker(r):
-        os.sched_setaffinity(0, {r})
-        for f in per_rank[r]:
-            results[r].append(agg.run(f))
-
-    ts = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    tx = [o for rs in results for o in rs if o.verdict == XDP_TX]
-    assert len(tx) == rounds
-    got = sorted(o.data for o in tx)
-    want = sorted(gen.result_frame(w) for w in gen.expected_results(arrays, slots=rounds, epoch=ep))
-    assert got == want
+# --- sizes -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("elems", [2, 858])
