@@ -32,6 +32,7 @@ class JobSpec:
     window: int | None = None      # rounds in flight per worker (None: as many as slots)
     timeout: float = 10.0          # seconds a worker waits without progress before failing
     sparse: bool = True            # skip zero blocks (a metadata round even for int32)
+    local_port: int | None = None  # the port workers bind and send from (None: ``port``)
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -52,6 +53,8 @@ class JobSpec:
             raise InputError(f"--elems must be even, 2..{max_e} (MTU {proto.MAX_MTU} on veth), not {self.elems}")
         if self.window is not None and self.window < 1:
             raise InputError(f"--window must be at least 1, not {self.window}")
+        if self.local_port is not None and not 1 <= self.local_port <= 65535:
+            raise InputError(f"--local-port must be 1..65535, not {self.local_port}")
         if not self.timeout > 0:
             raise InputError(f"--timeout must be positive, not {self.timeout}")
         return self
@@ -78,6 +81,8 @@ class JobSpec:
         "window": ("--window", "rounds in flight per worker (default: slots)"),
         "timeout": ("--timeout", "seconds without progress before a worker fails"),
         "sparse": ("--dense", "no zero-block detection (skips the metadata round for int32)"),
+        "local_port": ("--local-port", "UDP port the workers bind and send from; results come back to it "
+                                       "(default: --port; ranks of jobs that share a host need different ones)"),
     }
 
     @classmethod
@@ -95,7 +100,7 @@ class JobSpec:
                 parser.add_argument(opt, dest="spec_dense", action="store_true", help=text)
                 continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
-                    "group": str}[f.name]
+                    "group": str, "local_port": int}[f.name]
             shown = "" if value is None else f" (default {value})"
             parser.add_argument(opt, dest=f"spec_{f.name}", type=kind, default=value, help=text + shown)
 

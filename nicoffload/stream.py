@@ -70,14 +70,15 @@ class RoundStream:
     GAP = 128
 
     def __init__(self, rank: int, world: int, aggregator: str, *, group: str, local_ip: str | None, job: int,
-                 port: int, slots: int, window: int, elems: int, timeout: float, rto: float, max_rto: float,
+                 port: int, local_port: int | None, slots: int, window: int, elems: int, timeout: float, rto: float,
+                 max_rto: float,
                  buffers: Buffers):
         self.rank, self.world, self.aggregator, self.job, self.port = rank, world, aggregator, job, port
         self.slots, self.window, self.elems, self.timeout = slots, window, elems, timeout
         self.rto, self.max_rto = rto, max_rto
         self.last = CallStats()
         self._rec = proto.record_size(elems)
-        self._t = Transport(port, group, local_ip, self._rec)
+        self._t = Transport(port if local_port is None else local_port, group, local_ip, self._rec)
         self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
         self._all = (1 << world) - 1

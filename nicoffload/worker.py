@@ -61,6 +61,7 @@ class Communicator:
     rto: float = 0.02
     max_rto: float = 0.5
     sparse: bool = DEFAULT.sparse
+    local_port: int | None = DEFAULT.local_port  # bound and sent from (None: port); results return to it
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -70,7 +71,7 @@ class Communicator:
         """A rank of the job ``spec`` describes."""
         return cls(rank, world, aggregator, group=spec.group, local_ip=local_ip, job=spec.job, port=spec.port,
                    slots=spec.slots, window=spec.window, elems=spec.elems, timeout=spec.timeout,
-                   sparse=spec.sparse, **kw)
+                   sparse=spec.sparse, local_port=spec.local_port, **kw)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -83,7 +84,8 @@ class Communicator:
         self._all = (1 << self.world) - 1
         self._buf = Buffers()
         self._s = RoundStream(self.rank, self.world, self.aggregator, group=self.group, local_ip=self.local_ip,
-                              job=self.job, port=self.port, slots=self.slots, window=self.window, elems=self.elems,
+                              job=self.job, port=self.port, local_port=self.local_port, slots=self.slots,
+                              window=self.window, elems=self.elems,
                               timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf)
         self._rec = self._s.record_size
 

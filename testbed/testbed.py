@@ -229,11 +229,17 @@ class Testbed:
 
         with ipr(topo.bridge_netns) as br:
             br.link("set", index=link_index(br, "lo"), state="up")
-            br.link("add", ifname=BRIDGE_IFACE, kind="bridge", br_mcast_snooping=0, br_stp_state=0,
+            # IGMP snooping with the bridge as querier: results of a job's multicast group reach only
+            # the ports whose hosts joined it (several jobs on one testbed stay apart). The bridge
+            # floods every group until its querier has waited one query response interval: 0.1 s
+            # (centiseconds) instead of 10 s, so that a testbed isolates its jobs once it is up.
+            br.link("add", ifname=BRIDGE_IFACE, kind="bridge", br_mcast_snooping=1,
+                    br_mcast_query_response_intvl=10, br_stp_state=0,
                     br_nf_call_iptables=0, br_nf_call_ip6tables=0, br_nf_call_arptables=0,
                     br_forward_delay=0, mtu=topo.mtu)
             br_idx = link_index(br, BRIDGE_IFACE)
             br.link("set", index=br_idx, state="up")
+            br.link("set", index=br_idx, kind="bridge", br_mcast_querier=1)  # after the interval is set
             for h in hosts:
                 q = h.link.queues
                 br.link("add", ifname=h.peer, kind="veth", mtu=topo.mtu, num_tx_queues=q, num_rx_queues=q,

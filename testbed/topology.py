@@ -37,7 +37,7 @@ BRIDGE_IFACE = "br0"
 SUBNET_MIN, SUBNET_MAX = 1, 254
 SUBNET_FMT = "10.200.{x}.0"
 PREFIXLEN = 24
-MCAST_FMT = "239.77.{x}.1"
+GROUP_FMT = "239.77.{x}.{job}"
 AGG_HOST_OCTET = 1
 WORKER_HOST_OCTET0 = 10
 MAX_NAME = 12
@@ -213,7 +213,14 @@ class Topology:
 
     @property
     def mcast_group(self) -> str:
-        return MCAST_FMT.format(x=self._x())
+        return self.group_of(1)
+
+    def group_of(self, job: int) -> str:
+        """The multicast group of job ``job`` (1..254) on this testbed: 239.77.X.job (job 1's is
+        :attr:`mcast_group`); the bridge snoops IGMP, so a group reaches only the hosts that joined it."""
+        if not 1 <= job <= 254:
+            raise InputError(f"testbed groups exist for jobs 1..254, not {job}")
+        return GROUP_FMT.format(x=self._x(), job=job)
 
     @property
     def subnet_cidr(self) -> str:

@@ -30,6 +30,17 @@ def save(tmp_path, arrays, tag=""):
     return ins, outs
 
 
+def wait_for_epoch(ap, procs, timeout=60.0) -> None:
+    """Until every rank has joined (the aggregator formed the job's epoch): process start-up takes
+    seconds on a loaded machine, so a fixed sleep cannot say the ranks are in the middle of a job."""
+    deadline = time.monotonic() + timeout
+    while not ap.stats().get("epoch_formed"):
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, [p.stderr.read() for p in dead]
+        assert time.monotonic() < deadline, "the ranks never formed an epoch"
+        time.sleep(0.05)
+
+
 def adversarial(world, seed=0):
     rng = np.random.default_rng(seed)
     out = []
@@ -128,12 +139,13 @@ def test_a_rank_that_dies_mid_call_is_named_by_every_other_rank_within_the_timeo
     tb = make_testbed(3)
     ins, outs = save(tmp_path, arrays)
     enable_gro(tb)
-    with AggregatorProcess(tb, "xdp", mode=mode):
+    with AggregatorProcess(tb, "xdp", mode=mode) as ap:
         procs = [tb.popen(w, CLI + ["worker", "--rank", str(w.rank), "--world", "3", "--aggregator", tb.agg.ip,
                                     "--group", tb.mcast_group, "--local-ip", w.ip, "--input", str(ins[w.rank]),
                                     "--timeout", "2", "--reps", "200"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in tb.workers]
-        time.sleep(3.0)  # joined, in the middle of the repetitions
+        wait_for_epoch(ap, procs)
+        time.sleep(1.0)  # in the middle of the repetitions
         assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs if p.poll() is not None]
         procs[2].kill()
         t0 = time.monotonic()
@@ -234,9 +246,10 @@ def test_a_worker_restarted_mid_job_fails_the_job_clearly(make_testbed, tmp_path
                       str(outs[w.rank]), "--timeout", "3", "--reps", str(reps)]
         return tb.popen(w, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    with AggregatorProcess(tb, "xdp"):
+    with AggregatorProcess(tb, "xdp") as ap:
         procs = [start(w, 200) for w in tb.workers]
-        time.sleep(2.0)  # joined and in the middle of its repetitions
+        wait_for_epoch(ap, procs)
+        time.sleep(1.0)  # in the middle of its repetitions
         assert procs[2].poll() is None
         procs[2].kill()
         procs[2].wait()

@@ -1,0 +1,96 @@
+"""Several jobs on one XDP aggregator, end to end: jobs on their own hosts run at once and are
+exact, a job's results reach only its own hosts (the testbed bridge snoops IGMP), and two jobs
+whose ranks share hosts stay apart through their own groups and local ports."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+
+from nicoffload.aggregator import AggSpec, Aggregator
+from nicoffload.worker import Communicator
+
+
+def rx_packets(tb, host) -> int:
+    out = tb.run(host, ["ip", "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["stats64"]["rx"]["packets"]
+
+
+def run_jobs(tb, jobs: list[dict], inputs: dict) -> dict:
+    """Run every job's ranks at once (a thread per rank, its socket in its host's namespace);
+    returns {(job, rank): output}. ``jobs``: dicts of job, group, hosts, local_port."""
+    comms, outs, errors = {}, {}, []
+    for j in jobs:
+        for r, h in enumerate(j["hosts"]):
+            with tb.in_host(h):
+                comms[j["job"], r] = Communicator(r, len(j["hosts"]), tb.agg.ip, group=j["group"],
+                                                  local_ip=tb.host(h).ip, job=j["job"], slots=j["slots"],
+                                                  local_port=j.get("local_port"), timeout=20)
+
+    def go(key):
+        try:
+            outs[key] = comms[key].allreduce(inputs[key])
+        except BaseException as e:  # reported below, naming the rank
+            errors.append((key, e))
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in comms]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for c in comms.values():
+            c.close()
+    assert not errors, errors
+    return outs
+
+
+def inputs_for(jobs, n, seed):
+    rng = np.random.default_rng(seed)
+    return {(j["job"], r): rng.standard_normal(n).astype(np.float32) for j in jobs for r in range(len(j["hosts"]))}
+
+
+def check(jobs, inputs, outs):
+    for j in jobs:
+        ranks = range(len(j["hosts"]))
+        want = np.sum([inputs[j["job"], r].astype(np.float64) for r in ranks], axis=0)
+        for r in ranks:
+            assert np.allclose(outs[j["job"], r], want, atol=1e-4), (j["job"], r)
+
+
+def test_jobs_on_their_own_hosts_run_at_once_exact_and_apart(make_testbed):
+    tb = make_testbed(4)
+    w = [h.name for h in tb.workers]
+    jobs = [dict(job=1, group=tb.topology.group_of(1), hosts=w[:2], slots=256),
+            dict(job=2, group=tb.topology.group_of(2), hosts=w[2:], slots=256)]
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=512)) as agg:
+        for j in jobs:
+            agg.add_job(j["job"], 2, j["group"], [tb.host(h).ip for h in j["hosts"]], slots=j["slots"])
+        ins = inputs_for(jobs, 300_000, seed=1)
+        check(jobs, ins, run_jobs(tb, jobs, ins))
+        for j in jobs:
+            st = agg.stats(j["job"])
+            assert st["completed"] > 0 and st["aggregated"] == 2 * st["completed"], st
+            assert st["bad_src"] == 0 and st["bad_slot"] == 0
+        # job 1 alone: its results reach w0 and w1 only
+        before = [rx_packets(tb, h) for h in w]
+        ins1 = inputs_for(jobs[:1], 300_000, seed=2)
+        check(jobs[:1], ins1, run_jobs(tb, jobs[:1], ins1))
+        got = [rx_packets(tb, h) - b for h, b in zip(w, before)]
+        assert min(got[:2]) > 20 and max(got[2:]) <= 2, f"packets received per worker: {got}"
+
+
+def test_two_jobs_sharing_hosts_stay_apart(make_testbed):
+    tb = make_testbed(2)
+    w = [h.name for h in tb.workers]
+    jobs = [dict(job=7, group=tb.topology.group_of(7), hosts=w, slots=128, local_port=5007),
+            dict(job=8, group=tb.topology.group_of(8), hosts=w, slots=128, local_port=5008)]
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=256)) as agg:
+        for j in jobs:
+            agg.add_job(j["job"], 2, j["group"], [tb.host(h).ip for h in j["hosts"]], slots=j["slots"])
+        for seed in (3, 4):  # twice: a second run of both jobs is exact too
+            ins = inputs_for(jobs, 200_000, seed=seed)
+            check(jobs, ins, run_jobs(tb, jobs, ins))
+        assert agg.stats(7)["epoch_formed"] == agg.stats(8)["epoch_formed"] == 2
