@@ -29,6 +29,8 @@ _recvmmsg = types.ExternalFunction("recvmmsg", types.int32(types.int32, types.in
 _sendmmsg = types.ExternalFunction("sendmmsg", types.int32(types.int32, types.intp, types.uint32, types.int32))
 MSG_DONTWAIT = 0x40
 SOL_UDP, UDP_GRO = 17, 104
+#: bytes of a struct sockaddr_in (the sender's address of a received datagram)
+SOCKADDR_IN = 16
 #: bytes before a control message's data (struct cmsghdr: len, level, type)
 CMSG_HDR = ctypes.sizeof(ctypes.c_size_t) + 8
 
@@ -176,23 +178,29 @@ def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size)
 
 
 @njit(cache=True, boundscheck=False)
-def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace,
-              buf, stride, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias, kind,
+def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace, namelen, src_addr, src_port,
+              peer, foreign, buf, stride, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias, kind,
               out_i, out_f32, out_f64, done, status, newly, stash, stash_round, gate):
     """Receive everything queued (recvmmsg, never blocking) and decode every record as it comes
-    (decode_results). Returns (datagrams, new results, event); the new rounds are newly[:new]."""
+    (decode_results). Returns (datagrams, new results, event); the new rounds are newly[:new].
+    With ``peer`` set (address, port as stored in a sockaddr_in; 0: anyone), datagrams from any
+    other sender are skipped and counted in ``foreign[0]``."""
     total = 0
     new = 0
     event = 0
     while True:
         for m in range(nmsgs):
             clen[m] = cspace
+            namelen[m] = SOCKADDR_IN
         n = _recvmmsg(fd, msgs, nmsgs, MSG_DONTWAIT, 0)
         if n <= 0:
             break
         for m in range(n):
             ok = clen[m] >= CMSG_HDR + 4 and cm_level[m] == SOL_UDP and cm_type[m] == UDP_GRO
             segs[m] = cm_data[m] if ok else 0
+            if peer[0] and (src_addr[m] != peer[0] or src_port[m] != peer[1]):
+                lens[m] = 0  # not from the aggregator: decode_results skips it
+                foreign[0] += 1
         got, ev = decode_results(buf, stride, lens, segs, n, rec, elems, job, epoch, rank, base, nrounds,
                                  nslots, blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status,
                                  newly[new:], stash, stash_round, gate)

@@ -42,6 +42,7 @@ class CallStats:
     timeouts: int = 0
     loops: int = 0              # iterations of the send/receive loop
     syscalls: int = 0
+    foreign: int = 0            # datagrams from someone other than the aggregator, skipped
 
     def add(self, other: "CallStats") -> None:
         for k in self.__dataclass_fields__:
@@ -79,6 +80,7 @@ class RoundStream:
         self.last = CallStats()
         self._rec = proto.record_size(elems)
         self._t = Transport(port if local_port is None else local_port, group, local_ip, self._rec)
+        self._t.expect_from((aggregator, port))
         self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
         self._all = (1 << world) - 1
@@ -105,9 +107,9 @@ class RoundStream:
         """Compile (or load) the system-call kernels for this transport's buffers."""
         one = np.zeros(1, np.int64)
         pump.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
-                          np.zeros(1, np.int32), 1, pump.KIND_INT32, np.zeros(1, np.int32),
-                          np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
-                          np.zeros(1, np.int64), np.zeros(1, np.int64), self._stash, self._stash_round, self._gate)
+                       np.zeros(1, np.int32), 1, pump.KIND_INT32, np.zeros(1, np.int32),
+                       np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
+                       np.zeros(1, np.int64), np.zeros(1, np.int64), self._stash, self._stash_round, self._gate)
         t = self._t
         pump.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
 
@@ -125,6 +127,11 @@ class RoundStream:
     @property
     def syscalls(self) -> int:
         return self._t.syscalls
+
+    @property
+    def foreign(self) -> int:
+        """Datagrams received from someone other than the aggregator, and skipped."""
+        return self._t.foreign
 
     @property
     def bias(self) -> int:

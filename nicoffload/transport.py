@@ -110,6 +110,21 @@ class Transport:
         self._setup_tx()
         self.syscalls = 0
         self.datagrams_sent = 0
+        self.refused = 0  # ICMP port unreachable reported by the kernel
+
+    def expect_from(self, peer: tuple[str, int]) -> None:
+        """Take only what ``peer`` (the aggregator) sends: the receive pump and :meth:`recv_into`
+        skip datagrams from any other address or port (counted in ``foreign``), so a host on the
+        same network cannot inject results by sending to the worker's port or group unless it
+        spoofs the aggregator's address."""
+        self._peer[0] = int.from_bytes(socket.inet_aton(peer[0]), "little")
+        self._peer[1] = socket.htons(peer[1])
+        self._peer_tuple = (peer[0], peer[1])
+
+    @property
+    def foreign(self) -> int:
+        """Datagrams skipped because they did not come from the expected peer."""
+        return int(self._foreign[0])
 
     # --- receive ---------------------------------------------------------------------------
     def _setup_rx(self) -> None:
@@ -117,6 +132,7 @@ class Transport:
         self._rx_ctrl = np.zeros(MAX_MSGS * _CMSG_SPACE_INT, dtype=np.uint8)
         self._rx_iov = (_Iovec * MAX_MSGS)()
         self._rx_msgs = (_Mmsghdr * MAX_MSGS)()
+        self._rx_names = np.zeros((MAX_MSGS, ctypes.sizeof(_SockaddrIn)), dtype=np.uint8)
         base, cbase = self.rx.ctypes.data, self._rx_ctrl.ctypes.data
         for m in range(MAX_MSGS):
             self._rx_iov[m].iov_base = base + m * SLOT_BYTES
@@ -125,6 +141,7 @@ class Transport:
             h.msg_iov = ctypes.pointer(self._rx_iov[m])
             h.msg_iovlen = 1
             h.msg_control = cbase + m * _CMSG_SPACE_INT
+            h.msg_name = self._rx_names.ctypes.data + m * ctypes.sizeof(_SockaddrIn)
         self.rx_msgs_addr = ctypes.addressof(self._rx_msgs)
         stride = ctypes.sizeof(_Mmsghdr)
         buf = (ctypes.c_char * (stride * MAX_MSGS)).from_buffer(self._rx_msgs)
@@ -136,11 +153,20 @@ class Transport:
         self._cm_type = ctrl[:, 12:16].view(np.int32)[:, 0]
         self._cm_data = ctrl[:, _CMSG_HDR:_CMSG_HDR + 4].view(np.int32)[:, 0]
         self.rx_segs = np.zeros(MAX_MSGS, dtype=np.int64)
+        # the sender of each datagram (sockaddr_in: port and address in network order, as stored)
+        self._rx_namelen = np.ndarray((MAX_MSGS,), np.uint32, buf,
+                                      _Mmsghdr.msg_hdr.offset + _Msghdr.msg_namelen.offset, (stride,))
+        self._src_port = self._rx_names[:, 2:4].view(np.uint16)[:, 0]
+        self._src_addr = self._rx_names[:, 4:8].view(np.uint32)[:, 0]
+        self._peer = np.zeros(2, dtype=np.int64)  # (address, port) as stored; 0: take everything
+        self._peer_tuple: tuple[str, int] | None = None
+        self._foreign = np.zeros(1, dtype=np.int64)
 
     def recv_args(self) -> tuple:
         """The socket and receive buffers, as pump.pump_recv takes them."""
         return (self.fd, self.rx_msgs_addr, MAX_MSGS, self._rx_clen, self._cm_level, self._cm_type, self._cm_data,
-                self.rx_lens, self.rx_segs, _CMSG_SPACE_INT, self.rx, SLOT_BYTES)
+                self.rx_lens, self.rx_segs, _CMSG_SPACE_INT, self._rx_namelen, self._src_addr, self._src_port,
+                self._peer, self._foreign, self.rx, SLOT_BYTES)
 
     def wait(self, timeout: float) -> bool:
         """Wait until something can be received (at most ``timeout`` seconds)."""
@@ -191,7 +217,9 @@ class Transport:
             if sent >= count:
                 return
             err = last_errno()
-            if err not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR):
+            if err == errno.ECONNREFUSED:  # an earlier datagram met a closed port: reported, now cleared
+                self.refused += 1
+            elif err not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR):
                 raise OSError(err, f"sendmmsg to {self._dest} failed: {errno.errorcode.get(err, err)}")
             first, count = first + sent, count - sent
             select.select([], [self.sock], [], 0.001)
@@ -204,6 +232,8 @@ class Transport:
                 return
             except (BlockingIOError, InterruptedError):
                 select.select([], [self.sock], [], 0.001)
+            except ConnectionRefusedError:  # an earlier datagram met a closed port; send again
+                self.refused += 1
             except OSError as e:
                 if e.errno != errno.ENOBUFS:
                     raise
@@ -215,6 +245,12 @@ class Transport:
         try:
             nbytes, anc, _flags, addr = self.sock.recvmsg_into([buf], _CMSG_SPACE_INT)
         except BlockingIOError:
+            return 0, 0, None
+        except ConnectionRefusedError:  # the peer's port was closed (nothing listened): no data
+            self.refused += 1
+            return 0, 0, None
+        if self._peer_tuple is not None and addr != self._peer_tuple:
+            self._foreign[0] += 1
             return 0, 0, None
         seg = nbytes
         for level, typ, data in anc:

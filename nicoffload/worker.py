@@ -126,7 +126,7 @@ class Communicator:
             raise InputError("out must be a C-contiguous array with the input's shape and dtype")
         t0 = time.perf_counter()
         st = self.last = self._s.last = CallStats()
-        sys0 = self._s.syscalls
+        sys0, foreign0 = self._s.syscalls, self._s.foreign
         n = x.size
         if n == 0:
             return out
@@ -201,6 +201,7 @@ class Communicator:
             st.results = K
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
+        st.foreign = self._s.foreign - foreign0
         self.stats.add(st)
         return out
 
