@@ -7,7 +7,23 @@ import time
 
 from . import proto
 from .cli import add_examples
-from .jobspec import JobSpec
+from .jobspec import DEFAULT, JobSpec
+
+MODES = ["auto", "generic", "native"]
+
+
+def _job_arguments(q, load: bool = False) -> None:
+    """The options of a job entry (``agg load`` registers one when --workers is given)."""
+    q.add_argument("--workers", type=int, required=not load, default=0,
+                   help=f"ranks in the job (1..{proto.MAX_WORKERS})" + ("; without it no job is registered" if load
+                                                                      else ""))
+    q.add_argument("--job", type=int, default=DEFAULT.job, help=f"job id carried in every packet (default {DEFAULT.job})")
+    q.add_argument("--group", default=None,
+                   help=f"IP multicast group of the job's results (default: {DEFAULT.group}, or the next one no job uses)")
+    q.add_argument("--worker-ip", action="append", default=[], metavar="IP",
+                   help="registered source address of rank 0, 1, ... (repeat; default: unchecked)")
+    q.add_argument("--job-slots" if load else "--slots", dest="job_slots", type=int, default=None,
+                   help="the job's share of the pool (default: the largest free range)")
 
 
 def register(sub) -> None:
@@ -27,25 +43,24 @@ def register(sub) -> None:
         q.add_argument("--netns", default=None, help="network namespace of the interface (default: root)")
         q.add_argument("--iface", required=True, help="interface the aggregator runs on")
 
-    q = asub.add_parser("load", help="compile, attach (native XDP) and pin the aggregator")
+    q = asub.add_parser("load", help="compile, attach and pin the aggregator (and register a first job)")
     add_examples(q, "sudo nicoffload agg load --netns nco-tb-agg --iface eth0 --workers 4",
+                 "sudo nicoffload agg load --netns NS --iface eth0 --slots 4096   # jobs come with 'agg job add'",
                  "sudo nicoffload agg load --netns NS --iface eth0 --workers 8 --slots 2048 --elems 512 --mode generic")
     where(q)
-    q.add_argument("--workers", type=int, required=True, help=f"ranks in the job (1..{proto.MAX_WORKERS})")
-    q.add_argument("--slots", type=int, default=1024, help="aggregation slots in the pool (default 1024)")
-    q.add_argument("--elems", type=int, default=proto.DEFAULT_ELEMS,
-                   help=f"int32 elements per packet (default {proto.DEFAULT_ELEMS} = 1 KiB)")
-    q.add_argument("--mode", choices=["auto", "generic", "native"], default="auto",
+    q.add_argument("--slots", type=int, default=DEFAULT.slots,
+                   help=f"aggregation slots in the pool, shared by the jobs (default {DEFAULT.slots})")
+    q.add_argument("--elems", type=int, default=DEFAULT.elems,
+                   help=f"int32 elements per packet (default {DEFAULT.elems} = 1 KiB)")
+    q.add_argument("--mode", choices=MODES, default="auto",
                    help="XDP attach mode: auto picks the fastest that works on the interface (generic "
                         "batches on veth, native elsewhere) and says which")
-    q.add_argument("--port", type=int, default=proto.DEFAULT_PORT, help=f"UDP port (default {proto.DEFAULT_PORT})")
-    q.add_argument("--job", type=int, default=1, help="job id carried in every packet (default 1)")
-    q.add_argument("--group", default="239.77.0.1", help="IP multicast group results are sent to")
-    q.add_argument("--worker-ip", action="append", default=[], metavar="IP",
-                   help="registered source address of rank 0, 1, ... (repeat; default: unchecked)")
+    q.add_argument("--port", type=int, default=DEFAULT.port, help=f"UDP port (default {DEFAULT.port})")
+    _job_arguments(q, load=True)
     q.add_argument("--json", action="store_true", help="print the status as JSON")
     q.set_defaults(func=_load)
 
+    _register_jobs(asub, where)
     _register_bench(asub)
 
     for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
@@ -57,6 +72,8 @@ def register(sub) -> None:
         if name != "unload":
             q.add_argument("--json", action="store_true", help="print JSON")
         if name == "stats":
+            q.add_argument("--job", type=int, default=None,
+                           help="one job's counters (default: every row, including traffic of no job)")
             q.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
                            help="print rates every SECONDS until interrupted")
             add_examples(q, "sudo nicoffload agg stats --netns NS --iface eth0",
@@ -75,17 +92,95 @@ def _load(args) -> int:
     from .aggregator import AggSpec, Aggregator
 
     spec = AggSpec(args.netns, args.iface, args.workers, args.slots, args.elems, args.port, args.mode,
-                   args.job, args.group, list(args.worker_ip))
+                   args.job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots)
     agg = Aggregator.load(spec)
     st = agg.status()
     # the program stays attached and pinned after this process exits
-    agg.b = None
+    agg.release()
     if args.json:
         print(json.dumps(st))
-    else:
-        print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}): {st['mode_reason']}; "
-              f"prog id {st['prog_id']}: {args.workers} workers, {args.slots} slots x {args.elems} int32, "
-              f"port {args.port}, results to {args.group}; pinned in {st['pins']}")
+        return 0
+    print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}): {st['mode_reason']}; "
+          f"prog id {st['prog_id']}: a pool of {args.slots} slots x {args.elems} int32, port {args.port}; "
+          f"pinned in {st['pins']}")
+    for j in st["jobs"]:
+        print("  " + _describe_job(j))
+    if not st["jobs"]:
+        print("  no job yet: register one with 'nicoffload agg job add'")
+    return 0
+
+
+def _describe_job(j: dict) -> str:
+    base, n = j["slot_base"], j["slot_count"]
+    ips = ", ".join(j["worker_ips"]) if j["worker_ips"] else "sources unchecked"
+    return (f"job {j['job']}: {j['workers']} workers ({ips}), slots {base}..{base + n - 1} of the pool, "
+            f"results to {j['group']}")
+
+
+def _register_jobs(asub, where) -> None:
+    q = asub.add_parser("job", help="register, remove and list the jobs of a loaded aggregator")
+    add_examples(q, "sudo nicoffload agg job add --netns NS --iface eth0 --job 2 --workers 4 --slots 256 "
+                    "--group 239.77.0.2 --worker-ip 10.0.0.1 --worker-ip 10.0.0.2 ...",
+                 "sudo nicoffload agg job list --netns NS --iface eth0",
+                 "sudo nicoffload agg job remove --netns NS --iface eth0 --job 2")
+    jsub = q.add_subparsers(dest="job_command", metavar="ACTION")
+    jsub.required = True
+    a = jsub.add_parser("add", help="register a job with its ranks, addresses, group and share of the pool")
+    where(a)
+    _job_arguments(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_job_add)
+    r = jsub.add_parser("remove", help="unregister a job (its packets are then counted as no job's)")
+    where(r)
+    r.add_argument("--job", type=int, required=True)
+    r.set_defaults(func=_job_remove)
+    ls = jsub.add_parser("list", help="the registered jobs with their epoch state and counters")
+    where(ls)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_job_list)
+
+
+def _job_add(args) -> int:
+    from .aggregator import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
+    e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots)
+    print(json.dumps(e.to_dict()) if args.json else
+          f"registered on {args.iface}: {_describe_job(agg.job_state(e.job) | e.to_dict())}; "
+          f"{agg.table.free_slots()} of {agg.spec.slots} slots left")
+    return 0
+
+
+def _job_remove(args) -> int:
+    from .aggregator import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    e = agg.remove_job(args.job)
+    print(f"job {e.job} removed from {args.iface}; slots {e.slot_base}..{e.slot_base + e.slot_count - 1} are free")
+    return 0
+
+
+def _job_list(args) -> int:
+    from .aggregator import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    jobs = agg.jobs()
+    if args.json:
+        print(json.dumps({"jobs": jobs, "free_slots": agg.table.free_slots(), "slots": agg.spec.slots,
+                          "unattributed": agg.unattributed()}))
+        return 0
+    print(f"{'job':>6} {'workers':>7} {'slots':>13} {'group':>15} {'epoch':>10} {'joined':>10} {'completed':>10} "
+          f"{'rx':>10} {'dropped':>8}")
+    for j in jobs:
+        s = j["stats"]
+        span = f"{j['slot_base']}..{j['slot_base'] + j['slots'] - 1}"
+        bad = sum(v for k, v in s.items() if k.startswith("bad_"))
+        print(f"{j['job']:>6} {j['workers']:>7} {span:>13} {j['group']:>15} {j['epoch']:>10} {j['joined']:>#10x} "
+              f"{s['completed']:>10} {s['rx']:>10} {bad:>8}")
+    u = agg.unattributed()
+    print(f"free slots: {agg.table.free_slots()} of {agg.spec.slots}; traffic of no job: {u['rx']} frames, "
+          f"{u['bad_job']} of an unregistered job")
     return 0
 
 
@@ -94,18 +189,18 @@ def _status(args) -> int:
 
     agg = Aggregator.open(args.netns, args.iface)
     st = agg.status()
-    st["config"] = agg.config()
     st["stats"] = agg.stats()
     if args.json:
         print(json.dumps(st))
-    else:
-        state = "attached" if st["attached"] else "NOT attached (pins only; run unload)"
-        print(f"{st['iface']} in {st['netns'] or 'root'}: {state}, {st['mode']} XDP, prog id {st['prog_id']}")
-        print(f"  job {st['job']}, {st['workers']} workers, {st['slots']} slots x {st['elems']} int32, "
-              f"port {st['port']}, results to {st['group']}")
-        s = st["stats"]
-        print(f"  rx {s['rx']}  completed {s['completed']}  retx answered {s['retx_answered']}  "
-              f"dropped (malformed) {sum(v for k, v in s.items() if k.startswith('bad_'))}")
+        return 0
+    state = "attached" if st["attached"] else "NOT attached (pins only; run unload)"
+    print(f"{st['iface']} in {st['netns'] or 'root'}: {state}, {st['mode']} XDP, prog id {st['prog_id']}")
+    print(f"  a pool of {st['slots']} slots x {st['elems']} int32 ({st['free_slots']} free), port {st['port']}")
+    for j in st["jobs"]:
+        print("  " + _describe_job(j))
+    s = st["stats"]
+    print(f"  rx {s['rx']}  completed {s['completed']}  retx answered {s['retx_answered']}  "
+          f"dropped (malformed) {sum(v for k, v in s.items() if k.startswith('bad_'))}")
     return 0
 
 
@@ -122,17 +217,21 @@ def _stats(args) -> int:
     from .aggregator import Aggregator
 
     agg = Aggregator.open(args.netns, args.iface)
+
+    def read() -> dict:
+        return agg.stats(args.job)
+
     if args.watch is None:
-        s = agg.stats()
+        s = read()
         print(json.dumps(s) if args.json else "", end="\n" if args.json else "")
         if not args.json:
             _print_stats(s, None, 0)
         return 0
-    prev, t0 = agg.stats(), time.monotonic()
+    prev, t0 = read(), time.monotonic()
     try:
         while True:
             time.sleep(args.watch)
-            cur, t1 = agg.stats(), time.monotonic()
+            cur, t1 = read(), time.monotonic()
             if args.json:
                 print(json.dumps({"t": t1, "stats": cur}), flush=True)
             else:

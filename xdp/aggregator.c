@@ -81,6 +81,14 @@ static __always_inline int serial_after(u32 a, u32 b)
     return (s32)(a - b) > 0;
 }
 
+/* A rank's acknowledgement only moves forward (serial order). */
+static __always_inline void raise_ack(u32 *ack, struct ar_hdr *h)
+{
+    u32 a = bpf_ntohl(h->ack);
+    if (serial_after(a, *ack))
+        *ack = a;
+}
+
 static __always_inline void count(struct ar_counters *st, u32 idx)
 {
     if (idx < AR_STAT__COUNT)
@@ -638,10 +646,7 @@ static __always_inline u32 identify(struct ar_hdr *h, struct iphdr *ip, struct s
 /* Note the sender's head (every result below it is held) for the Tx-spot rule. */
 static __always_inline void note_ack(struct sender *s, struct ar_hdr *h)
 {
-    u32 *ack = &s->job->ack[s->rank];
-    u32 a = bpf_ntohl(h->ack);
-    if (serial_after(a, *ack))
-        *ack = a;
+    raise_ack(&s->job->ack[s->rank], h);
 }
 
 /* --- the three kinds of frame ------------------------------------------------------------------- */
@@ -726,14 +731,15 @@ static __always_inline int on_contrib(struct xdp_md *ctx, struct sender *s, stru
         return reject(st, AR_STAT_BAD_TRUNCATED); /* cut short of its own lengths */
     u32 n = len / AR_REC_LEN;
 
-    /* the sender's head (same in every record of its batch) before any round may begin */
-    if (s->live && bpf_ntohl(h->epoch) == s->live)
-        note_ack(s, h);
-
     struct frame f = {
         .ctx = ctx, .job = s->job, .st = st, .job_id = h->job, .live = s->live, .rank = h->rank,
-        .bit = s->bit, .mcast = 0, .answer = 0, .gate = bpf_htonl(job_gate(s->job)), .kept = 0,
+        .bit = s->bit, .mcast = 0, .answer = 0, .gate = 0, .kept = 0,
     };
+    /* the sender's head (the same in every record of its batch) before any round may begin,
+     * taken only from a first record that passes every check; results carry the gate after it */
+    if (s->live && bpf_ntohl(h->epoch) == s->live && !check_record(&f, s->job, h))
+        note_ack(s, h);
+    f.gate = bpf_htonl(job_gate(s->job));
     bpf_loop(n, ar_record, &f, 0);
 
     if (!f.mcast && !f.answer)

@@ -137,3 +137,19 @@ def test_result_layer_dissects(make_agg, joined):
     out = agg.run(gen.contributions(gen.sample_arrays(1, 256, seed=16), slots=8, epoch=ep)[0])
     ar = Ether(out.data)[AllReduce]
     assert ar.type == proto.TYPE_RESULT and ar.rank == proto.RANK_AGG and ar.epoch == ep and ar.mask == 1
+
+
+def test_a_rejected_record_moves_no_acknowledgement(make_agg, joined):
+    """A record that fails a check changes no state, not even its rank's head (the gate)."""
+    agg = make_agg(workers=2, slots=8)
+    ep = joined(agg, 2)
+    bad = gen.record(rank=0, round=0, slots=8, epoch=ep, mask=0b11, ack=1000)
+    bad = bad[:proto.FIELD_OFFSETS["slot"]] + (99).to_bytes(4, "big") + bad[proto.FIELD_OFFSETS["slot"] + 4:]
+    out = agg.run(gen.frame(bad, src_mac=gen.worker_mac(0), dst_mac=gen.AGG_MAC, src_ip=gen.worker_ip(0),
+                            dst_ip=gen.AGG_IP))
+    assert out.verdict == XDP_DROP and agg.stats()["bad_slot"] == 1
+    assert agg.job_state(1)["acks"] == [0, 0]
+    good = gen.record(rank=0, round=0, slots=8, epoch=ep, mask=0b11, ack=5)
+    agg.run(gen.frame(good, src_mac=gen.worker_mac(0), dst_mac=gen.AGG_MAC, src_ip=gen.worker_ip(0),
+                      dst_ip=gen.AGG_IP))
+    assert agg.job_state(1)["acks"] == [5, 0]

@@ -94,3 +94,46 @@ def test_two_jobs_sharing_hosts_stay_apart(make_testbed):
             ins = inputs_for(jobs, 200_000, seed=seed)
             check(jobs, ins, run_jobs(tb, jobs, ins))
         assert agg.stats(7)["epoch_formed"] == agg.stats(8)["epoch_formed"] == 2
+
+
+def test_the_job_commands(make_testbed):
+    import subprocess
+    import sys
+
+    from nicoffload.aggregator import state_file, unload
+
+    cli = [sys.executable, "-m", "nicoffload.cli"]
+    tb = make_testbed(3)
+    a, w = tb.agg, tb.workers
+    where = ["--netns", a.netns, "--iface", a.iface]
+
+    def run(*argv):
+        return subprocess.run(cli + ["agg", *argv, *where], capture_output=True, text=True, timeout=120)
+
+    try:
+        r = run("load", "--slots", "256")
+        assert r.returncode == 0 and "no job yet" in r.stdout, r.stderr
+        r = run("job", "add", "--job", "3", "--workers", "2", "--slots", "200", "--group", tb.topology.group_of(3),
+                "--worker-ip", w[0].ip, "--worker-ip", w[1].ip)
+        assert r.returncode == 0 and "slots 0..199" in r.stdout, r.stderr
+        r = run("job", "add", "--job", "4", "--workers", "1", "--slots", "100", "--group", tb.topology.group_of(4))
+        assert r.returncode == 10 and "largest free range of the pool holds 56" in r.stderr, (r.returncode, r.stderr)
+        r = run("job", "add", "--job", "4", "--workers", "1", "--group", tb.topology.group_of(4),
+                "--worker-ip", w[2].ip, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["slot_count"] == 56, r.stderr
+        # a job runs through the registered entry (another process, as users run them)
+        ins = {(4, 0): np.arange(1000, dtype=np.float32)}
+        check([dict(job=4, hosts=[w[2].name])], ins,
+              run_jobs(tb, [dict(job=4, group=tb.topology.group_of(4), hosts=[w[2].name], slots=56)], ins))
+        r = run("job", "list", "--json")
+        jobs = {j["job"]: j for j in json.loads(r.stdout)["jobs"]}
+        assert set(jobs) == {3, 4} and jobs[4]["stats"]["completed"] > 0 and jobs[3]["stats"]["rx"] == 0
+        r = run("job", "remove", "--job", "3")
+        assert r.returncode == 0 and "slots 0..199 are free" in r.stdout
+        r = run("stats", "--job", "3")
+        assert r.returncode == 5 and "not registered" in r.stderr
+        r = run("job", "list")
+        assert r.returncode == 0 and "free slots: 200 of 256" in r.stdout, r.stdout
+    finally:
+        unload(a.netns, a.iface, missing_ok=True)
+    assert not state_file(a.netns, a.iface).exists()
