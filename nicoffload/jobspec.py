@@ -102,7 +102,8 @@ class JobSpec:
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]
             shown = "" if value is None else f" (default {value})"
-            parser.add_argument(opt, dest=f"spec_{f.name}", type=kind, default=value, help=text + shown)
+            parser.add_argument(opt, dest=f"spec_{f.name}", metavar=f.name.upper(), type=kind, default=value,
+                                help=text + shown)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **changes) -> "JobSpec":
