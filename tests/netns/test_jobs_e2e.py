@@ -137,3 +137,13 @@ def test_the_job_commands(make_testbed):
     finally:
         unload(a.netns, a.iface, missing_ok=True)
     assert not state_file(a.netns, a.iface).exists()
+
+
+def test_the_tenants_benchmark_runs_jobs_at_once_and_checks_them():
+    from nicoffload.lab import tenants
+
+    lines = []
+    rows = tenants.run([1, 2], workers=2, nbytes=256 << 10, reps=3, progress=lines.append)
+    assert [r.jobs for r in rows] == [1, 2] and all(r.exact for r in rows)
+    assert len(rows[1].seconds) == 2 and rows[1].aggregate_gbps > 0
+    assert "x one job alone" in lines[1]
