@@ -11,7 +11,6 @@ import contextlib
 import fcntl
 import json
 import shutil
-import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,6 +18,7 @@ from typing import Iterator, Sequence
 from . import bpf, libbpf, proto
 from .aggmaps import AggMaps
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
+from .iface import MODES, iface_addr, resolve_mode
 from .jobspec import DEFAULT, JobSpec
 from .jobtable import JobEntry, JobTable
 
@@ -26,23 +26,6 @@ STATE_DIR = Path("/run/nicoffload/aggregators")
 SOURCE = "aggregator.c"
 MAPS_HEADER = "agg_maps.h"
 ENTRY, CALLBACKS = "ar_aggregate", ("ar_record",)
-#: attach modes: auto picks the fastest that works on the interface (see resolve_mode)
-MODES = ("auto", "generic", "native")
-
-
-def resolve_mode(mode: str, iface: str, netns: str | None) -> tuple[str, str]:
-    """(native|generic, why). Generic (skb) XDP sees a worker's UDP_SEGMENT send or a UDP GRO
-    batch whole, so one program run aggregates up to 61 records and the result goes back as one
-    frame; native XDP sees single datagrams. On veth generic is the fastest (measured: see the
-    README); on other drivers native is the default (batches there need UDP GRO forwarding on
-    the NIC, which generic mode with `ethtool -K IF rx-udp-gro-forwarding on` can use)."""
-    if mode != "auto":
-        return mode, f"{mode} XDP, as asked"
-    driver = bpf.iface_driver(iface, netns)
-    if driver == "veth":
-        return "generic", "generic XDP (batches): veth hands UDP_SEGMENT sends to generic XDP whole"
-    return "native", f"native XDP (per datagram): driver {driver or 'unknown'}; try --mode generic with " \
-                     f"rx-udp-gro-forwarding for batches"
 
 
 def pin_dir(netns: str | None, iface: str) -> Path:
@@ -90,31 +73,6 @@ class AggSpec:
         if pinned:
             d["AR_PIN_DIR"] = f'"{pin_dir(self.netns, self.iface)}"'
         return d
-
-
-def iface_addr(iface: str, netns: str | None) -> tuple[str, str, int]:
-    """(ipv4, mac, mtu) of an interface inside a namespace."""
-    from pyroute2 import IPRoute
-
-    with bpf.netns(netns):
-        idx = socket.if_nametoindex(iface) if _exists(iface) else 0
-        if not idx:
-            where = f" in namespace {netns!r}" if netns else ""
-            raise NotFoundError(f"no interface {iface!r}{where}")
-        with IPRoute() as ipr:
-            link = ipr.get_links(idx)[0]
-            addrs = ipr.get_addr(index=idx, family=socket.AF_INET)
-    if not addrs:
-        raise NotFoundError(f"interface {iface!r} has no IPv4 address; the aggregator sends results from it")
-    return addrs[0].get_attr("IFA_ADDRESS"), link.get_attr("IFLA_ADDRESS"), link.get_attr("IFLA_MTU")
-
-
-def _exists(iface: str) -> bool:
-    try:
-        socket.if_nametoindex(iface)
-        return True
-    except OSError:
-        return False
 
 
 class Aggregator:

@@ -98,6 +98,35 @@ def ensure_bpffs() -> None:
         raise SetupError(f"mounting the BPF filesystem on {BPFFS} failed; run: mount -t bpf bpf {BPFFS}")
 
 
+def make_pin_dir(path: Path, attempts: int = 10) -> None:
+    """Create the pin directory ``path`` under :data:`PIN_ROOT` with its missing parents.
+    Another process's :func:`remove_pin_dir` may remove a parent this call has just made (it
+    was empty for a moment): then the chain is made again."""
+    for left in range(attempts - 1, -1, -1):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if not left:
+                raise
+
+
+def remove_pin_dir(path: Path) -> bool:
+    """Remove the pin directory ``path`` with its pins, then each parent up to and including
+    :data:`PIN_ROOT` that it leaves empty. A parent another process uses holds that process's
+    directory, so it is not empty and stays. Returns whether ``path`` existed."""
+    existed = path.exists()
+    shutil.rmtree(path, ignore_errors=True)
+    for parent in path.parents:
+        if not parent.is_relative_to(PIN_ROOT):
+            break
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (in use), or already gone
+            break
+    return existed
+
+
 @contextlib.contextmanager
 def _capture_stderr() -> Iterator[list[str]]:
     """Capture what C code writes to fd 2 (bcc writes compiler errors and verifier logs there)."""
@@ -176,7 +205,7 @@ class XdpAttachment:
         return detach_xdp(self.ifname, self.netns, self.mode)
 
 
-def _ifindex(ifname: str, ns: str | None) -> int:
+def ifindex(ifname: str, ns: str | None) -> int:
     idx = _libc.if_nametoindex(ifname.encode())
     if idx == 0:
         where = f" in namespace {ns!r}" if ns else ""
@@ -189,7 +218,7 @@ def xdp_prog_id(ifname: str, ns: str | None) -> int | None:
     from pyroute2 import IPRoute
 
     with netns(ns):
-        idx = _ifindex(ifname, ns)
+        idx = ifindex(ifname, ns)
         with IPRoute() as ipr:
             link = ipr.get_links(idx)[0]
     xdp = link.get_attr("IFLA_XDP")
@@ -199,49 +228,13 @@ def xdp_prog_id(ifname: str, ns: str | None) -> int | None:
     return pid or None
 
 
-_SIOCETHTOOL = 0x8946
-_ETHTOOL_GDRVINFO = 3
-
-
-class _Drvinfo(ctypes.Structure):
-    _fields_ = [("cmd", ctypes.c_uint32), ("driver", ctypes.c_char * 32), ("version", ctypes.c_char * 32),
-                ("fw_version", ctypes.c_char * 32), ("bus_info", ctypes.c_char * 32),
-                ("erom_version", ctypes.c_char * 32), ("reserved2", ctypes.c_char * 12),
-                ("n_priv_flags", ctypes.c_uint32), ("n_stats", ctypes.c_uint32), ("testinfo_len", ctypes.c_uint32),
-                ("eedump_len", ctypes.c_uint32), ("regdump_len", ctypes.c_uint32)]
-
-
-class _Ifreq(ctypes.Structure):
-    _fields_ = [("ifr_name", ctypes.c_char * 16), ("ifr_data", ctypes.c_void_p), ("pad", ctypes.c_char * 16)]
-
-
-def iface_driver(ifname: str, ns: str | None) -> str:
-    """The driver of an interface (ethtool's GDRVINFO), e.g. "veth"; "" if it does not say."""
-    import fcntl
-    import socket
-
-    with netns(ns):
-        _ifindex(ifname, ns)
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        info = _Drvinfo(cmd=_ETHTOOL_GDRVINFO)
-        req = bytearray(_Ifreq(ifr_name=ifname.encode(), ifr_data=ctypes.addressof(info)))
-        try:
-            fcntl.ioctl(s.fileno(), _SIOCETHTOOL, req)  # the kernel fills `info` through ifr_data
-        except OSError:
-            return ""
-        return info.driver.decode(errors="replace")
-    finally:
-        s.close()
-
-
 def attach_xdp(fn, ifname: str, ns: str | None, mode: str = "native") -> XdpAttachment:
     """Attach ``fn`` to ``ifname`` inside ``ns``; refuses to replace an existing program."""
     bcc = import_bcc()
     if mode not in MODES:
         raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
     with netns(ns):
-        _ifindex(ifname, ns)
+        ifindex(ifname, ns)
         _, exc, log = _call_capturing(bcc.BPF.attach_xdp, ifname, fn, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
     if exc is not None:
         log = log.strip()
@@ -366,7 +359,7 @@ def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") ->
     if mode not in MODES:
         raise AttachError(f"unknown XDP mode {mode!r}; choose native or generic")
     with netns(ns):
-        idx = _ifindex(ifname, ns)
+        idx = ifindex(ifname, ns)
         err = libbpf.xdp_attach(idx, fd, MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
     if err:
         where = f"{ifname} in {ns or 'the root namespace'}"

@@ -44,7 +44,8 @@ class AggregatorProcess:
             raise InputError(f"unknown aggregator {kind!r}: choose {' or '.join(KINDS)}")
 
     def _load_xdp(self, mode: str) -> None:
-        from ..aggregator import AggSpec, Aggregator, resolve_mode
+        from ..aggregator import AggSpec, Aggregator
+        from ..iface import resolve_mode
 
         a, s = self.tb.agg, self.spec
         mode, _why = resolve_mode(mode, a.iface, a.netns)
