@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -122,7 +123,9 @@ def remove_pin_dir(path: Path) -> bool:
             break
         try:
             parent.rmdir()
-        except OSError:  # not empty (in use), or already gone
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: in use
             break
     return existed
 
