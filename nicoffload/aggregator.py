@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -113,7 +112,7 @@ class Aggregator:
             raise InputError(f"{spec.elems} elements per packet need an MTU of {need_mtu}, {spec.iface} has {mtu}")
         spec.mode, spec.mode_reason = resolve_mode(spec.mode, spec.iface, spec.netns)
         spec.jobs = []
-        pdir.mkdir(parents=True, exist_ok=True)
+        bpf.make_pin_dir(pdir)
         agg = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
@@ -129,7 +128,7 @@ class Aggregator:
         except BaseException:
             if agg is not None and agg.attachment is not None:
                 agg.attachment.detach()
-            shutil.rmtree(pdir, ignore_errors=True)
+            bpf.remove_pin_dir(pdir)
             state_file(spec.netns, spec.iface).unlink(missing_ok=True)
             raise
         return agg
@@ -156,7 +155,11 @@ class Aggregator:
     def open(cls, netns: str | None, iface: str) -> "Aggregator":
         """Find an aggregator loaded by another process and reopen its pinned maps."""
         bpf.require_root("inspecting the XDP aggregator")
-        spec = _read_spec(netns, iface)
+        try:
+            spec = _read_spec(netns, iface)
+        except NotFoundError:
+            _check_half_loaded(netns, iface)
+            raise
         pdir = pin_dir(netns, iface)
         if not (pdir / "ar_stats").exists():
             raise NotFoundError(f"aggregator state for {iface} in {netns} exists but its pins in {pdir} are gone; "
@@ -328,6 +331,24 @@ def _read_spec(netns: str | None, iface: str) -> AggSpec:
         raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}") from None
 
 
+def _check_half_loaded(netns: str | None, iface: str) -> None:
+    """Nothing is recorded for ``iface``: say so clearly if a load was interrupted there (pins
+    left, or a program attached, but no state file), with the command that cleans it up."""
+    left = []
+    if pin_dir(netns, iface).exists():
+        left.append(f"pins in {pin_dir(netns, iface)}")
+    try:
+        if bpf.xdp_prog_id(iface, netns) is not None:
+            left.append("an XDP program attached")
+    except NotFoundError:
+        pass
+    if left:
+        raise NotFoundError(
+            f"the aggregator on {iface} in {netns or 'the root namespace'} is half loaded ({' and '.join(left)}, "
+            f"but no state file: was 'agg load' interrupted?); run: nicoffload agg unload --netns {netns} "
+            f"--iface {iface}")
+
+
 def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     """Detach the aggregator from ``iface`` and remove its pins and state. Returns whether
     anything was there. Without ``missing_ok``, nothing to unload is a NotFoundError."""
@@ -345,15 +366,10 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
         detached = bpf.detach_xdp(iface, netns, mode)
     except NotFoundError:
         detached = False
-    shutil.rmtree(pdir, ignore_errors=True)
-    # remove empty parents up to the root pin dir
-    for parent in (pdir.parent, bpf.PIN_ROOT):
-        try:
-            parent.rmdir()
-        except OSError:
-            pass
+    bpf.remove_pin_dir(pdir)  # and its parents it leaves empty
     sf.unlink(missing_ok=True)
     sf.with_suffix(".lock").unlink(missing_ok=True)
+    sf.with_suffix(".tmp").unlink(missing_ok=True)  # a load killed while saving its state
     if not (found or detached) and not missing_ok:
         raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
     return found or detached
@@ -361,10 +377,12 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
 
 def loaded(netns_prefix: str = "") -> list[tuple[str | None, str]]:
     """(netns, iface) of every aggregator recorded on this machine (optionally only those in
-    namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them."""
+    namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them; also
+    those whose load was killed while it wrote the state file (only its ``.tmp`` is there)."""
     out = []
-    for f in sorted(STATE_DIR.glob("*__*.json")) if STATE_DIR.is_dir() else ():
-        ns, _, iface = f.stem.partition("__")
+    stems = {f.stem for pat in ("*__*.json", "*__*.tmp") for f in STATE_DIR.glob(pat)} if STATE_DIR.is_dir() else ()
+    for stem in sorted(stems):
+        ns, _, iface = stem.partition("__")
         if ns.startswith(netns_prefix):
             out.append((None if ns == "root" else ns, iface))
     return out

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import shutil
 import time
 from typing import Callable, Iterator
 
 from pyroute2 import IPRoute, NetlinkError
 from pyroute2 import netns as pyr_netns
 
-from nicoffload.bpf import NETNS_DIR, PIN_ROOT, netns as enter_netns
+from nicoffload.bpf import NETNS_DIR, PIN_ROOT, netns as enter_netns, remove_pin_dir
 from nicoffload.errors import NotFoundError, SetupError
 
 #: errors that mean "it is already gone" during teardown
@@ -48,10 +47,8 @@ def remove_pins(ns: str) -> list[str]:
     """Remove the BPF pins kept for namespace ``ns`` under /sys/fs/bpf/nicoffload/NS (once the
     namespace is gone, its programs went with its interfaces; pins would keep maps alive)."""
     pins = PIN_ROOT / ns
-    if not pins.exists():
-        return []
-    shutil.rmtree(pins, ignore_errors=True)
-    return [str(pins)]
+    # with its parent /sys/fs/bpf/nicoffload when that is left empty
+    return [str(pins)] if remove_pin_dir(pins) else []
 
 
 def remove_netns_and_pins(ns: str) -> list[str]:
