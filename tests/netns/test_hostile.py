@@ -1,6 +1,6 @@
 """Hostile traffic during a live job (issue 9): two ranks run AllReduces back to back (float32 and
 int32, 4 MiB each) while a third host of the testbed, registered in no job, floods the
-aggregator through a raw socket with at least 100,000 frames of :func:`hostile.attack`: every
+aggregator through a raw socket with at least 100,000 frames of :func:`attacks.attack`: every
 malformed kind (most from a rank's spoofed address, so that the checks behind the source check
 are reached), foreign traffic, records of jobs that are not registered, and records claiming a
 rank of the job from the attacker's own address. Every result is exact (int32) or within the
@@ -40,7 +40,7 @@ from nicoffload import libbpf, proto
 from nicoffload.aggregator import AggSpec, Aggregator
 from nicoffload.lab import reference
 from nicoffload.packets import generators as gen
-from nicoffload.packets import hostile
+from nicoffload.packets import attacks
 from nicoffload.worker import Communicator
 
 W = 2                     # ranks of the job; one more host attacks
@@ -58,10 +58,10 @@ BAD = [s for s in proto.STATS if s.startswith("bad_")]
 FLOOD = """\
 import json, pickle, select, sys
 from nicoffload.packets import generators as gen
-from nicoffload.packets import hostile
+from nicoffload.packets import attacks
 frames = pickle.loads(open(sys.argv[1], "rb").read())
 stop = lambda: bool(select.select([sys.stdin], [], [], 0)[0])  # a line, or EOF
-f = hostile.flood("eth0", frames, min_frames=int(sys.argv[2]), stop=stop,
+f = attacks.flood("eth0", frames, min_frames=int(sys.argv[2]), stop=stop,
                   on_start=lambda t: print(t, flush=True))
 print(json.dumps(f._asdict()), flush=True)
 """
@@ -221,7 +221,7 @@ def link(tb, host, dev: str = "eth0") -> dict:
             "tx_dropped": s["tx"]["dropped"]}
 
 
-def expected_counts(frames: list[hostile.AttackFrame], passes: int) -> dict[str, Counter]:
+def expected_counts(frames: list[attacks.AttackFrame], passes: int) -> dict[str, Counter]:
     want = {"row0": Counter(), "job": Counter()}
     for f in frames:
         row = want["job" if f.job_row else "row0"]
@@ -244,7 +244,7 @@ def test_each_attack_frame_alone_is_counted_by_its_reason():
         assert [agg.run(f).verdict for f in joins][-1] == libbpf.XDP_TX
         state = agg.job_state(JOB)
         assert state["epoch"]
-        frames = hostile.attack(job=JOB, epoch=state["epoch"], worker_ips=ips, slots=8, attacker_ip="10.0.0.9",
+        frames = attacks.attack(job=JOB, epoch=state["epoch"], worker_ips=ips, slots=8, attacker_ip="10.0.0.9",
                                 attacker_mac="02:00:00:00:00:09", other_jobs=OTHER_JOBS)
         assert {f.reason for f in frames} >= set(BAD) | {"passed"}
         assert {f.kind for f in frames} == {"malformed", "foreign", "wrong_job", "spoofed_rank"}
@@ -280,7 +280,7 @@ def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path):
         epoch = agg.job_state(JOB)["epoch"]
         assert epoch and all(c.epoch == epoch for c in comms)
 
-        frames = hostile.attack(job=JOB, epoch=epoch, worker_ips=[h.ip for h in ranks], slots=SLOTS,
+        frames = attacks.attack(job=JOB, epoch=epoch, worker_ips=[h.ip for h in ranks], slots=SLOTS,
                                 attacker_ip=attacker.ip, attacker_mac=attacker.mac, dst_ip=tb.agg.ip,
                                 dst_mac=tb.agg.mac, other_jobs=OTHER_JOBS)
         assert max(len(f.frame) for f in frames) <= 14 + tb.topology.mtu
@@ -311,7 +311,7 @@ def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path):
             job.wait(lambda: len(job.between(started, float("inf"))) >= ATTACK_CALLS, 60, "AllReduces under attack")
             out, err = proc.communicate(timeout=60)  # closes its stdin: the flood ends after this pass
             assert proc.returncode == 0, err
-            flood = hostile.Flood(**json.loads(out.splitlines()[-1]))
+            flood = attacks.Flood(**json.loads(out.splitlines()[-1]))
             want = expected_counts(frames, flood.passes)
             unattributed = sum(v for k, v in want["row0"].items() if k != "passed")
             # the flood's frames are handled in its own sends; give stragglers time to arrive
