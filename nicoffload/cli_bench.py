@@ -1,7 +1,8 @@
 """``nicoffload bench``: nicoffload (XDP and user-space aggregators) against a TCP ring, gloo and
 Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots.
+``--soak N`` instead: N consecutive AllReduces with frames dropped and duplicated on every link.
 
-Arguments only; the sweep is :mod:`nicoffload.lab.sweep`."""
+Arguments only; the sweep is :mod:`nicoffload.lab.sweep`, the soak :mod:`nicoffload.lab.soak`."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,11 @@ from pathlib import Path
 
 from .cli import add_examples
 from .errors import InputError
+from .jobspec import DEFAULT
 from .lab import plan
+from .lab.inputs import format_size
+from .lab.soak import DTYPES as SOAK_DTYPES
+from .lab.soak import SoakConfig
 
 
 def _list(conv, what):
@@ -29,7 +34,9 @@ def register(sub) -> None:
                  "sudo nicoffload bench --quick --out /tmp/bench",
                  "sudo nicoffload bench --workers 4 --sizes 16MiB --rate unshaped --reps 10",
                  "sudo nicoffload bench --workers 4 --sizes 64MiB --rate 1gbit --systems xdp,userspace,ring",
-                 "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full")
+                 "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full",
+                 "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
+                 "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
     p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
                    help="worker counts, one testbed each (default 2,4,8)")
     p.add_argument("--sizes", type=_list(plan.size, "sizes"), default=None,
@@ -60,13 +67,48 @@ def register(sub) -> None:
                    help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
     p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
                    help="XDP attach mode of the aggregator (default auto: generic batches on veth)")
+    soak = p.add_argument_group("soak (--soak N; --workers, --sizes, --sparsity, --seed, --timeout, --mode apply)")
+    soak.add_argument("--soak", type=int, metavar="N", default=None,
+                      help="instead of the sweep: N consecutive AllReduces on one testbed through the XDP aggregator "
+                           "with frames dropped and duplicated on every link, every result checked; prints the call "
+                           "times' distribution, the worst call and the fault and aggregator counters (defaults: "
+                           f"workers {SOAK_WORKERS}, sizes {','.join(map(format_size, SoakConfig.sizes))}, "
+                           f"sparsity {SoakConfig.sparsity}, timeout {DEFAULT.timeout:g})")
+    soak.add_argument("--drop", type=float, default=None, metavar="P",
+                      help=f"probability a frame is dropped, each way of every link (default {SoakConfig.drop})")
+    soak.add_argument("--dup", type=float, default=None, metavar="P",
+                      help=f"probability a frame is duplicated, each way of every link (default {SoakConfig.dup})")
+    soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
+                      help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
+    soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
     p.set_defaults(func=_bench)
+
+
+#: ranks of a soak unless --workers says
+SOAK_WORKERS = 3
+#: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
+SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick")
+SOAK_ONLY = ("drop", "dup", "dtypes", "json")
+
+
+def _given(args, names) -> list[str]:
+    return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) not in (None, False)]
+
+
+def _dtype(t: str) -> str:
+    if t not in SOAK_DTYPES:
+        raise InputError(f"one of {', '.join(SOAK_DTYPES)}")
+    return t
 
 
 def _bench(args) -> int:
     from . import bpf
     from .lab import report, sweep
 
+    if args.soak is not None:
+        return _soak(args)
+    if _given(args, SOAK_ONLY):
+        raise InputError(f"{', '.join(_given(args, SOAK_ONLY))} go with --soak N")
     bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")
     given = {k: v for k, v in dict(workers=args.workers, sizes=args.sizes, sparsities=args.sparsity,
                                    rates=args.rate, systems=args.systems, reps=args.reps, warmup=args.warmup,
@@ -83,5 +125,60 @@ def _bench(args) -> int:
     errors = [r for r in rows if r["status"] == "error"]
     if errors:
         print(f"{len(errors)} point(s) failed; see 'reason' in results.json", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _soak_config(args) -> tuple[int, SoakConfig]:
+    """(workers, the soak's configuration) from the command line, refusing sweep-only options."""
+    given = _given(args, SWEEP_ONLY)
+    if args.dtype != plan.BenchConfig.dtype:
+        given.append("--dtype (use --dtypes)")
+    if given:
+        raise InputError(f"--soak does not take {', '.join(given)}")
+    for what, values in (("--workers", args.workers), ("--sparsity", args.sparsity)):
+        if values is not None and len(values) != 1:
+            raise InputError(f"--soak runs one testbed: give one value of {what}, not {len(values)}")
+    workers = args.workers[0] if args.workers else SOAK_WORKERS
+    spec = DEFAULT if args.timeout is None else DEFAULT.replace(timeout=args.timeout)
+    kw = dict(calls=args.soak, seed=args.seed, spec=spec, mode=args.mode)
+    for name in ("drop", "dup"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.sizes:
+        kw["sizes"] = tuple(args.sizes)
+    if args.dtypes:
+        kw["dtypes"] = tuple(args.dtypes)
+    if args.sparsity:
+        kw["sparsity"] = args.sparsity[0]
+    return workers, SoakConfig(**kw).validate()
+
+
+def _soak(args) -> int:
+    import json
+
+    from . import bpf
+    from .lab import soak
+    from .lab.jobs import testbed
+
+    workers, cfg = _soak_config(args)
+    bpf.require_root("nicoffload bench --soak (it builds a namespace testbed and loads XDP)")
+    print(f"nicoffload bench --soak: {cfg.calls} AllReduces, {workers} ranks, sizes "
+          f"{','.join(map(format_size, cfg.sizes))}, dtypes {','.join(cfg.dtypes)}, drop {cfg.drop} dup {cfg.dup} "
+          f"on every link, seed {cfg.seed}", file=sys.stderr, flush=True)
+
+    def show(summary) -> None:
+        print(json.dumps(summary.to_dict(), indent=1) if args.json else soak.format_summary(summary), flush=True)
+
+    with testbed(workers, cfg.spec.elems) as tb:
+        try:
+            summary = soak.run(tb, cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except soak.SoakError as e:
+            show(e.summary)
+            raise
+    show(summary)
+    if not summary.exact:
+        print(f"nicoffload bench --soak: {len(summary.failures)} of {summary.count} calls returned a wrong result",
+              file=sys.stderr)
         return 1
     return 0
