@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -278,6 +279,8 @@ BPF_F_XDP_HAS_FRAGS = 1 << 5
 _LD_IMM64 = 0x18
 _INSN = 8
 _VERIFIER_LOG_BYTES = 16 << 20
+#: seconds to keep loading a program whose verification signals interrupt (EAGAIN)
+_INTERRUPTED_RETRY_S = 10.0
 
 
 @dataclass
@@ -344,10 +347,19 @@ def load_linked(b, entry: str, callbacks: tuple[str, ...] = (), *,
     require_root(f"loading {entry}")
     code, starts = _link_callbacks(_function_insns(b, entry), [_function_insns(b, c) for c in callbacks])
     funcs = list(zip(starts, [entry, *callbacks])) if callbacks else []
-    fd, err = libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs)
+    deadline = time.monotonic() + _INTERRUPTED_RETRY_S
+    while True:
+        fd, err = libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs)
+        # The verifier stops with EAGAIN when a signal is pending (libbpf tries 5 times): a
+        # process stopped and continued (Ctrl-Z, fg), or signalled often, has not been rejected.
+        if fd >= 0 or err != errno.EAGAIN or time.monotonic() > deadline:
+            break
     if fd < 0:
         if err == errno.EPERM and os.geteuid() != 0:
             raise PrivilegeError(f"loading {entry} needs root")
+        if err == errno.EAGAIN:
+            raise VerifierError(f"loading {entry} from {source_name}: the kernel verifier was interrupted by "
+                                f"signals for {_INTERRUPTED_RETRY_S:g}s and never finished; try again", "")
         log = ctypes.create_string_buffer(_VERIFIER_LOG_BYTES)
         libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs, log=log)
         text = log.value.decode(errors="replace")
