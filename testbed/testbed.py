@@ -15,7 +15,9 @@ listing and cleaning up testbeds by name is the registry's (registry.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -50,6 +52,20 @@ def attach_napi_pass(ifname: str, ns: str) -> None:
         nbpf.attach_xdp(fn, ifname, ns, "native")
     finally:
         b.cleanup()
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _terminated_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent (the thread that forked it) dies.
+    ``ip netns exec`` execs the command, which keeps the setting."""
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
+            os._exit(1)
+    return preexec
 
 
 def _from_topology(attr: str, doc: str = "") -> property:
@@ -153,7 +169,10 @@ class Testbed:
         return ["ip", "netns", "exec", self.host(host).netns, *argv]
 
     def popen(self, host: str | int | Host, argv: list[str], **popen_kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside the host's namespace. Still running at teardown: terminated."""
+        """Start ``argv`` inside the host's namespace. Still running at teardown: terminated.
+        It gets SIGTERM when the thread that started it dies, even by SIGKILL (no teardown
+        then): no orphan keeps running, or keeps a removed namespace alive."""
+        popen_kwargs.setdefault("preexec_fn", _terminated_with(os.getpid()))
         p = subprocess.Popen(self.command(host, argv), **popen_kwargs)
         self._procs.append(p)
         return p
