@@ -67,6 +67,12 @@ def clean(name_prefix: str = "") -> dict:
     Returns {"removed": [...], "busy": {netns: [pids]}}; "busy" lists namespaces that processes
     still use (they stay alive, invisibly, until those processes end)."""
     removed: list[str] = []
+    # who is inside, before anything goes (a namespace that is gone can no longer be asked)
+    try:
+        pids = ns_pids()
+    except Exception:
+        pids = {}
+    busy = {ns: pids[ns] for ns in live_netns(name_prefix, whole=False) if pids.get(ns)}
     # testbeds with a state file: the orderly way first
     for n in st.names():
         if n.startswith(name_prefix):
@@ -76,13 +82,7 @@ def clean(name_prefix: str = "") -> dict:
                 if st.remove(n):
                     removed.append(str(st.state_path(n)))
     # whatever is left: namespaces carrying the prefix, pins of such namespaces
-    try:
-        pids = ns_pids()
-    except Exception:
-        pids = {}
-    left = live_netns(name_prefix, whole=False)
-    busy = {ns: pids[ns] for ns in left if pids.get(ns)}
-    for ns in left:
+    for ns in live_netns(name_prefix, whole=False):
         removed += remove_netns_and_pins(ns)
     prefix = netns_prefix(name_prefix, whole=False)
     for ns in pinned_netns():
