@@ -361,7 +361,7 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
             mode = json.loads(sf.read_text()).get("mode", "native")
         except ValueError:
             pass
-    found = sf.exists() or pdir.exists()
+    found = sf.exists() or pdir.exists() or sf.with_suffix(".tmp").exists()
     try:
         detached = bpf.detach_xdp(iface, netns, mode)
     except NotFoundError:

@@ -1,8 +1,9 @@
 """Fixtures for end-to-end tests in network namespaces (root; auto-skipped otherwise).
 
 ``make_testbed(workers, **topology_kwargs)`` brings up a testbed named after the test's uid and
-tears it down when the test ends, pass or fail; a final ``clean`` of that uid's prefix removes
-anything a crash in the middle of ``up`` could have left."""
+tears it down when the test ends, pass or fail (with the XDP aggregators recorded in its
+namespaces); a final ``clean`` of that uid's prefix removes anything a crash in the middle of
+``up`` could have left."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 
 @pytest.fixture
 def make_testbed(uid):
+    from nicoffload import aggregator
     from nicoffload.testbed import Testbed, Topology, clean
 
     made = []
@@ -21,6 +23,12 @@ def make_testbed(uid):
 
     yield make
     errors = []
+    # an aggregator a test loaded and did not unload (it failed first): its state file would stay
+    for ns, iface in aggregator.loaded(f"nco-t{uid}"):
+        try:
+            aggregator.unload(ns, iface, missing_ok=True)
+        except Exception as e:
+            errors.append(e)
     for tb in reversed(made):
         try:
             tb.down()
