@@ -385,7 +385,8 @@ def _run_calls(ranks: _Ranks, cfg: SoakConfig, summary: SoakSummary, world: int,
     t0 = time.perf_counter()
 
     def stop(what: str, stats, errors, pending) -> None:
-        parts = [str(e) if str(e).startswith(f"rank {r}:") else f"rank {r}: {e}" for r, e in errors]
+        parts = [str(e) if str(e).startswith(f"rank {r}:") else f"rank {r}: {e}" if isinstance(e, NicoffloadError)
+                 else f"rank {r}: {type(e).__name__}" + (f": {e}" if str(e) else "") for r, e in errors]
         if pending:
             parts.append(f"rank(s) {', '.join(map(str, pending))} still running after {cfg.limit:g} s")
         summary.error = f"{what}: " + "; ".join(parts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -225,3 +226,93 @@ def test_a_bad_dtype_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         parse("--soak", "10", "--dtypes", "int64")
     assert "bad dtypes 'int64'" in capsys.readouterr().err
+
+
+# --- the loop, on communicators that sum in Python ----------------------------------------------
+class FakeComm:
+    """A rank that sums through shared memory: right, wrong at ``wrong_at`` calls, raising at
+    ``raise_at``, or asleep for ``sleep`` seconds at ``sleep_at``."""
+
+    def __init__(self, rank, shared, wrong_at=(), raise_at=-1, sleep_at=-1, sleep=0.0):
+        self.rank, self.shared, self.calls = rank, shared, 0
+        self.wrong_at, self.raise_at, self.sleep_at, self.sleep = set(wrong_at), raise_at, sleep_at, sleep
+        self.last = None
+        self.closed = False
+
+    def join(self):
+        self.shared["barrier"].wait(1)
+
+    def allreduce(self, x, out):
+        from nicoffload.stream import CallStats
+
+        i, self.calls = self.calls, self.calls + 1
+        if i == self.sleep_at:
+            time.sleep(self.sleep)
+        if i == self.raise_at:
+            raise ValueError("broken on purpose")
+        b, ins = self.shared["barrier"], self.shared["inputs"]
+        ins[self.rank] = x
+        b.wait(1)
+        out[...] = reference.exact_sum(ins).astype(x.dtype)
+        if i in self.wrong_at:
+            out.reshape(-1)[3] += 1
+        b.wait(1)
+        self.last = CallStats(seconds=0.001 * (i % 7 + 1), retransmissions=1, pulls=self.rank, timeouts=i % 2)
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def fake_run(calls, faults=None, world=3, cfg=None):
+    """The soak loop on FakeComms (``faults``: rank -> FakeComm options): (summary, error, busy ranks)."""
+    import threading
+
+    shared = {"barrier": threading.Barrier(world), "inputs": [None] * world}
+    comms = [FakeComm(r, shared, **(faults or {}).get(r, {})) for r in range(world)]
+    cfg = cfg or SoakConfig(calls=calls, sizes=(4096, 1 << 16), dtypes=("int32", "float32"), watchdog=False)
+    s = SoakSummary(cfg.to_dict(), world)
+    ranks = soak._Ranks(comms)
+    err = None
+    try:
+        soak._run_calls(ranks, cfg, s, world, E, None)
+    except soak.SoakError as e:
+        err = e
+    finally:
+        busy = ranks.stop(5.0)
+    return s, err, busy
+
+
+def test_the_loop_checks_every_call_and_sums_the_ranks_counters():
+    s, err, busy = fake_run(40)
+    assert err is None and busy == [] and s.exact and s.count == 40
+    assert [r.call for r in s.records] == list(range(40))
+    assert s.totals() == {"retransmissions": 120, "pulls": 40 * 3, "timeouts": 3 * 20}
+    assert s.records[6].seconds == pytest.approx(0.007)  # the slowest rank's
+
+
+def test_a_wrong_result_is_recorded_and_the_loop_goes_on():
+    s, err, _ = fake_run(12, {2: dict(wrong_at={5})})
+    assert err is None and s.count == 12 and not s.exact
+    (f,) = s.failures
+    assert f.call == 5 and f.bad_rank == 2 and "differs from rank 0's at 1 elements (first at element 3)" in f.reason
+    s, _, _ = fake_run(12, {r: dict(wrong_at={7, 9}) for r in range(3)})
+    assert [(f.call, f.bad_rank) for f in s.failures] == [(7, 0), (9, 0)]
+
+
+def test_a_rank_that_raises_stops_the_loop_naming_the_call_the_rank_and_its_error():
+    s, err, _ = fake_run(12, {1: dict(raise_at=6)})
+    assert err is not None and s.count == 6
+    msg = str(err)
+    assert msg.startswith("soak stopped at call 6 (4KiB float32): rank 0: BrokenBarrierError; "
+                          "rank 1: ValueError: broken on purpose; rank 2: BrokenBarrierError"), msg
+    assert err.exit_code == 1 and err.summary is s
+
+
+def test_a_call_past_its_limit_stops_the_loop_naming_the_ranks_still_inside():
+    cfg = SoakConfig(calls=10, sizes=(4096,), call_limit=0.3, watchdog=False, spec=soak.DEFAULT.replace(timeout=1.0))
+    t0 = time.monotonic()
+    s, err, busy = fake_run(10, {2: dict(sleep_at=4, sleep=2.0)}, cfg=cfg)
+    assert "call 4 (4KiB int32): rank(s) 0, 1, 2 still running after 0.3 s" in str(err)
+    assert err.exit_code == 9 and s.count == 4 and busy == []  # the sleeper woke within stop's wait
+    assert time.monotonic() - t0 < 5
