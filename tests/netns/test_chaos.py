@@ -1,0 +1,539 @@
+"""Chaos: abrupt kills (SIGKILL, no handler runs) of a worker in the middle of a job, of
+`nicoffload agg load` at each of its steps, of a CLI process that owns a whole testbed
+(`allreduce`, `demo`), and the aggregator unloaded and reloaded under running workers.
+
+After each: whoever is left fails clearly (exit code and a message naming the cause), never with
+a wrong result; `agg unload` / `testbed clean` leave nothing behind (namespaces, attached XDP
+programs, pins, state files, orphan processes, empty directories under /sys/fs/bpf/nicoffload);
+and the next job is exact. Every name carries the test's uid, or is the random name of a
+testbed found by the pid of the process that made it, so other sessions are never touched."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from nicoffload import aggregator, bpf
+from nicoffload.aggregator import Aggregator, pin_dir, state_file
+from nicoffload.errors import AlreadyExistsError, NotFoundError, ProtocolError, TimeoutError_
+from nicoffload.lab.jobs import run_workers
+from nicoffload.lab.links import enable_gro
+from nicoffload.testbed import state as tbstate
+from nicoffload.testbed.netlink import ipr, list_netns
+
+CLI = [sys.executable, "-m", "nicoffload.cli"]
+#: every process a test starts carries this variable, and so do their children: how orphans are found
+MARK = "NICOFFLOAD_CHAOS_MARK"
+#: seconds an orphan may take to die after its parent was killed
+ORPHAN_GRACE = 5.0
+
+
+# --- what is left ---------------------------------------------------------------------------------
+def cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, (r.args, r.returncode, r.stderr[-3000:])
+    return r
+
+
+def one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    err = r.stderr.strip()
+    assert r.returncode == code, (r.args, r.returncode, err[-3000:])
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+
+
+def xdp_attached(namespaces: list[str]) -> list[str]:
+    """Every interface in ``namespaces`` with an XDP program attached."""
+    out = []
+    for ns in namespaces:
+        try:
+            with ipr(ns) as sock:
+                for link in sock.get_links():
+                    xdp = link.get_attr("IFLA_XDP")
+                    if xdp is not None and xdp.get_attr("IFLA_XDP_PROG_ID"):
+                        out.append(f"XDP program {xdp.get_attr('IFLA_XDP_PROG_ID')} on "
+                                   f"{ns}/{link.get_attr('IFLA_IFNAME')}")
+        except NotFoundError:  # gone meanwhile
+            pass
+    return out
+
+
+def leftovers(name: str) -> list[str]:
+    """What is left of the testbed(s) whose name starts with ``name``: namespaces, XDP programs
+    attached in them, pin directories, aggregator and testbed state files (temporary ones too)."""
+    prefix = f"nco-{name}"
+    nss = [ns for ns in list_netns() if ns.startswith(prefix)]
+    left = [f"namespace {ns}" for ns in nss] + xdp_attached(nss)
+    for what, d, start in (("pins", bpf.PIN_ROOT, prefix), ("aggregator state", aggregator.STATE_DIR, prefix),
+                           ("testbed state", tbstate.STATE_DIR, name)):
+        if d.is_dir():
+            left += [f"{what} {f}" for f in d.iterdir() if f.name.lstrip(".").startswith(start)]
+    return left
+
+
+def agg_leftovers(ns: str, iface: str) -> list[str]:
+    """What is left of an aggregator on ``iface`` (its testbed still up)."""
+    sf, pdir = state_file(ns, iface), pin_dir(ns, iface)
+    left = xdp_attached([ns])
+    left += [str(p) for p in (pdir, pdir.parent) if p.exists()]
+    left += [str(f) for f in (sf, sf.with_suffix(".tmp"), sf.with_suffix(".lock")) if f.exists()]
+    return left
+
+
+def assert_no_empty_pin_root(wait: float = 1.0) -> None:
+    """/sys/fs/bpf/nicoffload is gone, or holds something (other sessions' pins): never left
+    empty. Another session may be between making it and filling it, so only a directory that
+    stays empty for ``wait`` seconds counts."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if any(bpf.PIN_ROOT.iterdir()):
+                return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"{bpf.PIN_ROOT} was left behind, empty"
+        time.sleep(0.05)
+
+
+def marked(mark: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``MARK=mark``."""
+    want = f"{MARK}={mark}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if want in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def wait_orphans_gone(mark: str) -> list[str]:
+    """Until no process of ``mark`` is left (ORPHAN_GRACE at most); the command lines of the
+    ones that are (then SIGKILLed: they are this test's)."""
+    deadline = time.monotonic() + ORPHAN_GRACE
+    while (pids := marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [cmdline(p) for p in pids]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+@pytest.fixture
+def marked_env(uid, tmp_path):
+    """(mark, environment, testbed names): the environment of a command the test starts is
+    marked and puts its scratch files in tmp_path; the testbeds those commands made (their names
+    are added to the list as they are found) are cleaned at the end, whatever happened."""
+    from nicoffload.testbed import clean
+
+    mark, names = f"chaos-{uid}", []
+    yield mark, dict(os.environ, **{MARK: mark, "NICOFFLOAD_TMP": str(tmp_path)}), names
+    wait_orphans_gone(mark)
+    for name in names:
+        for ns, iface in aggregator.loaded(f"nco-{name}-"):
+            aggregator.unload(ns, iface, missing_ok=True)
+        clean(name)
+
+
+# --- killing at a known step ----------------------------------------------------------------------
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped (or the process gone)."""
+    try:
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            if (t / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "tTZX":
+                return False
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return True
+
+
+def holds_program(pid: int) -> bool:
+    """Process ``pid`` holds a loaded BPF program (its verification is over)."""
+    try:
+        return any(os.readlink(f) == "anon_inode:bpf-prog" for f in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def kill_when(p: subprocess.Popen, reached: Callable[[], bool], step: Callable[[], bool] | None = None,
+              limit: float = 90.0) -> bool:
+    """SIGKILL ``p`` as soon as ``reached()``. Once ``step()`` holds, ``p`` runs in slices of
+    about a millisecond and ``reached()`` is checked while it is stopped, so it cannot run past
+    a short window unseen (not while the verifier runs: a stop interrupts it, and it starts over).
+    Whether ``p`` was killed (False: it ended first)."""
+    deadline = time.monotonic() + limit
+    stepping = False
+    while p.poll() is None:
+        assert time.monotonic() < deadline, f"{p.args} never reached the point to kill it"
+        stepping = stepping or (step is not None and step())
+        if stepping:
+            p.send_signal(signal.SIGSTOP)
+            while not _stopped(p.pid):
+                time.sleep(0.0002)
+        if reached():
+            p.kill()
+            p.wait()
+            return True
+        if stepping:
+            p.send_signal(signal.SIGCONT)
+        time.sleep(0.001)
+    return False
+
+
+def interrupt_verification(p: subprocess.Popen, started: Callable[[], bool], times: int = 30) -> int:
+    """Once ``started()``, stop and continue ``p`` ``times`` times, 10 ms apart, while it holds no
+    loaded program yet (Ctrl-Z and fg, again and again, while the verifier runs; each stop makes
+    the verifier give up with EAGAIN). How many stops landed before the program was loaded."""
+    while not started():
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.001)
+    n = 0
+    while n < times and p.poll() is None and not holds_program(p.pid):
+        p.send_signal(signal.SIGSTOP)
+        while not _stopped(p.pid):
+            time.sleep(0.0002)
+        p.send_signal(signal.SIGCONT)
+        n += 1
+        time.sleep(0.01)
+    return n
+
+
+# --- jobs -----------------------------------------------------------------------------------------
+def agg_load_args(tb) -> list:
+    a = ["agg", "load", "--netns", tb.agg.netns, "--iface", tb.agg.iface, "--workers", len(tb.workers),
+         "--group", tb.mcast_group, "--port", tb.port]
+    for w in tb.workers:
+        a += ["--worker-ip", w.ip]
+    return a
+
+
+def agg_where(tb) -> list:
+    return ["--netns", tb.agg.netns, "--iface", tb.agg.iface]
+
+
+def int_inputs(tmp_path: Path, tag: str, world: int, n: int, seed: int) -> tuple[list[Path], list[Path], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(-100_000, 100_000, n, dtype=np.int32) for _ in range(world)]
+    ins = [tmp_path / f"{tag}in{r}.npy" for r in range(world)]
+    outs = [tmp_path / f"{tag}out{r}.npy" for r in range(world)]
+    for a, p in zip(arrays, ins):
+        np.save(p, a)
+    return ins, outs, np.sum(np.stack(arrays), axis=0, dtype=np.int32)
+
+
+def start_workers(tb, ins, outs, reps: int, timeout: float) -> list[subprocess.Popen]:
+    n = len(tb.workers)
+    return [tb.popen(w, CLI + ["worker", "--rank", str(w.rank), "--world", str(n), "--aggregator", tb.agg.ip,
+                               "--group", tb.mcast_group, "--port", str(tb.port), "--local-ip", w.ip,
+                               "--input", str(ins[w.rank]), "--output", str(outs[w.rank]), "--timeout",
+                               str(timeout), "--reps", str(reps)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in tb.workers]
+
+
+def wait_running(tb, procs, rounds: int = 200, timeout: float = 60.0) -> None:
+    """Until the ranks have formed an epoch and completed ``rounds`` rounds: in the middle of the job."""
+    deadline = time.monotonic() + timeout
+    with Aggregator.open(tb.agg.netns, tb.agg.iface) as view:
+        while not (view.stats()["epoch_formed"] and view.stats()["completed"] >= rounds):
+            dead = [p.stderr.read() for p in procs if p.poll() is not None]
+            assert not dead, dead
+            assert time.monotonic() < deadline, f"the ranks never got going: {view.stats()}"
+            time.sleep(0.05)
+    assert all(p.poll() is None for p in procs), "a rank ended before the fault"
+
+
+def exact_job(tb, tmp_path: Path, tag: str) -> None:
+    """A job on the loaded aggregator (all ranks, a fresh start) gives the exact int32 sum."""
+    ins, outs, want = int_inputs(tmp_path, tag, len(tb.workers), 70_001, seed=len(tag))
+    run_workers(tb, ins, outs, timeout=5)
+    for r, out in enumerate(outs):
+        assert np.array_equal(np.load(out), want), f"{tag}: rank {r}'s sum is wrong"
+
+
+def clean_testbed(name: str, env: dict | None = None) -> dict:
+    """`nicoffload testbed clean --name-prefix NAME`, then nothing of NAME is left."""
+    r = json.loads(ok(cli("testbed", "clean", "--name-prefix", name, "--json", env=env)).stdout)
+    assert leftovers(name) == [], f"testbed clean left {leftovers(name)}"
+    assert_no_empty_pin_root()
+    return r
+
+
+# --- 1. a worker killed -------------------------------------------------------------------------
+def test_a_killed_worker_fails_the_others_by_name_and_the_next_run_is_exact(make_testbed, tmp_path, uid):
+    """SIGKILL of rank 2 in the middle of a job on an aggregator loaded by `agg load`: the
+    others fail with TimeoutError_ naming rank 2 within their timeout; the same job run again on
+    the same aggregator is exact; `testbed clean` leaves nothing."""
+    tb = make_testbed(3)
+    enable_gro(tb)
+    ok(cli(*agg_load_args(tb)))
+    ins, outs, _ = int_inputs(tmp_path, "long", 3, 1 << 21, seed=1)
+    procs = start_workers(tb, ins, outs, reps=500, timeout=2)
+    wait_running(tb, procs)
+    procs[2].kill()
+    t0 = time.monotonic()
+    errs = [p.communicate(timeout=30)[1] for p in procs[:2]]
+    took = time.monotonic() - t0
+    procs[2].wait()
+    assert [p.returncode for p in procs[:2]] == [TimeoutError_.exit_code] * 2, errs
+    for r, err in enumerate(errs):
+        assert f"rank {r}: allreduce timed out" in err and "no contribution from rank(s) 2" in err, err
+    assert took < 2 + 8, f"the ranks took {took:.1f}s to give up (timeout 2s)"
+    assert not any(o.exists() for o in outs), "a rank of the failed job wrote a result"
+    exact_job(tb, tmp_path, "again")
+    clean_testbed(f"t{uid}")
+
+
+# --- 2. agg load killed ---------------------------------------------------------------------------
+#: the steps of `agg load` at which it is killed (see the test for what marks each)
+LOAD_STEPS = ("starting", "compiling", "loading", "attached", "saving")
+
+
+def test_agg_load_killed_at_each_step_is_cleaned_by_unload(make_testbed, tmp_path, uid):
+    """SIGKILL of `nicoffload agg load` while the interpreter starts, while bcc compiles (the pin
+    directory is made), once the maps are pinned (the program is being verified), the moment the
+    program is attached (its state not yet saved), and while it writes its state file. Each time:
+    `agg status` and a second `agg load` say clearly what is wrong and what to run, never a
+    traceback; `agg unload` removes the attached program, the pins, their empty parents and any
+    state. Then a load, stopped and continued 30 times while the verifier runs, and a job are exact."""
+    tb = make_testbed(2)
+    ns, ifc = tb.agg.netns, tb.agg.iface
+    pdir, sf = pin_dir(ns, ifc), state_file(ns, ifc)
+
+    def attached() -> bool:
+        return bpf.xdp_prog_id(ifc, ns) is not None
+
+    for step in LOAD_STEPS:
+        t0 = time.monotonic()
+        p = subprocess.Popen(CLI + [str(a) for a in agg_load_args(tb)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        reached, slices = {
+            "starting": (lambda: time.monotonic() - t0 > 0.05, None),
+            "compiling": (pdir.exists, None),
+            "loading": ((pdir / "ar_stats").exists, None),
+            "attached": (attached, lambda: holds_program(p.pid)),
+            "saving": (attached, lambda: holds_program(p.pid)),
+        }[step]
+        assert kill_when(p, reached, slices), f"{step}: agg load ended first: {p.stderr.read()}"
+        p.stderr.close()
+        if step == "saving":
+            # a kill inside the state file's write (microseconds: too narrow to hit) leaves this too
+            sf.with_suffix(".tmp").write_text('{"netns": "')
+            assert (ns, ifc) in aggregator.loaded(f"nco-t{uid}"), "testbed clean would not unload it"
+        left = agg_leftovers(ns, ifc)
+        if step == "starting":
+            assert left == [], left  # killed long before it makes anything
+        else:
+            assert pdir.exists() and not sf.exists(), (step, left)
+            assert attached() == (step in ("attached", "saving")), (step, left)
+        r = cli("agg", "status", *agg_where(tb))
+        if left:
+            one_line_error(r, NotFoundError.exit_code, "half loaded", "nicoffload agg unload")
+        else:
+            one_line_error(r, NotFoundError.exit_code, "no aggregator is loaded")
+        if step == "attached":
+            one_line_error(cli(*agg_load_args(tb)), AlreadyExistsError.exit_code, "nicoffload agg unload")
+        r = cli("agg", "unload", *agg_where(tb))
+        if left:
+            ok(r)
+        else:
+            one_line_error(r, NotFoundError.exit_code, "nothing is loaded")
+        assert agg_leftovers(ns, ifc) == [], f"after a kill while {step}, agg unload left {agg_leftovers(ns, ifc)}"
+    p = subprocess.Popen(CLI + [str(a) for a in agg_load_args(tb)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    stops = interrupt_verification(p, (pdir / "ar_stats").exists)
+    assert p.wait(120) == 0, p.stderr.read()
+    assert stops > 5, f"only {stops} stops landed in the verification (libbpf alone retries 5 times)"
+    assert attached() and sf.exists()
+    exact_job(tb, tmp_path, "afterkills")
+    clean_testbed(f"t{uid}")
+
+
+# --- 3. the owner of a testbed killed -------------------------------------------------------------
+def owned_testbed(pid: int) -> str | None:
+    """The name of the testbed process ``pid`` made (its state file records the pid)."""
+    for f in tbstate.STATE_DIR.glob("*.json"):
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if s.get("pid") == pid:
+            return s.get("name")
+    return None
+
+
+class Watched:
+    """A CLI command that makes its own testbed, started with the test's mark; ``name`` is its
+    testbed's once seen."""
+
+    def __init__(self, args: list, marked: tuple, tmp_path: Path, tag: str):
+        self.mark, env, self._names = marked
+        self.out, self.err = tmp_path / f"{tag}.stdout", tmp_path / f"{tag}.stderr"
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.p = subprocess.Popen(CLI + [str(a) for a in args], stdout=o, stderr=e, env=env)
+        self.name: str | None = None
+
+    def saw(self) -> str | None:
+        if self.name is None:
+            self.name = owned_testbed(self.p.pid)
+            if self.name is not None:
+                self._names.append(self.name)  # for the fixture's cleanup
+        return self.name
+
+    def children(self, word: str) -> list[int]:
+        return [pid for pid in marked(self.mark) if pid != self.p.pid and word in cmdline(pid)]
+
+    def finish(self, timeout: float = 120.0) -> tuple[int, str, str]:
+        deadline = time.monotonic() + timeout
+        while self.p.poll() is None:
+            self.saw()
+            assert time.monotonic() < deadline, f"{self.p.args} did not finish"
+            time.sleep(0.01)
+        return self.p.returncode, self.out.read_text(), self.err.read_text()
+
+
+#: where the owner dies: (command, what must have happened)
+OWNER_KILLS = [
+    ("allreduce", "testbed"),      # its state file is written, namespaces are being made
+    ("allreduce", "aggregator"),   # the XDP aggregator is compiling in the testbed
+    ("allreduce", "workers"),      # the worker processes have started
+    ("demo", "userspace"),         # the user-space aggregator runs (it said it is ready: its workers run)
+]
+
+
+def test_killed_owner_of_a_testbed_leaves_nothing_after_testbed_clean(tmp_path, marked_env):
+    """SIGKILL of `nicoffload allreduce` / `nicoffload demo` at several moments of its testbed's
+    life: its children (workers, the user-space aggregator) die with it; `testbed clean
+    --name-prefix` with its testbed's name removes everything (namespaces, attached programs,
+    pins, aggregator and testbed state); a plain `nicoffload allreduce` afterwards is exact and
+    leaves nothing either, /sys/fs/bpf/nicoffload included."""
+    mark, env, _ = marked_env
+    ins, _, want = int_inputs(tmp_path, "ar", 2, 1 << 20, seed=3)
+    for i, (command, moment) in enumerate(OWNER_KILLS):
+        args = (["allreduce", *ins, "-o", tmp_path / "killed.npy"] if command == "allreduce" else
+                ["demo", "--workers", "2", "--size", "1MiB", "--reps", "1"])
+        w = Watched(args, marked_env, tmp_path, f"kill{i}")
+        reached = {
+            "testbed": w.saw,
+            "aggregator": lambda: w.saw() and (bpf.PIN_ROOT / f"nco-{w.name}-agg").exists(),
+            "workers": lambda: w.saw() and len(w.children(" worker ")) == 2,
+            "userspace": lambda: w.saw() and w.children("aggregator-userspace") and len(w.children(" worker ")) == 2,
+        }[moment]
+        assert kill_when(w.p, reached), f"{command} ended before {moment}: {w.err.read_text()[-2000:]}"
+        assert w.name, "the killed command's testbed was not found"
+        orphans = wait_orphans_gone(mark)
+        assert orphans == [], f"{command} killed at {moment}: its children outlived it: {orphans}"
+        r = clean_testbed(w.name, env)
+        assert r["busy"] == {}, r
+    # the next job, on a fresh testbed
+    w = Watched(["allreduce", *ins, "-o", tmp_path / "sum.npy", "--json"], marked_env, tmp_path, "final")
+    rc, out, err = w.finish()
+    assert rc == 0, err
+    assert np.array_equal(np.load(tmp_path / "sum.npy"), want)
+    assert w.name and leftovers(w.name) == [], leftovers(w.name or "?")
+    assert_no_empty_pin_root()
+
+
+# --- 4. the aggregator reloaded under running workers ----------------------------------------
+def test_aggregator_unloaded_and_reloaded_under_running_workers(make_testbed, tmp_path, uid):
+    """`agg unload` and `agg load` again while three ranks are in the middle of a job: their
+    retransmissions reach the new program, which knows no epoch of theirs; every rank fails with
+    a message naming the cause (ProtocolError: the aggregator was reloaded; or TimeoutError_),
+    within its timeout of the reload, and writes no result. A new run on the reloaded aggregator
+    is exact."""
+    timeout = 10.0
+    tb = make_testbed(3)
+    enable_gro(tb)
+    ok(cli(*agg_load_args(tb)))
+    ins, outs, _ = int_inputs(tmp_path, "long", 3, 1 << 21, seed=4)
+    procs = start_workers(tb, ins, outs, reps=500, timeout=timeout)
+    wait_running(tb, procs)
+    ok(cli("agg", "unload", *agg_where(tb)))
+    ok(cli(*agg_load_args(tb)))
+    t_reloaded = time.monotonic()
+    errs = [p.communicate(timeout=timeout + 30)[1] for p in procs]
+    took = time.monotonic() - t_reloaded
+    codes = [p.returncode for p in procs]
+    assert set(codes) <= {ProtocolError.exit_code, TimeoutError_.exit_code}, (codes, errs)
+    for r, (code, err) in enumerate(zip(codes, errs)):
+        last = err.strip().splitlines()[-1]
+        if code == ProtocolError.exit_code:
+            assert f"rank {r}: the aggregator no longer runs epoch" in last and "reloaded" in last, last
+        else:
+            assert f"rank {r}: allreduce timed out" in last, last
+    assert took < timeout + 5, f"the ranks gave up {took:.1f}s after the reload (timeout {timeout:g}s)"
+    assert not any(o.exists() for o in outs), "a rank of the broken job wrote a result"
+    if ProtocolError.exit_code in codes:  # told so by the new program: it saw their old epoch
+        with Aggregator.open(tb.agg.netns, tb.agg.iface) as view:
+            assert view.stats()["stale_epoch"] > 0, view.stats()
+    exact_job(tb, tmp_path, "reloaded")
+    clean_testbed(f"t{uid}")
+
+
+# --- 5. nothing left in bpffs ---------------------------------------------------------------------
+def test_pin_directories_go_with_their_empty_parents_only(tmp_path, monkeypatch):
+    """An aggregator's and a testbed's pin directories are removed with the parents they leave
+    empty, up to and including the pin root, never a parent that holds another directory (another
+    aggregator's, testbed's or session's). On a pin root of its own (the machine's is shared by
+    every session, so it is rarely empty there)."""
+    from nicoffload.testbed import netlink
+
+    root = tmp_path / "nicoffload"
+    monkeypatch.setattr(bpf, "PIN_ROOT", root)
+    monkeypatch.setattr(netlink, "PIN_ROOT", root)
+    agg = pin_dir("nco-tx-agg", "eth0")
+    fault = root / "nco-tx-br" / "fault"
+    assert agg.is_relative_to(root)
+    for d in (agg, fault):
+        bpf.make_pin_dir(d)
+        (d / "pin").touch()
+    assert bpf.remove_pin_dir(agg)
+    assert not agg.parent.exists() and fault.is_dir(), "a parent in use went, or an empty one stayed"
+    assert netlink.remove_pins("nco-tx-br") == [str(root / "nco-tx-br")]
+    assert not root.exists(), "the pin root was left behind, empty"
+    assert not bpf.remove_pin_dir(agg) and netlink.remove_pins("nco-tx-br") == []
+
+
+def test_allreduce_with_faults_leaves_nothing_in_bpffs(tmp_path, marked_env):
+    """A normal `nicoffload allreduce` with loss and duplication (the aggregator's pins and the
+    fault injector's) and a normal `nicoffload demo`: exact / within the bound, and nothing of
+    theirs is left, no empty /sys/fs/bpf/nicoffload either."""
+    mark, env, _ = marked_env
+    ins, _, want = int_inputs(tmp_path, "f", 2, 50_000, seed=5)
+    w = Watched(["allreduce", *ins, "-o", tmp_path / "sum.npy", "--drop", "0.02", "--dup", "0.02"], marked_env,
+                tmp_path, "faults")
+    rc, out, err = w.finish()
+    assert rc == 0, err
+    assert np.array_equal(np.load(tmp_path / "sum.npy"), want)
+    assert w.name and leftovers(w.name) == [], leftovers(w.name or "?")
+    assert_no_empty_pin_root()
+    w = Watched(["demo", "--workers", "2", "--size", "256KiB", "--reps", "1", "--json"], marked_env, tmp_path, "demo")
+    rc, out, err = w.finish()
+    assert rc == 0, err
+    assert all(run["within_bound"] for run in json.loads(out)["runs"])
+    assert w.name and leftovers(w.name) == [], leftovers(w.name or "?")
+    assert_no_empty_pin_root()
+    assert wait_orphans_gone(mark) == []
