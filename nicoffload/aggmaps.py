@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 
-from . import proto
+from . import optim, proto, quant
 from .addr import ip_net, ip_str, mac_bytes, multicast_mac
 from .errors import InputError, MapError, NotFoundError
 from .jobtable import JobEntry
@@ -78,6 +78,65 @@ class AggMaps:
             "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
             "worker_ips": [ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
         }
+
+    # --- optimizer ---------------------------------------------------------------------------
+    def write_hyper(self, e: JobEntry, elems: int) -> None:
+        """The job's optimizer entry (all zero for a job without one)."""
+        t = self.b["ar_hyper"]
+        v = t.Leaf()
+        spec = e.spec
+        if spec is not None:
+            v.opt = optim.KINDS[spec.kind]
+            v.flags = optim.NESTEROV if spec.nesterov else 0
+            v.meta_slots = optim.meta_slots(e.params, elems)
+            v.bias = 1 << (30 - quant.headroom_bits(e.workers))
+            for k, c in spec.fixed().items():
+                setattr(v, k, c)
+        self._write(t, e.index, v)
+
+    def set_lr(self, e: JobEntry, lr: int) -> None:
+        """Change the learning rate (fixed point) of a job; nothing else of its entry."""
+        t = self.b["ar_hyper"]
+        v = t[t.Key(e.index)]
+        v.lr = lr
+        self._write(t, e.index, v)
+
+    def _opt_table(self, e: JobEntry, elems: int):
+        t = self.b["ar_opt"]
+        if len(t) < self.pool:
+            raise InputError("this aggregator was loaded without optimizer state (agg load --optimizer)")
+        meta = optim.meta_slots(e.params, elems)
+        return t, range(e.slot_base + meta, e.slot_base + e.slot_count)
+
+    def write_state(self, e: JobEntry, elems: int, w: np.ndarray, m: np.ndarray | None = None,
+                    steps: np.ndarray | None = None) -> None:
+        """Master weights (and momentum, and updates applied, per block) in fixed point."""
+        t, slots = self._opt_table(e, elems)
+        nb = len(slots)
+        wp = np.zeros(nb * elems, np.int64)
+        wp[:w.size] = w
+        mp = np.zeros(nb * elems, np.int64)
+        if m is not None:
+            mp[:m.size] = m
+        for b, i in enumerate(slots):
+            v = t.Leaf()
+            v.w[:] = wp[b * elems:(b + 1) * elems].tolist()
+            v.m[:] = mp[b * elems:(b + 1) * elems].tolist()
+            v.steps = int(steps[b]) if steps is not None else 0
+            self._write(t, i, v)
+
+    def read_state(self, e: JobEntry, elems: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(w, m) in fixed point, e.params each, and the updates applied per block."""
+        t, slots = self._opt_table(e, elems)
+        w = np.empty(len(slots) * elems, np.int64)
+        m = np.empty_like(w)
+        steps = np.empty(len(slots), np.int64)
+        for b, i in enumerate(slots):
+            v = t[t.Key(i)]
+            w[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.w)
+            m[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.m)
+            steps[b] = v.steps
+        return w[:e.params], m[:e.params], steps
 
     # --- slots -----------------------------------------------------------------------------
     def clear_slots(self, slots: range) -> None:

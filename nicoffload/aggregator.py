@@ -14,12 +14,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import bpf, libbpf, proto
+import numpy as np
+
+from . import bpf, libbpf, optim, proto
 from .aggmaps import AggMaps
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from .iface import MODES, iface_addr, resolve_mode
 from .jobspec import DEFAULT, JobSpec
 from .jobtable import JobEntry, JobTable
+from .aggopt import OptimizerControl
+from .optim import OptimizerSpec
 
 STATE_DIR = Path("/run/nicoffload/aggregators")
 SOURCE = "aggregator.c"
@@ -57,6 +61,7 @@ class AggSpec:
     agg_ip: str = ""
     agg_mac: str = ""
     jobs: list[dict] = field(default_factory=list)
+    optimizer: bool = False      # room for optimizer state: a master weight and momentum per slot element
 
     def validate(self) -> None:
         if not 0 <= self.workers <= proto.MAX_WORKERS:
@@ -66,15 +71,19 @@ class AggSpec:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.workers:
             JobEntry(self.job, self.workers, self.group, list(self.worker_ips)).validate()
+        if self.optimizer and self.elems > optim.MAX_ELEMS:
+            raise InputError(f"an aggregator with optimizer state takes at most {optim.MAX_ELEMS} elements per "
+                             f"record (--elems), not {self.elems}")
 
     def defines(self, pinned: bool) -> dict[str, int | str]:
-        d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port}
+        d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port,
+                                   "AR_OPT_SLOTS": self.slots if self.optimizer else 1}
         if pinned:
             d["AR_PIN_DIR"] = f'"{pin_dir(self.netns, self.iface)}"'
         return d
 
 
-class Aggregator:
+class Aggregator(OptimizerControl):
     """A loaded XDP aggregator. Use :meth:`load` (attach + pin), :meth:`open` (find a loaded one)
     or :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context manager; unload is idempotent."""
 
@@ -137,18 +146,20 @@ class Aggregator:
     def for_test(cls, workers: int, slots: int = 64, elems: int = proto.DEFAULT_ELEMS,
                  port: int = DEFAULT.port, job: int = DEFAULT.job, group: str = DEFAULT.group,
                  agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
-                 worker_ips: Sequence[str] = (), defines: dict | None = None) -> "Aggregator":
+                 worker_ips: Sequence[str] = (), defines: dict | None = None,
+                 optimizer: OptimizerSpec | None = None, params: int = 0) -> "Aggregator":
         """Load (not attach, not pin) for BPF_PROG_TEST_RUN, with one job over the whole pool
-        (``workers`` 0: none). ``defines``: extra compile-time constants (tests)."""
+        (``workers`` 0: none; with ``optimizer``: an optimizer job of ``params`` parameters, and
+        room for optimizer state). ``defines``: extra compile-time constants (tests)."""
         spec = AggSpec(None, "", workers, slots, elems, port, job=job, group=group,
-                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac)
+                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None)
         spec.validate()
         b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
         prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
         agg = cls(spec, b, prog, owner=False)
         agg.maps.reset_stats()
         if workers:
-            agg._admit(job, workers, group, list(worker_ips), None)
+            agg._admit(job, workers, group, list(worker_ips), None, optimizer, params)
         return agg
 
     @classmethod
@@ -203,19 +214,31 @@ class Aggregator:
 
     # --- jobs ------------------------------------------------------------------------------
     def add_job(self, job: int, workers: int, group: str | None = None, worker_ips: Sequence[str] = (),
-                slots: int | None = None) -> JobEntry:
+                slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
+                initial: np.ndarray | None = None) -> JobEntry:
         """Register a job with its own share of the pool (``slots``; None: the largest free
         range) and its own multicast group (None: the first one no job uses, see
-        :func:`default_group`). Refused with CapacityError when the pool has no room."""
+        :func:`default_group`). Refused with CapacityError when the pool has no room. With an
+        ``optimizer``, the aggregator keeps ``params`` master weights (``initial``, else 0) and
+        the optimizer's state, and answers each step with the updated parameters."""
         with self._changing():
             g = group or default_group(job, self.table)
-            return self._admit(job, workers, g, list(worker_ips), slots)
+            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params)
+            if initial is not None:
+                self.set_params(job, initial)
+            return e
 
-    def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None) -> JobEntry:
-        e = self.table.admit(job, workers, group, worker_ips, slots)
+    def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None,
+               optimizer: OptimizerSpec | None = None, params: int = 0) -> JobEntry:
+        if optimizer is not None and not self.spec.optimizer:
+            raise InputError("this aggregator was loaded without optimizer state: load it with --optimizer")
+        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems)
         try:
             self.maps.clear_slots(e.slots)
             self.maps.reset_stats([e.index + 1])
+            self.maps.write_hyper(e, self.spec.elems)
+            if optimizer is not None:
+                self.maps.write_state(e, self.spec.elems, np.zeros(params, np.int64))
             self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
         except BaseException:
             self.table.remove(job)

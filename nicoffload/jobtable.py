@@ -18,9 +18,10 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import asdict, dataclass, field
 
-from . import proto
+from . import optim, proto
 from .errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
-from .jobspec import JobSpec
+from .jobspec import DEFAULT, JobSpec
+from .optim import OptimizerSpec
 
 
 @dataclass
@@ -35,6 +36,8 @@ class JobEntry:
     slot_base: int = 0
     slot_count: int = 0
     index: int = 0
+    optimizer: dict | None = None   # an OptimizerSpec as a dict: the aggregator applies it (op SGD)
+    params: int = 0                 # parameters of an optimizer job
 
     def validate(self) -> "JobEntry":
         if not 1 <= self.workers <= proto.MAX_WORKERS:
@@ -54,6 +57,10 @@ class JobEntry:
     @property
     def slots(self) -> range:
         return range(self.slot_base, self.slot_base + self.slot_count)
+
+    @property
+    def spec(self) -> OptimizerSpec | None:
+        return OptimizerSpec(**self.optimizer) if self.optimizer else None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,12 +102,28 @@ class JobTable:
         return sum(c for _, c in self.free_ranges())
 
     def admit(self, job: int, workers: int, group: str, worker_ips: list[str] | tuple = (),
-              slots: int | None = None) -> JobEntry:
-        """Register a job: its share is ``slots`` slots (None: the largest free range). Raises
-        AlreadyExistsError, InputError or CapacityError, naming the conflict; changes nothing then."""
+              slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
+              elems: int = DEFAULT.elems) -> JobEntry:
+        """Register a job: its share is ``slots`` slots (None: the largest free range; an
+        optimizer job gets exactly one slot per block of its ``params`` and its exponent rounds).
+        Raises AlreadyExistsError, InputError or CapacityError, naming the conflict; changes
+        nothing then."""
         if job in self.entries:
             raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
         entry = JobEntry(job, workers, group, list(worker_ips)).validate()
+        if optimizer is not None:
+            optimizer.validate()
+            if params < 1:
+                raise InputError("an optimizer job needs its number of parameters (--params)")
+            if elems > optim.MAX_ELEMS:
+                raise InputError(f"an optimizer job takes at most {optim.MAX_ELEMS} elements per record, "
+                                 f"the aggregator has {elems}")
+            need = optim.share(params, elems)
+            if slots is not None and slots != need:
+                raise InputError(f"an optimizer job of {params} parameters takes exactly {need} slots "
+                                 f"({optim.meta_slots(params, elems)} for exponents, one per block), not {slots}")
+            slots = need
+            entry.optimizer, entry.params = optimizer.to_dict(), params
         for other in self.entries.values():
             if other.group == group:
                 raise InputError(f"multicast group {group} is already job {other.job}'s: give each job its own "

@@ -162,11 +162,11 @@ def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
 
 
 @njit(cache=True, boundscheck=False)
-def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first):
+def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first, op):
     """Record first + j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
     rint(x * 2^shift) + bias as unsigned 32-bit lanes (op SUM64: with |q| <= bias and
     2 * bias * ranks <= 2^31, the aggregator's 64-bit adds never carry from one lane into the
-    next). Elements beyond the tensor are 0. ``single``: x is float32, scaled in float32 where
+    next; op SGD adds the same way and then applies the job's optimizer). Elements beyond the tensor are 0. ``single``: x is float32, scaled in float32 where
     2^shift is a normal float32 (exact there); float64 input is always scaled in float64.
     The lanes are computed in int32 arithmetic (wrapping modulo 2^32 gives the unsigned lane's
     bits) so that the loop vectorises."""
@@ -180,7 +180,7 @@ def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, sh
         lo = b * elems
         cnt = min(elems, n - lo)
         s = shifts[i]
-        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, proto.OP_SUM64)
+        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, op)
         p = off // 4 + HDR // 4
         o = w[p:p + elems]  # slices, not computed indices: LLVM vectorises these loops
         xs = x[lo:lo + cnt]
@@ -244,7 +244,8 @@ def warm_up(elems: int) -> None:
     for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         exps = np.zeros(1, np.int32)
         (block_meta_f32 if x.dtype == np.float32 else block_meta_f64)(x, elems, exps)
-        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0)
+        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0,
+                     proto.OP_SUM64)
     block_nonzero_i32(np.zeros(2, np.int32), elems, np.zeros(1, np.uint8))
     for w in (np.zeros(2, np.int32), np.zeros(2, np.int64)):
         zero_blocks(w, np.zeros(1, np.bool_), elems)

@@ -19,8 +19,8 @@ import numpy as np
 from numba import njit, types
 
 from . import proto
-from .kernels import (F32_SHIFT_LIMIT, HDR, O_ACK, O_COUNT, O_DETAIL, O_EPOCH, O_JOB, O_MASK, O_RANK, O_ROUND,
-                      O_SET, O_SLOT, O_TYPE, RANK_AGG, T_ACK, T_RESULT, T_STATUS, _be16, _be32)
+from .kernels import (F32_SHIFT_LIMIT, HDR, O_ACK, O_COUNT, O_DETAIL, O_EPOCH, O_EXP, O_JOB, O_MASK, O_RANK,
+                      O_ROUND, O_SET, O_SLOT, O_TYPE, RANK_AGG, T_ACK, T_RESULT, T_STATUS, _be16, _be32)
 
 # libc's batch calls, called from the kernels by symbol name (so the compiled code caches on disk;
 # a ctypes pointer would be baked in); pointers are passed as integers (the x86-64 ABI is the same)
@@ -38,6 +38,8 @@ CMSG_HDR = ctypes.sizeof(ctypes.c_size_t) + 8
 KIND_INT32 = 0    # copied (int32 data, metadata)
 KIND_FLOAT32 = 1  # offset-binary fixed point -> float32
 KIND_FLOAT64 = 2  # offset-binary fixed point -> float64
+KIND_PARAMS32 = 3  # an optimizer's parameters: int32 lane * 2^exp of the record -> float32
+KIND_PARAMS64 = 4  # ... -> float64
 
 # decode_results return codes (besides the count of new results)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
@@ -124,6 +126,17 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                 dst = out_i[lo:lo + cnt]
                 for k in range(cnt):
                     dst[k] = lanes[k]
+            elif kind == KIND_PARAMS32 or kind == KIND_PARAMS64:
+                e = _be16(buf, o + O_EXP)
+                d = math.ldexp(1.0, e - 0x10000 if e >= 0x8000 else e)
+                if kind == KIND_PARAMS32:
+                    d32 = out_f32[lo:lo + cnt]
+                    for k in range(cnt):
+                        d32[k] = np.float32(np.float64(lanes[k]) * d)
+                else:
+                    d64 = out_f64[lo:lo + cnt]
+                    for k in range(cnt):
+                        d64[k] = np.float64(lanes[k]) * d
             else:
                 mask = _be32(buf, o + O_MASK)
                 c = 0
@@ -260,7 +273,7 @@ def warm_up(elems: int) -> None:
     lens = np.zeros(1, np.uint32)
     segs = np.zeros(1, np.int64)
     stash, stash_round = np.zeros(rec, np.uint8), np.full(1, -1, np.int64)
-    for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64):
+    for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64, KIND_PARAMS32, KIND_PARAMS64):
         args = (rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind, np.zeros(1, np.int32), np.zeros(1, np.float32),
                 np.zeros(1, np.float64), np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
         gate = np.zeros(1, np.int64)

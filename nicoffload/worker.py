@@ -190,7 +190,7 @@ class Communicator:
 
                 def encode(j0: int, j1: int) -> None:
                     kernels.encode_float(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
-                                         masks, shifts, self._s.bias, single, j0)
+                                         masks, shifts, self._s.bias, single, j0, proto.OP_SUM64)
             else:
                 shifts = self._buf.get("noshift", K, np.int32)
 

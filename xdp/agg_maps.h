@@ -5,6 +5,8 @@
  *   AR_ELEMS    int32 elements per record (default AR_DEFAULT_ELEMS = 256, i.e. 1 KiB; even)
  *   AR_SLOTS    slots in the pool, shared by every job (count)
  *   AR_PIN_DIR  optional bpffs directory (string literal); when set, maps are pinned there
+ *   AR_OPT_SLOTS  entries of the optimizer state map (AR_SLOTS when the aggregator may hold
+ *               optimizer jobs, 1 otherwise: the state of pool slot i is entry i)
  */
 #ifndef NICOFFLOAD_AGG_MAPS_H
 #define NICOFFLOAD_AGG_MAPS_H
@@ -21,6 +23,12 @@
 #error "AR_ELEMS must be even (AR_OP_SUM64 and AR_OP_OR work on 64-bit words)"
 #endif
 #define AR_WORDS (AR_ELEMS / 2)
+#ifndef AR_OPT_SLOTS
+#define AR_OPT_SLOTS 1
+#endif
+#if AR_OPT_SLOTS > 1 && AR_ELEMS > 256
+#error "an aggregator with optimizer state takes at most 256 elements per record (the verifier's budget)"
+#endif
 
 /* One registered job: its ranks, addresses, share of the slot pool and epoch state. Written
  * by the control plane (addresses in network order); the epoch fields change under `lock`
@@ -68,6 +76,28 @@ struct ar_slot {
     struct ar_set set[2];
 };
 
+/* A job's optimizer (entry i belongs to job table entry i). Apart from the job entry so that the
+ * control plane can change the learning rate between steps without touching the epoch state. */
+struct ar_hyper {
+    u32 opt;                   /* AR_OPT_*: AR_OPT_NONE, the rounds' results are the sums */
+    u32 flags;                 /* AR_OPT_NESTEROV */
+    u32 meta_slots;            /* slots [0, meta_slots) of the job's share carry exponent rounds (MAX) */
+    u32 bias;                  /* the offset of each contributor's offset-binary lanes */
+    u64 lr;                    /* AR_OPT_FRAC fractional bits, each <= 1.0 */
+    u64 momentum;
+    u64 dampening;
+    u64 weight_decay;
+};
+
+/* Optimizer state of one block (the block of pool slot i is entry i): master weights and momentum
+ * in fixed point with AR_OPT_FRAC fractional bits, and the updates applied so far. */
+struct ar_opt {
+    s64 w[AR_ELEMS];
+    s64 m[AR_ELEMS];
+    u32 steps;
+    u32 pad;
+};
+
 /* Per-job counters (index AR_STAT_*), per CPU: one row per job, row 0 for traffic of no job. */
 struct ar_counters {
     u64 c[AR_STAT__COUNT];
@@ -83,5 +113,7 @@ AR_TABLE("array", u32, struct ar_job, ar_jobs, AR_MAX_JOBS);
 AR_TABLE("hash", u32, u32, ar_job_index, AR_MAX_JOBS);  /* wire job id -> ar_jobs index */
 AR_TABLE("array", u32, struct ar_slot, ar_slots, AR_SLOTS);
 AR_TABLE("percpu_array", u32, struct ar_counters, ar_stats, AR_MAX_JOBS + 1);
+AR_TABLE("array", u32, struct ar_hyper, ar_hyper, AR_MAX_JOBS);
+AR_TABLE("array", u32, struct ar_opt, ar_opt, AR_OPT_SLOTS);
 
 #endif

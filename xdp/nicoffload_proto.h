@@ -70,7 +70,20 @@
 #define AR_OP_MAX 2
 /* bitwise or */
 #define AR_OP_OR 3
-#define AR_OP__COUNT 4
+/* SUM64 of pre-averaged gradients, then the job's optimizer on the round's block: */
+/* the RESULT carries the updated parameters (int32 lanes, value = lane * 2^exp) */
+#define AR_OP_SGD 4
+#define AR_OP__COUNT 5
+
+/* optimizers a job can be registered with (nicoffload/optim.py has the arithmetic) */
+#define AR_OPT_NONE 0
+#define AR_OPT_SGD 1
+/* optimizer flags */
+#define AR_OPT_NESTEROV 1
+/* fractional bits of the master weights, the momentum and the hyperparameters (int64 fixed point) */
+#define AR_OPT_FRAC 32
+/* gradients and parameters an optimizer job accepts: |value| < 2^AR_OPT_RANGE */
+#define AR_OPT_RANGE 20
 
 /* STATUS details */
 /* the round has not completed: mask = who has contributed */
@@ -156,7 +169,9 @@
 #define AR_STAT_EARLY 30
 #define AR_STAT_MISMATCH 31
 #define AR_STAT_TX_FAILED 32
-#define AR_STAT__COUNT 33
+/* optimizer updates applied (one per completed round of an optimizer job) */
+#define AR_STAT_UPDATED 33
+#define AR_STAT__COUNT 34
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0

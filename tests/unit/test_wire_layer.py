@@ -145,7 +145,7 @@ def test_enums_come_from_c():
 
     assert AR_TYPES == named("AR_TYPE_")
     assert {"CONTRIB", "RESULT", "STATUS", "JOIN", "JOINED", "ACK", "NOP"} == set(AR_TYPES.values())
-    assert AR_OPS == named("AR_OP_") and set(AR_OPS.values()) == {"SUM", "SUM64", "MAX", "OR"}
+    assert AR_OPS == named("AR_OP_") and set(AR_OPS.values()) == {"SUM", "SUM64", "MAX", "OR", "SGD"}
     assert len(AR_OPS) == c["AR_OP__COUNT"]
     assert AR_DETAILS == {0: "NONE", **named("AR_DETAIL_")}
     flags = named("AR_FLAG_")
