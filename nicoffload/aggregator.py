@@ -28,7 +28,12 @@ from .optim import OptimizerSpec
 STATE_DIR = Path("/run/nicoffload/aggregators")
 SOURCE = "aggregator.c"
 MAPS_HEADER = "agg_maps.h"
-ENTRY, CALLBACKS = "ar_aggregate", ("ar_record",)
+ENTRY = "ar_aggregate"
+
+
+def callbacks(optimizer: bool) -> tuple[str, ...]:
+    """The bpf_loop callbacks, chained: ar_record's references go to ar_sgd (optimizer loads)."""
+    return ("ar_record", "ar_sgd") if optimizer else ("ar_record",)
 
 
 def pin_dir(netns: str | None, iface: str) -> Path:
@@ -125,7 +130,7 @@ class Aggregator(OptimizerControl):
         agg = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
-            prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+            prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
             agg = cls(spec, b, prog)
             agg.maps.reset_stats()
             if spec.workers:
@@ -155,7 +160,7 @@ class Aggregator(OptimizerControl):
                        worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None)
         spec.validate()
         b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
-        prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+        prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
         agg = cls(spec, b, prog, owner=False)
         agg.maps.reset_stats()
         if workers:

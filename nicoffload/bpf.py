@@ -306,21 +306,12 @@ def _function_insns(b, name: str) -> bytes:
     return ctypes.string_at(start, size)
 
 
-def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, list[int]]:
-    """Append the callbacks after the entry point and turn the entry point's unresolved function
-    references into BPF_PSEUDO_FUNC ones. bcc 0.26 compiles every exported function on its own and
-    leaves a reference to another one as ``ld_imm64 rX, 0`` (src_reg 0, both immediates 0): a
-    constant 0 is never encoded that way, so such an instruction can only be such a reference.
-    With one callback every reference goes to it; the toolkit's programs have at most one."""
-    code = bytearray(entry)
-    starts = [0]
-    for cb in callbacks:
-        starts.append(len(code) // _INSN)
-        code += cb
-    n_entry = len(entry) // _INSN
-    refs = []
-    i = 0
-    while i < n_entry:
+def _function_refs(code: bytearray, first: int, end: int) -> list[int]:
+    """Instructions in [first, end) that are unresolved function references: bcc 0.26 compiles
+    every exported function on its own and leaves a reference to another one as ``ld_imm64 rX, 0``
+    (src_reg 0, both immediates 0); a constant 0 is never encoded that way."""
+    refs, i = [], first
+    while i < end:
         op, regs = code[_INSN * i], code[_INSN * i + 1]
         if op == _LD_IMM64:
             imm = int.from_bytes(code[_INSN * i + 4:_INSN * i + 8], "little")
@@ -330,12 +321,28 @@ def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, li
             i += 2
             continue
         i += 1
-    if refs and len(callbacks) != 1:
-        raise VerifierError(f"{len(refs)} function reference(s) in the entry point but {len(callbacks)} "
-                            f"callbacks given; the loader links exactly one", "")
-    for i in refs:
-        code[_INSN * i + 1] = (code[_INSN * i + 1] & 0x0F) | (BPF_PSEUDO_FUNC << 4)
-        code[_INSN * i + 4:_INSN * i + 8] = (starts[1] - (i + 1)).to_bytes(4, "little", signed=True)
+    return refs
+
+
+def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, list[int]]:
+    """Append the callbacks after the entry point and turn unresolved function references into
+    BPF_PSEUDO_FUNC ones. The callbacks form a chain: the references in the entry point go to the
+    first callback, those in the first callback to the second, and so on (a bpf_loop callback
+    that runs a bpf_loop of its own names the next one); the last function references none."""
+    code = bytearray(entry)
+    starts = [0]
+    for cb in callbacks:
+        starts.append(len(code) // _INSN)
+        code += cb
+    ends = starts[1:] + [len(code) // _INSN]
+    for f, (first, end) in enumerate(zip(starts, ends)):
+        refs = _function_refs(code, first, end)
+        if refs and f + 1 >= len(starts):
+            raise VerifierError(f"{len(refs)} function reference(s) in the last of {len(starts)} functions; each "
+                                f"function's references go to the next callback, and there is none", "")
+        for i in refs:
+            code[_INSN * i + 1] = (code[_INSN * i + 1] & 0x0F) | (BPF_PSEUDO_FUNC << 4)
+            code[_INSN * i + 4:_INSN * i + 8] = (starts[f + 1] - (i + 1)).to_bytes(4, "little", signed=True)
     return code, starts
 
 

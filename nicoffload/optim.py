@@ -34,7 +34,8 @@ ONE = 1 << FRAC
 RANGE = proto.C["AR_OPT_RANGE"]
 KINDS = {"sgd": proto.C["AR_OPT_SGD"]}
 NESTEROV = proto.C["AR_OPT_NESTEROV"]
-#: records of an optimizer job hold at most this many elements (the verifier's budget)
+#: records of an aggregator with optimizer state hold at most this many elements (beyond, the
+#: program's two copies of the slot algorithm exceed the verifier's budget of 1M instructions)
 MAX_ELEMS = 256
 
 
@@ -129,10 +130,18 @@ class BlockState:
 
 
 def sgd_update(state: BlockState, lanes: np.ndarray, offset: int, gexp: int, hyper: dict[str, int],
-               nesterov: bool) -> tuple[np.ndarray, int]:
+               nesterov: bool, count: int | None = None) -> tuple[np.ndarray, int]:
     """Apply one update to ``state`` from the SUM64 lanes of a completed round (uint32, one per
-    element; ``offset`` = ranks * bias; the gradient is (lane - offset) * 2^-gexp); returns the
-    result: (int32 lanes, exponent). Mirrors sgd_apply in xdp/aggregator.c exactly."""
+    element; ``offset`` = ranks * bias; the gradient is (lane - offset) * 2^-gexp) to its first
+    ``count`` elements (the padding of a partial block stays as it is, 0); returns the result:
+    (int32 lanes, exponent). Mirrors sgd_apply in xdp/aggregator.c exactly."""
+    if count is not None and count < len(lanes):
+        head = BlockState(state.w[:count].copy(), state.m[:count].copy(), state.steps)
+        res, e = sgd_update(head, lanes[:count], offset, gexp, hyper, nesterov)
+        state.w[:count], state.m[:count], state.steps = head.w, head.m, head.steps
+        out = np.zeros(len(lanes), np.int32)
+        out[:count] = res
+        return out, e
     q = lanes.astype(np.int64) - np.int64(offset)
     sh = FRAC - gexp
     if sh >= 0:
@@ -192,7 +201,8 @@ class JobModel:
         out, values = [], np.empty(nb * E)
         hyper = self.spec.fixed()
         for b, st in enumerate(self.states):
-            res, e = sgd_update(st, lanes[b], self.world * self.bias, int(sh[b]), hyper, self.spec.nesterov)
+            count = min(E, self.n - b * E)
+            res, e = sgd_update(st, lanes[b], self.world * self.bias, int(sh[b]), hyper, self.spec.nesterov, count)
             out.append((res, e))
             values[b * E:(b + 1) * E] = np.ldexp(res.astype(np.float64), e)
         return out, values[:self.n]

@@ -228,8 +228,8 @@ class RoundStream:
         recs = send[:len(mine) * rec].reshape(-1, rec)
         ack_col, flags_col = ack_column(recs), flags_column(recs)
         out_i = res.view(np.int32) if kind == pump.KIND_INT32 else np.empty(0, np.int32)
-        out_f32 = res if kind == pump.KIND_FLOAT32 else np.empty(0, np.float32)
-        out_f64 = res if kind == pump.KIND_FLOAT64 else np.empty(0, np.float64)
+        out_f32 = res if res.dtype == np.float32 else np.empty(0, np.float32)
+        out_f64 = res if res.dtype == np.float64 else np.empty(0, np.float64)
         dense = len(mine) == K
         rx_args = t.recv_args()
         stash = (self._stash, self._stash_round)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import kernels, proto, pump, quant
+from . import kernels, optim, proto, pump, quant
 from .errors import InputError
 from .jobspec import DEFAULT, JobSpec
 from .stream import Buffers, CallStats, RoundStream
@@ -137,12 +137,7 @@ class Communicator:
 
         # 1. local metadata
         if is_float:
-            exps = self._buf.get("exps", nb, np.int32)
-            bad = (kernels.block_meta_f32 if x.dtype == np.float32 else kernels.block_meta_f64)(flat, E, exps)
-            if bad >= 0:
-                kind = "NaN" if np.isnan(flat[bad]) else "Inf"
-                raise InputError(f"rank {self.rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
-                                 f"refusing to sum it")
+            exps = self._block_exps(flat, nb)
             nonzero = exps != quant.ZERO_EXP
         elif self.sparse:
             nz8 = self._buf.get("nz8", nb, np.uint8)
@@ -202,6 +197,61 @@ class Communicator:
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
         st.foreign = self._s.foreign - foreign0
+        self.stats.add(st)
+        return out
+
+    def _block_exps(self, flat: np.ndarray, nb: int) -> np.ndarray:
+        exps = self._buf.get("exps", nb, np.int32)
+        bad = (kernels.block_meta_f32 if flat.dtype == np.float32 else kernels.block_meta_f64)(flat, self.elems, exps)
+        if bad >= 0:
+            kind = "NaN" if np.isnan(flat[bad]) else "Inf"
+            raise InputError(f"rank {self.rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
+                             f"refusing to sum it")
+        return exps
+
+    def step(self, grads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """One optimizer step of a job the aggregator holds the optimizer of: send this rank's
+        gradients (pre-averaged: divided by the world size, as DDP does) and return the updated
+        parameters (float32/float64, the gradients' shape). Every rank calls it with gradients of
+        the job's parameter count; the job's slots are its share (optim.share)."""
+        g = np.ascontiguousarray(grads)
+        if g.dtype not in DTYPES[1:]:
+            raise InputError(f"optimizer steps take float32 or float64 gradients, not {g.dtype}")
+        if out is None:
+            out = np.empty_like(g)
+        elif out.shape != g.shape or out.dtype != g.dtype or not out.flags.c_contiguous:
+            raise InputError("out must be a C-contiguous array with the gradients' shape and dtype")
+        E, n = self.elems, g.size
+        nb = -(-n // E)
+        if self.slots != optim.share(n, E):
+            raise InputError(f"rank {self.rank}: {n} gradients need a job of {optim.share(n, E)} slots "
+                             f"(optim.share), this communicator has {self.slots}: register the job with --params {n}")
+        t0 = time.perf_counter()
+        st = self.last = self._s.last = CallStats()
+        flat, res = g.reshape(-1), out.reshape(-1)
+        exps = self._block_exps(flat, nb)
+        top = int(exps.max()) if nb else quant.ZERO_EXP
+        if top > optim.RANGE:
+            raise InputError(f"rank {self.rank}: a gradient reaches 2^{top - 1}; the optimizer takes |g| < "
+                             f"2^{optim.RANGE}")
+        self.join()
+        gexp, _ = self._meta(exps, None)
+        blocks = np.arange(nb, dtype=np.int64)
+        masks = np.full(nb, np.int64(self._all), dtype=np.int64)
+        shifts = optim.step_shifts(gexp, self.world).astype(np.int32)
+        base = self._s.reserve(nb)
+        send = self._buf.get("send", nb * self._rec, np.uint8)
+        tmpl = self._s.template(proto.TYPE_CONTRIB)
+        single = g.dtype == np.float32
+
+        def encode(j0: int, j1: int) -> None:
+            kernels.encode_float(send, self._rec, E, tmpl, flat, blocks[j0:j1], base, self.slots, blocks, masks,
+                                 shifts, self._s.bias, single, j0, proto.OP_SGD)
+
+        kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
+        self._s.run(base, nb, blocks, masks, blocks, shifts, send, kind, res, encode)
+        st.results = nb
+        st.seconds = time.perf_counter() - t0
         self.stats.add(st)
         return out
 

@@ -54,7 +54,13 @@ enum outcome {
     OUT_MISMATCH,    /* a contribution that disagrees with its round (op, exp, count, mask) */
     OUT_EARLY,       /* would overwrite a result some rank has not acknowledged yet */
     OUT_STALE,       /* for a round older than the one its set holds */
+    OUT_UPDATING,    /* an optimizer round completed: its update runs next, outside the lock */
 };
+
+/* set->complete: 0 waiting, 1 complete (the acc is the result), 2 an optimizer round's update is
+ * running (not yet a result: retransmissions get a STATUS until it is) */
+#define SET_COMPLETE 1
+#define SET_UPDATING 2
 
 /* What ar_record() needs of the frame (lives on ar_aggregate's stack). */
 struct frame {
@@ -72,6 +78,16 @@ struct frame {
     u32 gate;    /* wire order: every rank of the job holds every result below this round */
     u32 kept;    /* records that carry an answer, compacted to the front of the frame */
 };
+
+/* The context pointer of a bpf_loop callback (its second argument, r2). bcc rewrites the
+ * parameters of an exported function as a probe's, so a callback takes only the index and reads
+ * r2 first thing (check the compiled code when changing the callback's start). */
+#define callback_ctx()                                 \
+    ({                                                 \
+        void *_c;                                      \
+        asm volatile("%0 = r2" : "=r"(_c));            \
+        _c;                                            \
+    })
 
 /* Make the compiler forget how `var` was computed, so it cannot rematerialise a checked packet
  * pointer from data + offset (the verifier would see a new pointer without the checked range). */
@@ -196,56 +212,97 @@ static __always_inline u32 bit_length(u64 v)
     return n + (u32)v;
 }
 
-/* The round of block o is complete: acc holds the SUM64 lanes of the ranks' pre-averaged
- * gradients, each rank's lane offset by job->bias and scaled by 2^exp (the round's exponent).
- * Apply SGD as torch.optim.SGD does (weight decay, momentum with dampening, Nesterov; the first
- * update sets the momentum to the gradient), in fixed point with AR_OPT_FRAC fractional bits,
- * then write the updated parameters as int32 lanes with one exponent for the block (value =
- * lane * 2^exp) into the acc (the Tx spot, for retransmissions) and into the packet. */
-static __always_inline void sgd_apply(struct ar_job *job, struct ar_hyper *hp, struct ar_opt *o, struct ar_set *s,
-                                      u64 *p)
+/* An update in progress: what the per-element callback needs. A per-CPU scratch value, not the
+ * callback's context: bcc rewrites an exported function's parameters, and reading r2 by asm is
+ * not reliable in a callback whose compiler uses r2 first. An XDP program runs to the end on its
+ * CPU, so one update at a time uses the scratch. */
+struct sgd_scratch {
+    u32 slot, set;             /* the round's pool slot (ar_slots, ar_opt) and set */
+    u32 lsh, rsh, cnt, out, phase, pad;
+    s64 offset, half;          /* ranks * bias; rounding of the gradient's right shift */
+    u64 mu, damp, wd, lr, mu_n;
+    s64 nest;                  /* all ones: Nesterov */
+    u64 any;                   /* the OR of |w|: its bit length is that of max |w| */
+};
+BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
+
+/* bpf_loop callback: element k of an update (phase 0: the SGD step; phase 1: the result lane).
+ * The round of block o is complete: its set's acc holds the SUM64 lanes of the ranks'
+ * pre-averaged gradients, each rank's lane offset by bias and scaled by 2^-exp (the round's
+ * exponent). SGD as torch.optim.SGD does it (weight decay, momentum with dampening, Nesterov;
+ * the first update sets the momentum to the gradient) in fixed point with AR_OPT_FRAC
+ * fractional bits, on the round's count elements (the padding of a partial block stays 0
+ * whatever its lanes); then the updated parameters as int32 lanes with one exponent for the
+ * block (value = lane * 2^exp). Branch-free per element. */
+long ar_sgd(u64 i)
 {
-    s64 offset = (s64)job->workers * (s64)hp->bias;
+    u32 zero = 0;
+    struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
+    if (!c || i >= AR_ELEMS)
+        return 1;
+    u64 k = i;
+    u32 idx = c->slot;
+    struct ar_slot *slot = ar_slots.lookup(&idx);
+    struct ar_opt *o = ar_opt.lookup(&idx);
+    if (!slot || !o)
+        return 1;
+    u32 *lane = (u32 *)slot->set[c->set & 1].acc;
+    if (c->phase) {
+        ((s32 *)lane)[k] = (s32)(o->w[k] >> (c->out & 63));
+        return 0;
+    }
+    s64 live = ((s64)k - (s64)c->cnt) >> 63;
+    s64 q = (s64)lane[k] - c->offset;
+    s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
+    s64 w = o->w[k];
+    g += mulfrac(w, c->wd);
+    s64 m = mulfrac(o->m[k], c->mu) + g - mulfrac(g, c->damp);
+    o->m[k] = m;
+    s64 d = ((g + mulfrac(m, c->mu_n)) & c->nest) | (m & ~c->nest);
+    w -= mulfrac(d, c->lr);
+    o->w[k] = w;
+    c->any |= (u64)((w ^ (w >> 63)) - (w >> 63));
+    return 0;
+}
+
+#if AR_OPT_SLOTS > 1
+/* Apply the job's optimizer to the completed round in set `set` of pool slot idx (its state
+ * SET_UPDATING, so nothing else reads or writes the acc meanwhile; no lock held: bpf_loop is a
+ * helper). Returns the result's exponent, wire order, or 0xffff if the scratch is missing. */
+static __always_inline u32 sgd_apply(struct ar_job *job, struct ar_hyper *hp, struct ar_opt *o, struct ar_set *s,
+                                     u32 idx, u32 set)
+{
+    u32 zero = 0;
+    struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
+    if (!c)
+        return 0xffff;
     s32 gexp = (s16)bpf_ntohs(s->exp);           /* gradient value = lane sum * 2^-gexp */
     s32 sh = AR_OPT_FRAC - gexp;                 /* to AR_OPT_FRAC fractional bits */
-    u32 lsh = sh > 0 ? sh : 0, rsh = sh < 0 ? -sh : 0;
-    lsh &= 63;
-    rsh &= 63;
-    s64 half = rsh ? (1LL << (rsh - 1)) : 0;
     u32 first = o->steps == 0;
-    u64 mu = first ? 0 : hp->momentum;           /* the first update: momentum = gradient */
-    u64 damp = first ? 0 : hp->dampening;
-    u64 wd = hp->weight_decay, lr = hp->lr;
-    s64 nest = -(s64)(hp->flags & AR_OPT_NESTEROV);  /* all ones: Nesterov */
-    u64 mu_n = hp->momentum;
-    u64 any = 0;
-    u32 *lane = (u32 *)s->acc;
-#pragma clang loop unroll(disable)
-    for (int k = 0; k < AR_ELEMS; k++) {
-        s64 q = (s64)lane[k] - offset;
-        s64 g = ((q << lsh) + half) >> rsh;
-        s64 w = o->w[k];
-        g += mulfrac(w, wd);
-        s64 m = mulfrac(o->m[k], mu) + g - mulfrac(g, damp);
-        o->m[k] = m;
-        s64 d = ((g + mulfrac(m, mu_n)) & nest) | (m & ~nest);
-        w -= mulfrac(d, lr);
-        o->w[k] = w;
-        any |= (u64)((w ^ (w >> 63)) - (w >> 63));
-    }
+    c->slot = idx;
+    c->set = set;
+    c->offset = (s64)job->workers * (s64)hp->bias;
+    c->mu = first ? 0 : hp->momentum;            /* the first update: momentum = gradient */
+    c->damp = first ? 0 : hp->dampening;
+    c->wd = hp->weight_decay;
+    c->lr = hp->lr;
+    c->mu_n = hp->momentum;
+    c->nest = -(s64)(hp->flags & AR_OPT_NESTEROV);
+    c->lsh = sh > 0 ? sh : 0;
+    c->rsh = sh < 0 ? -sh : 0;
+    c->half = c->rsh ? (1LL << ((c->rsh - 1) & 63)) : 0;
+    c->cnt = s->count;
+    c->any = 0;
+    c->phase = 0;
+    bpf_loop(AR_ELEMS, ar_sgd, 0, 0);
     o->steps += 1;
-    u32 bits = bit_length(any);
-    u32 out = bits > 31 ? bits - 31 : 0;         /* |lane| < 2^31 */
-    out &= 63;
-    s32 *dst = (s32 *)s->acc;
-#pragma clang loop unroll(disable)
-    for (int k = 0; k < AR_ELEMS; k++)
-        dst[k] = (s32)(o->w[k] >> out);
-#pragma clang loop unroll(disable)
-    for (int k = 0; k < AR_WORDS; k++)
-        p[k] = s->acc[k];
-    s->exp = bpf_htons((u16)(s16)((s32)out - AR_OPT_FRAC));
+    u32 bits = bit_length(c->any);
+    c->out = bits > 31 ? bits - 31 : 0;          /* |lane| < 2^31 */
+    c->phase = 1;
+    bpf_loop(AR_ELEMS, ar_sgd, 0, 0);
+    return bpf_htons((u16)(s16)((s32)c->out - AR_OPT_FRAC));
 }
+#endif
 
 /* --- the slot algorithm ----------------------------------------------------------------------- */
 
@@ -303,14 +360,14 @@ static __always_inline void to_status(struct ar_hdr *h, u32 bitmap, u8 detail)
 /* One validated CONTRIB record against its set, under the slot's lock. */
 static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_job *job,
                                                 struct ar_hdr *h, u64 *p, u32 epoch, u32 bit, u32 gate,
-                                                struct ar_hyper *hp, struct ar_opt *o, const int sgd)
+                                                const int sgd)
 {
     struct ar_set *s = &slot->set[h->set & 1];
     u32 round = bpf_ntohl(h->round);
     int same = s->epoch == epoch && s->round == round;
 
     if (h->flags & AR_FLAG_PULL) {
-        if (same && s->complete) {
+        if (same && s->complete == SET_COMPLETE) {
             acc_read(s->acc, p);
             to_result(h, s, gate);
             return OUT_PULL_ANSWER;
@@ -325,7 +382,7 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     if (same && (s->bitmap & bit)) { /* already counted: a retransmission or a duplicate */
         if (!(h->flags & AR_FLAG_RETX))
             return OUT_DUP;
-        if (s->complete) {
+        if (s->complete == SET_COMPLETE) {
             acc_read(s->acc, p);
             to_result(h, s, gate);
             return OUT_RETX_ANSWER;
@@ -370,11 +427,11 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     }
     if (s->bitmap != s->mask)
         return OUT_AGGREGATED;
-    s->complete = 1;
-#if AR_OPT_SLOTS > 1
-    if (sgd)
-        sgd_apply(job, hp, o, s, p); /* the result is the updated parameters, not the sum */
-#endif
+    if (sgd) {
+        s->complete = SET_UPDATING; /* ar_record applies the update, then completes the set */
+        return OUT_UPDATING;
+    }
+    s->complete = SET_COMPLETE;
     to_result(h, s, gate); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
     return OUT_COMPLETE;
 }
@@ -449,8 +506,7 @@ static __always_inline void keep_record(struct frame *f, void *data, void *end, 
  * exports, so this one takes only the index and reads bpf_loop's context pointer from r2. */
 long ar_record(u64 i)
 {
-    struct frame *f;
-    asm volatile("%0 = r2" : "=r"(f));
+    struct frame *f = callback_ctx();
 
     struct xdp_md *ctx = f->ctx;
     struct ar_job *job = f->job;
@@ -507,10 +563,24 @@ long ar_record(u64 i)
     struct ar_hyper *hp = f->hyper;
     slot_lock(slot);
     if (opt && hp)
-        o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, hp, opt, 1);
+        o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, 1);
     else
-        o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, 0, 0, 0);
+        o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, 0);
     slot_unlock(slot);
+#if AR_OPT_SLOTS > 1
+    if (o == OUT_UPDATING && opt && hp) {
+        /* the round's sum is the averaged gradient: the result is the updated parameters */
+        struct ar_set *set = &slot->set[h->set & 1];
+        u32 exp = sgd_apply(job, hp, opt, set, idx, h->set & 1);
+        acc_read(set->acc, p);
+        slot_lock(slot);
+        set->exp = (u16)exp;
+        set->complete = SET_COMPLETE;
+        slot_unlock(slot);
+        to_result(h, set, f->gate);
+        o = OUT_COMPLETE;
+    }
+#endif
 
     switch (o) {
     case OUT_COMPLETE:
