@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import codec, proto
+from . import codec, optim, proto
 from .errors import InputError
 from .jobspec import DEFAULT
+from .optim import OptimizerSpec
 from .transport import Transport
 
 
@@ -48,6 +49,10 @@ class UserspaceAggregator:
     local_ip: str | None = None
     worker_ips: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=lambda: {k: 0 for k in proto.STATS})
+    #: an optimizer job (the CPU-offload baseline of the XDP aggregator's): the optimizer, and
+    #: the initial parameters (their count fixes the share: slots = optim.share(len, elems))
+    optimizer: OptimizerSpec | None = None
+    params: np.ndarray | None = None
 
     def __post_init__(self):
         if self.elems < 2 or self.elems % 2:
@@ -55,6 +60,14 @@ class UserspaceAggregator:
                              f"not {self.elems}")
         if not 1 <= self.workers <= proto.MAX_WORKERS:
             raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
+        self._opt = None
+        if self.optimizer is not None:
+            if self.params is None:
+                raise InputError("an optimizer job needs its initial parameters")
+            self._opt = optim.JobModel(self.optimizer, np.asarray(self.params).reshape(-1), self.workers, self.elems)
+            self._meta = optim.meta_slots(self._opt.n, self.elems)
+            self._hyper = self.optimizer.fixed()
+            self.slots = optim.share(self._opt.n, self.elems)
         self._rsize = proto.record_size(self.elems)
         self._t = Transport(self.port, None, self.local_ip, self._rsize)
         s = self._t.sock
@@ -274,11 +287,28 @@ class UserspaceAggregator:
         if s.bitmap != s.mask:
             r["type"] = proto.TYPE_NOP
             return None
+        if s.op == proto.OP_SGD:
+            self._update(slot, s, acc)
         s.complete = True
         st["completed"] += 1
         p[:] = acc
         self._result(r, s)
         return "mcast"
+
+    def _update(self, slot: int, s: _Set, acc: np.ndarray) -> None:
+        """The round's sum is the averaged gradient of block slot - meta: apply the optimizer and
+        make the result the updated parameters (optim.sgd_update, bit for bit the XDP program's)."""
+        m = self._opt
+        res, e = optim.sgd_update(m.states[slot - self._meta], acc.view(np.uint32), self.workers * m.bias, s.exp,
+                                  self._hyper, m.spec.nesterov, s.count)
+        acc[:] = res
+        s.exp = e
+        self.stats["updated"] += 1
+
+    @property
+    def master_weights(self) -> np.ndarray:
+        """The optimizer job's parameters (float64)."""
+        return optim.from_fixed(self._opt.w)
 
     def _check(self, r, rank: int) -> str | None:
         if int(r["magic"]) != proto.MAGIC:
@@ -296,7 +326,8 @@ class UserspaceAggregator:
             return "bad_slot"
         if int(r["set"]) > 1:
             return "bad_set"
-        if int(r["op"]) >= proto.OP_COUNT:
+        op = int(r["op"])
+        if op >= proto.OP_COUNT:
             return "bad_op"
         mask = int(r["mask"])
         if not mask or mask & ~self._mask_all:
@@ -306,6 +337,14 @@ class UserspaceAggregator:
             return "bad_len" if cnt else None
         if not mask & (1 << rank):
             return "bad_mask"
+        # as the XDP program: an optimizer job's exponent rounds (MAX) come first, SGD on the rest
+        if self._opt is not None:
+            if op != (proto.OP_MAX if int(r["slot"]) < self._meta else proto.OP_SGD):
+                return "bad_op"
+        elif op == proto.OP_SGD:
+            return "bad_op"
+        if op == proto.OP_SGD and mask != self._mask_all:
+            return "bad_mask"
         if not 1 <= cnt <= self.elems:
             return "bad_len"
         return None
@@ -314,7 +353,7 @@ class UserspaceAggregator:
     def _combine(op: int, acc: np.ndarray, p: np.ndarray) -> None:
         if op == proto.OP_SUM:
             acc += p  # int32 wraps modulo 2^32, like the XDP program
-        elif op == proto.OP_SUM64:
+        elif op == proto.OP_SUM64 or op == proto.OP_SGD:
             w = acc.view("<u8")
             w += p.view("<u8")
         elif op == proto.OP_MAX:

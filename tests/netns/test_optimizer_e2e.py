@@ -101,3 +101,25 @@ def test_checkpoint_and_restore_continue_the_same_run(make_testbed, tmp_path):
         agg.load_optimizer(1, ckpt)
         got = run_steps(tb, ranks, grads[2:], P)
     assert np.array_equal(got[0][-1], want.astype(np.float32)) and np.array_equal(got[1][-1], got[0][-1])
+
+
+def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed):
+    from nicoffload.userspace import UserspaceAggregator
+
+    tb = make_testbed(2)
+    ranks = tb.workers
+    rng = np.random.default_rng(7)
+    init = rng.uniform(-0.5, 0.5, N)
+    grads = steps(rng, 2, 5)
+    P = optim.share(N, E)
+    with tb.in_host(tb.agg):
+        ua = UserspaceAggregator(2, port=tb.port, elems=E, group=tb.mcast_group, local_ip=tb.agg.ip,
+                                 worker_ips=[h.ip for h in ranks], optimizer=SPEC, params=init)
+    with ua:
+        got = run_steps(tb, ranks, grads, P)
+    model = optim.JobModel(SPEC, init, 2, E)
+    for i, g in enumerate(grads):
+        _, want = model.step(g)
+        assert np.array_equal(got[0][i], want.astype(np.float32)) and np.array_equal(got[1][i], got[0][i]), i
+    assert np.array_equal(optim.to_fixed(ua.master_weights), model.w)
+    assert ua.stats["updated"] == 5 * optim.blocks(N, E)
