@@ -5,7 +5,7 @@ import json
 import sys
 import time
 
-from . import proto
+from . import cli_aggopt, proto
 from .cli import add_examples
 from .jobspec import DEFAULT, JobSpec
 
@@ -57,10 +57,14 @@ def register(sub) -> None:
                         "batches on veth, native elsewhere) and says which")
     q.add_argument("--port", type=int, default=DEFAULT.port, help=f"UDP port (default {DEFAULT.port})")
     _job_arguments(q, load=True)
+    q.add_argument("--with-optimizer", action="store_true",
+                   help="room for optimizer state (jobs added later may have an optimizer); implied by --optimizer")
+    cli_aggopt.optimizer_arguments(q)
     q.add_argument("--json", action="store_true", help="print the status as JSON")
     q.set_defaults(func=_load)
 
     _register_jobs(asub, where)
+    cli_aggopt.register(asub, where)
     _register_bench(asub)
 
     for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
@@ -91,9 +95,18 @@ def register(sub) -> None:
 def _load(args) -> int:
     from .aggregator import AggSpec, Aggregator
 
-    spec = AggSpec(args.netns, args.iface, args.workers, args.slots, args.elems, args.port, args.mode,
-                   args.job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots)
+    opt = cli_aggopt.optimizer_from(args)
+    spec = AggSpec(args.netns, args.iface, 0 if opt else args.workers, args.slots, args.elems, args.port, args.mode,
+                   args.job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
+                   optimizer=bool(opt) or args.with_optimizer)
     agg = Aggregator.load(spec)
+    if opt:  # the first job is an optimizer job
+        try:
+            agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
+                        params=args.params, initial=cli_aggopt.initial_params(args))
+        except BaseException:
+            agg.close()
+            raise
     st = agg.status()
     # the program stays attached and pinned after this process exits
     agg.release()
@@ -128,6 +141,7 @@ def _register_jobs(asub, where) -> None:
     a = jsub.add_parser("add", help="register a job with its ranks, addresses, group and share of the pool")
     where(a)
     _job_arguments(a)
+    cli_aggopt.optimizer_arguments(a)
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_job_add)
     r = jsub.add_parser("remove", help="unregister a job (its packets are then counted as no job's)")
@@ -145,7 +159,9 @@ def _job_add(args) -> int:
 
     agg = Aggregator.open(args.netns, args.iface)
     # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
-    e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots)
+    e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
+                    optimizer=cli_aggopt.optimizer_from(args), params=args.params,
+                    initial=cli_aggopt.initial_params(args))
     print(json.dumps(e.to_dict()) if args.json else
           f"registered on {args.iface}: {_describe_job(agg.job_state(e.job) | e.to_dict())}; "
           f"{agg.table.free_slots()} of {agg.spec.slots} slots left")

@@ -123,3 +123,51 @@ def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed):
         assert np.array_equal(got[0][i], want.astype(np.float32)) and np.array_equal(got[1][i], got[0][i]), i
     assert np.array_equal(optim.to_fixed(ua.master_weights), model.w)
     assert ua.stats["updated"] == 5 * optim.blocks(N, E)
+
+
+def test_the_optimizer_commands(make_testbed, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from nicoffload.aggregator import unload
+
+    tb = make_testbed(2)
+    ranks = tb.workers
+    cli = [sys.executable, "-m", "nicoffload.cli", "agg"]
+    where = ["--netns", tb.agg.netns, "--iface", tb.agg.iface]
+    init = np.linspace(-1, 1, N)
+    np.save(tmp_path / "init.npy", init)
+
+    def run(*argv):
+        words = 1 if argv[0] == "load" else 2  # the subcommand's words, then its options
+        return subprocess.run(cli + list(argv[:words]) + where + list(argv[words:]), capture_output=True, text=True,
+                              timeout=120)
+
+    P = optim.share(N, E)
+    try:
+        r = run("load", "--slots", str(P), "--workers", "2", "--group", tb.mcast_group, "--optimizer", "sgd",
+                "--lr", "0.1", "--momentum", "0.9", "--params", str(N), "--init", str(tmp_path / "init.npy"),
+                "--worker-ip", ranks[0].ip, "--worker-ip", ranks[1].ip)
+        assert r.returncode == 0, r.stderr
+        grads = steps(np.random.default_rng(8), 2, 2)
+        run_steps(tb, ranks, grads[:1], P)
+        r = run("opt", "show", "--job", "1", "--json")
+        shown = json.loads(r.stdout)
+        assert shown["updates"] == {"min": 1, "max": 1} and shown["optimizer"]["lr"] == 0.1
+        assert run("opt", "set-lr", "--job", "1", "--lr", "0.01").returncode == 0
+        assert run("opt", "save", "--job", "1", "--file", str(tmp_path / "ckpt.npz")).returncode == 0
+        run_steps(tb, ranks, grads[1:], P)
+        assert run("opt", "params", "--job", "1", "-o", str(tmp_path / "w.npy")).returncode == 0
+        model = optim.JobModel(OptimizerSpec(lr=0.1, momentum=0.9), init, 2, E)
+        model.step(grads[0])
+        model.spec = OptimizerSpec(lr=0.01, momentum=0.9)  # the schedule: lr 0.01 from the second update
+        model.step(grads[1])
+        assert np.array_equal(optim.to_fixed(np.load(tmp_path / "w.npy")), model.w)
+        r = run("opt", "restore", "--job", "1", "--file", str(tmp_path / "ckpt.npz"))
+        assert r.returncode == 0, r.stderr
+        assert json.loads(run("opt", "show", "--job", "1", "--json").stdout)["updates"]["max"] == 1
+        r = run("job", "add", "--job", "2", "--workers", "1", "--optimizer", "sgd", "--lr", "2")
+        assert r.returncode == 2 and "--lr must be in [0, 1]" in r.stderr, r.stderr
+    finally:
+        unload(tb.agg.netns, tb.agg.iface, missing_ok=True)
