@@ -51,6 +51,13 @@ class _ProgLoadOpts(ctypes.Structure):
     ]
 
 
+class _MapInfo(ctypes.Structure):
+    """struct bpf_map_info up to its name (the kernel fills what fits)."""
+    _u32 = ctypes.c_uint32
+    _fields_ = [("type", _u32), ("id", _u32), ("key_size", _u32), ("value_size", _u32), ("max_entries", _u32),
+                ("map_flags", _u32), ("name", ctypes.c_char * 16)]
+
+
 class _FuncInfo(ctypes.Structure):
     """struct bpf_func_info."""
     _fields_ = [("insn_off", ctypes.c_uint32), ("type_id", ctypes.c_uint32)]
@@ -96,6 +103,7 @@ def lib():
             "bpf_map_lookup_elem": ([ci, vp, vp], ci),
             "bpf_map_delete_elem": ([ci, vp], ci),
             "bpf_prog_get_fd_by_id": ([cu], ci),
+            "bpf_map_get_fd_by_id": ([cu], ci),
             "bpf_obj_get_info_by_fd": ([ci, vp, ctypes.POINTER(cu)], ci),
             "bpf_enable_stats": ([ci], ci),
             "libbpf_num_possible_cpus": ([], ci),
@@ -183,6 +191,31 @@ class Map:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def map_by_id(map_id: int) -> int:
+    """An fd of the map with this id (the caller owns it). Unlike a pin this works from any mount
+    namespace (``ip netns exec`` gives a process its own /sys without the BPF filesystem)."""
+    fd = lib().bpf_map_get_fd_by_id(map_id)
+    if fd < 0:
+        err = _errno(fd)
+        if err in (1, 13):
+            raise PrivilegeError(f"opening BPF map {map_id} needs root")
+        raise NotFoundError(f"no BPF map with id {map_id} ({os.strerror(err)})")
+    return fd
+
+
+def map_info(fd: int) -> dict:
+    """id, name, type, key and value size, entries and flags of a map fd."""
+    info = _MapInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    rc = lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
+    if rc != 0:
+        err = _errno(rc)
+        raise OSError(err, f"reading the info of BPF map fd {fd} failed: {os.strerror(err)}")
+    return {"id": info.id, "name": info.name.decode(errors="replace"), "type": info.type,
+            "key_size": info.key_size, "value_size": info.value_size, "max_entries": info.max_entries,
+            "flags": info.map_flags}
 
 
 # --- program load, attach, test run --------------------------------------------------------

@@ -179,6 +179,80 @@
 #define AR_FAULT_DUPLICATED 2
 #define AR_FAULT_PASSED 3
 #define AR_FAULT__COUNT 4
+
+/* --- ring offload (DirectReduce, docs/ring.md): records between the workers' ring programs --- */
+/* A ring record has the header above: rank = the node that sent this hop, epoch = the call */
+/* (the AllReduce pass both hosts count), slot = round = the record's index in the call's tensor, */
+/* mask = 1 << origin (the node whose chunk it is: its reduce starts there), count/exp/op as in */
+/* a CONTRIB. PING and PONG are header only; the others have the full record size. */
+/* a partial sum on its reduce-scatter journey: each node adds its own record and sends it on */
+#define AR_TYPE_RING_REDUCE 16
+/* the final sum on its all-gather journey: each node stores it and sends it on */
+#define AR_TYPE_RING_GATHER 17
+/* a request for a record the sender misses; the answerer fills it in and sends it on */
+#define AR_TYPE_RING_NACK 18
+/* a host asks a node's ring program for its state */
+#define AR_TYPE_RING_PING 19
+/* the answer: epoch = the node's call, slot = records stored, round = records expected */
+#define AR_TYPE_RING_PONG 20
+/* NACK flag: restart the record's reduce at its origin (else: send the stored final) */
+#define AR_RING_FLAG_RESTART 0x01
+/* a record of a frame that needs nothing any more (a node dropped it and left it in place) */
+#define AR_RING_FLAG_SKIP 0x02
+/* records a ring program holds per call unless built with another capacity */
+#define AR_RING_DEFAULT_CAPACITY 16384
+/* Ring program counters, per CPU (one row). Every record examined ends in exactly one of the */
+/* outcomes reduced .. bad_mixed; rx, records, forwarded, wakeups and passed count besides. */
+#define AR_RING_STAT_RX 0
+#define AR_RING_STAT_RECORDS 1
+#define AR_RING_STAT_FORWARDED 2
+#define AR_RING_STAT_WAKEUPS 3
+#define AR_RING_STAT_PASSED 4
+#define AR_RING_STAT_REDUCED 5
+#define AR_RING_STAT_FINAL 6
+#define AR_RING_STAT_GATHERED 7
+#define AR_RING_STAT_DUP 8
+#define AR_RING_STAT_PARKED 9
+#define AR_RING_STAT_STALE 10
+#define AR_RING_STAT_RESTARTED 11
+#define AR_RING_STAT_RESENT 12
+#define AR_RING_STAT_UNANSWERED 13
+#define AR_RING_STAT_PING 14
+#define AR_RING_STAT_RACE 15
+#define AR_RING_STAT_MISMATCH 16
+#define AR_RING_STAT_BAD_TRUNCATED 17
+#define AR_RING_STAT_BAD_MAGIC 18
+#define AR_RING_STAT_BAD_VERSION 19
+#define AR_RING_STAT_BAD_FLAGS 20
+#define AR_RING_STAT_BAD_JOB 21
+#define AR_RING_STAT_BAD_RANK 22
+#define AR_RING_STAT_BAD_SRC 23
+#define AR_RING_STAT_BAD_HOP 24
+#define AR_RING_STAT_BAD_SLOT 25
+#define AR_RING_STAT_BAD_ORIGIN 26
+#define AR_RING_STAT_BAD_LEN 27
+#define AR_RING_STAT_BAD_OP 28
+#define AR_RING_STAT_BAD_MIXED 29
+#define AR_RING_STAT__COUNT 30
+/* The ring program's state shared with its host (an mmap-able map of u32 words, index AR_RING_ST_*) */
+/* the call this node's host is in (host) */
+#define AR_RING_ST_CALL 0
+/* records of the call every node stores (host) */
+#define AR_RING_ST_EXPECTED 1
+/* records of the call stored by the program (program, atomic) */
+#define AR_RING_ST_STORED 2
+/* ... stored by the host (records it took over, see docs/ring.md) */
+#define AR_RING_ST_HOST_STORED 3
+/* finals of this node's own chunk stored by the program (program, atomic) */
+#define AR_RING_ST_OWN_STORED 4
+/* ... by the host */
+#define AR_RING_ST_HOST_OWN 5
+/* wake the host once this many finals of its own chunk are stored (its send window) */
+#define AR_RING_ST_OWN_WAKE 6
+#define AR_RING_ST__WORDS 16
+/* events the program puts in its ring buffer (u32 call, u32 what: a mask of these) */
+#define AR_RING_EV_DONE 1
+#define AR_RING_EV_WINDOW 2
 /* --- shared: end --- */
 
 #endif

@@ -144,7 +144,8 @@ def test_enums_come_from_c():
         return {v: k[len(prefix):] for k, v in c.items() if k.startswith(prefix) and not k.endswith("__COUNT")}
 
     assert AR_TYPES == named("AR_TYPE_")
-    assert {"CONTRIB", "RESULT", "STATUS", "JOIN", "JOINED", "ACK", "NOP"} == set(AR_TYPES.values())
+    assert {"CONTRIB", "RESULT", "STATUS", "JOIN", "JOINED", "ACK", "NOP", "RING_REDUCE", "RING_GATHER", "RING_NACK",
+            "RING_PING", "RING_PONG"} == set(AR_TYPES.values())
     assert AR_OPS == named("AR_OP_") and set(AR_OPS.values()) == {"SUM", "SUM64", "MAX", "OR", "SGD"}
     assert len(AR_OPS) == c["AR_OP__COUNT"]
     assert AR_DETAILS == {0: "NONE", **named("AR_DETAIL_")}
