@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=50, help="training steps of each run")
     p.add_argument("--aggregator", choices=["xdp", "userspace"], default="xdp",
                    help="where nicoffload sums (the gloo run needs none)")
+    p.add_argument("--offload", action="store_true",
+                   help="the optimizer in the aggregator (OptimusNIC): no optimizer on the ranks; runs it in the XDP "
+                        "and in the user-space aggregator against torch.optim.SGD on every rank")
     p.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
                    help="where train_demo.png and train_demo.json go (default: here)")
     p.add_argument("--data", choices=["auto", "synthetic", "digits"], default="auto",
@@ -57,9 +60,10 @@ def _train_demo(args) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     with testbed(args.workers, spec.elems) as tb, tempdir() as d:
-        gloo, nco = ddp_train.compare(tb, Path(d), spec, steps=args.steps, aggregator=args.aggregator,
-                                      seed=args.seed, data=data, progress=say)
-    s = ddp_train.summarize(gloo, nco)
+        runs = ddp_train.compare(tb, Path(d), spec, steps=args.steps, aggregator=args.aggregator,
+                                 seed=args.seed, data=data, progress=say,
+                                 offload=("xdp", "userspace") if args.offload else ())
+    s = ddp_train.summarize(*runs)
     s["png"] = str(ddp_train.plot(s, args.out / "train_demo.png"))
     (args.out / "train_demo.json").write_text(json.dumps(s, indent=1))
     if args.json:

@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .errors import NicoffloadError, SetupError
 from .jobspec import DEFAULT
 
@@ -218,4 +220,90 @@ def register(model: torch.nn.parallel.DistributedDataParallel, **settings: Any) 
     return state
 
 
-__all__ = ["NicoffloadHookState", "nicoffload_hook", "register", "HookStats"]
+class OffloadedOptimizer:
+    """Training with the optimizer in the aggregator (OptimusNIC): this rank keeps no optimizer
+    state. :meth:`step` sends the rank's gradients, pre-averaged (divided by the world size, as
+    DDP does), and loads the parameters the aggregator sends back into the model; the
+    aggregator's job must hold the same initial parameters (``agg job add --optimizer ...
+    --params N --init``, or :meth:`nicoffload.aggregator.Aggregator.add_job`) in the order of
+    ``params``. Use it instead of a torch optimizer, on a model that is not wrapped in DDP (the
+    aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's."""
+
+    def __init__(self, params, aggregator: str | None = None, *, group: str = DEFAULT.group,
+                 local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
+                 elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout, rank: int | None = None,
+                 world: int | None = None, communicator: Communicator | None = None):
+        from . import optim
+
+        self.params = [p for p in params]
+        self.n = sum(p.numel() for p in self.params)
+        if communicator is None:
+            if aggregator is None:
+                raise NicoffloadError("OffloadedOptimizer needs the aggregator's address (or a Communicator)")
+            if rank is None or world is None:
+                if not (dist.is_available() and dist.is_initialized()):
+                    raise NicoffloadError("OffloadedOptimizer: pass rank and world, or init the process group")
+                rank = dist.get_rank() if rank is None else rank
+                world = dist.get_world_size() if world is None else world
+            communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port, job=job,
+                                        slots=optim.share(self.n, elems), elems=elems, timeout=timeout, sparse=False)
+        self.comm = communicator
+        self.world = communicator.world
+        self._grads = torch.zeros(self.n, dtype=torch.float32)
+        self._params = torch.empty(self.n, dtype=torch.float32)
+        self.stats = HookStats()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Gradients out, parameters in: one optimizer step, applied by the aggregator."""
+        at = 0
+        for p in self.params:
+            k = p.numel()
+            if p.grad is None:
+                self._grads[at:at + k] = 0
+            else:
+                self._grads[at:at + k] = p.grad.reshape(-1)
+            at += k
+        self._grads.div_(self.world)
+        self.stats.input_absmax = float(self._grads.abs().max()) * self.world if self.n else 0.0
+        t0 = time.perf_counter()
+        self.comm.step(self._grads.numpy(), out=self._params.numpy())
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.calls += 1
+        self.stats.elements += self.n
+        self.stats.packets_sent += self.comm.last.packets_sent
+        self.stats.retransmissions += self.comm.last.retransmissions
+        at = 0
+        for p in self.params:
+            k = p.numel()
+            p.copy_(self._params[at:at + k].view_as(p))
+            at += k
+
+    def state_bytes(self) -> int:
+        """Optimizer state this rank holds: none (the staging buffers are the transport's)."""
+        return 0
+
+    def close(self) -> None:
+        self.comm.close()
+
+    def __enter__(self) -> "OffloadedOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def flat_params(params) -> np.ndarray:
+    """The parameters in the order :class:`OffloadedOptimizer` sends them (for the job's --init)."""
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params]).numpy()
+
+
+__all__ = ["NicoffloadHookState", "nicoffload_hook", "register", "HookStats", "OffloadedOptimizer", "flat_params"]

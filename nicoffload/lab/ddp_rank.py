@@ -5,9 +5,13 @@ a training script uses the nicoffload hook: see :func:`train`.
 The job: a small MLP (D -> H -> H -> C, tanh) on seeded synthetic classification data (or
 scikit-learn's digits when sklearn is importable and asked for), SGD with momentum, every rank
 on its own slice of each global batch. ``--allreduce gloo`` is DDP's default all-reduce over the
-gloo process group; ``--allreduce nicoffload`` registers :func:`nicoffload.ddp.nicoffload_hook`.
-Either way the gloo process group bootstraps the ranks (MASTER_ADDR/MASTER_PORT, on the interface
-GLOO_SOCKET_IFNAME) and DDP broadcasts rank 0's initial parameters.
+gloo process group; ``--allreduce nicoffload`` registers :func:`nicoffload.ddp.nicoffload_hook`;
+``--allreduce offload`` keeps no optimizer on the rank: the aggregator holds the parameters and
+the SGD state and sends the updated parameters back (:class:`nicoffload.ddp.OffloadedOptimizer`;
+``--shadow`` also follows float64 SGD on the same averaged gradients, over gloo, to measure the
+optimizer's own error). The gloo process group bootstraps the ranks (MASTER_ADDR/MASTER_PORT, on
+the interface GLOO_SOCKET_IFNAME); DDP broadcasts rank 0's initial parameters (the offload job
+starts from the same seeded ones, registered by the launcher).
 
 Each rank writes a JSON report (losses, step times, accuracy, hook counters, or the error that
 stopped it) and its final parameters as .npy; the launcher gathers them. Torch is imported only
@@ -102,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="one rank of a DDP training job (started by the launcher)")
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
     p.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    p.add_argument("--allreduce", choices=["gloo", "nicoffload"], required=True)
+    p.add_argument("--allreduce", choices=["gloo", "nicoffload", "offload"], required=True)
+    p.add_argument("--shadow", action="store_true",
+                   help="with --allreduce offload: follow float64 SGD on the same averaged gradients")
     p.add_argument("--aggregator", metavar="IP", help="the nicoffload aggregator (with --allreduce nicoffload)")
     p.add_argument("--local-ip", default=None, help="this rank's address")
     JobSpec.add_arguments(p, only=HOOK_FIELDS, timeout=TRAIN_TIMEOUT)
@@ -132,6 +138,58 @@ def make_model(d: int, h: int, c: int, seed: int):
     return nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, c))
 
 
+def _offloaded(args, model):
+    """With ``--allreduce offload``: the optimizer the aggregator applies."""
+    from ..ddp import OffloadedOptimizer
+
+    spec = JobSpec.from_args(args)
+    return OffloadedOptimizer(model.parameters(), args.aggregator, group=spec.group, local_ip=args.local_ip,
+                              port=spec.port, job=spec.job, elems=spec.elems, timeout=spec.timeout, rank=args.rank,
+                              world=args.world)
+
+
+class Shadow:
+    """float64 torch.optim.SGD on the ranks' averaged gradients (summed over gloo in float64), to
+    measure how far the offloaded optimizer's fixed point drifts from it on the same gradients."""
+
+    def __init__(self, model, args):
+        import torch
+
+        self.params = [p.detach().to(torch.float64).clone().requires_grad_(True) for p in model.parameters()]
+        self.opt = torch.optim.SGD(self.params, lr=args.lr, momentum=args.momentum)
+        self.grad_max = 0.0
+
+    def step(self, model) -> None:
+        import torch.distributed as dist
+
+        for sp, p in zip(self.params, model.parameters()):
+            g = p.grad.detach().to(sp.dtype)
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+            self.grad_max = max(self.grad_max, float(g.abs().max()))
+            sp.grad = g
+        self.opt.step()
+
+    def diff(self, model) -> float:
+        return max(float((sp.detach() - p.detach().to(sp.dtype)).abs().max())
+                   for sp, p in zip(self.params, model.parameters()))
+
+
+def _memory(model, opt) -> dict:
+    """Bytes this rank holds, by what they are: parameters, gradients, optimizer state (read from
+    the tensors themselves), and the process's resident set."""
+    import torch
+
+    def nbytes(tensors) -> int:
+        return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+
+    state = 0 if not hasattr(opt, "state") or not isinstance(opt.state, dict) else \
+        nbytes(t for st in opt.state.values() for t in st.values())
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
+            "optimizer_state": state, "rss": rss}
+
+
 def _hook_state(args, model):
     """With ``--allreduce nicoffload``: the nicoffload hook registered on ``model``, its state."""
     if args.allreduce != "nicoffload":
@@ -156,11 +214,11 @@ def _record(report: dict, model, opt, state, loss, seconds: float, hook_seconds:
                               max(float(p.grad.abs().max()) for p in model.parameters()))
     report["param_max"].append(max(float(p.detach().abs().max()) for p in model.parameters()))
     report["momentum_max"].append(max((float(st["momentum_buffer"].abs().max())
-                                       for st in opt.state.values() if st.get("momentum_buffer") is not None),
-                                      default=0.0))
+                                       for st in getattr(opt, "state", {}).values()
+                                       if st.get("momentum_buffer") is not None), default=0.0))
 
 
-def _step(args, step: int, model, opt, state, xb, yb, report: dict) -> None:
+def _step(args, step: int, model, opt, state, xb, yb, report: dict, shadow: Shadow | None = None) -> None:
     import torch.nn.functional as F
 
     hook_before = state.stats.seconds if state else 0.0
@@ -178,6 +236,10 @@ def _step(args, step: int, model, opt, state, xb, yb, report: dict) -> None:
         if state is not None:
             state.reraise(e)  # the Communicator's own error (names the missing ranks)
         raise
+    if shadow is not None:
+        t_shadow = time.perf_counter()
+        shadow.step(model)
+        t0 += time.perf_counter() - t_shadow  # the check is not part of the step's time
     opt.step()
     _record(report, model, opt, state, loss, time.perf_counter() - t0,
             state.stats.seconds - hook_before if state else None)
@@ -189,7 +251,7 @@ def _evaluate(model, xte, yte, report: dict) -> np.ndarray:
     import torch.nn.functional as F
 
     with torch.no_grad():
-        net = model.module.eval()
+        net = getattr(model, "module", model).eval()
         logits = net(torch.from_numpy(xte))
         report["accuracy"] = float((logits.argmax(1).numpy() == yte).mean())
         report["test_loss"] = float(F.cross_entropy(logits, torch.from_numpy(yte)))
@@ -208,19 +270,30 @@ def train(args, report: dict) -> None:
     xtr, ytr, xte, yte = load_data(args.data, args.seed)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=args.pg_timeout))
-    state = None
+    state = opt = shadow = None
+    offload = args.allreduce == "offload"
     try:
-        model = DDP(make_model(xtr.shape[1], args.hidden, int(ytr.max()) + 1, args.seed),
-                    bucket_cap_mb=args.bucket_cap_mb)
-        state = _hook_state(args, model)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        net = make_model(xtr.shape[1], args.hidden, int(ytr.max()) + 1, args.seed)
+        if offload:  # no DDP and no optimizer here: the aggregator sums and updates
+            model = net
+            opt = _offloaded(args, model)
+            state = opt
+            shadow = Shadow(model, args) if args.shadow else None
+        else:
+            model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
+            state = _hook_state(args, model)
+            opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         xtr_t, ytr_t = torch.from_numpy(xtr), torch.from_numpy(ytr)
         report.update(losses=[], step_seconds=[], allreduce_seconds=[], grad_max=[], param_max=[],
                       momentum_max=[], parameters=sum(p.numel() for p in model.parameters()),
                       test_samples=len(yte))
         for step in range(args.steps):
             idx = torch.from_numpy(batch_indices(step, args.rank, args.world, args.batch, len(ytr), args.seed))
-            _step(args, step, model, opt, state, xtr_t[idx], ytr_t[idx], report)
+            _step(args, step, model, opt, state, xtr_t[idx], ytr_t[idx], report, shadow)
+            if step == 0:
+                report["memory"] = _memory(model, opt)
+        if shadow is not None:
+            report["shadow"] = {"max_diff": shadow.diff(model), "grad_max": shadow.grad_max}
         np.save(params_path(args.out), _evaluate(model, xte, yte, report))
         if state is not None:
             report["hook"] = dict(state.stats.__dict__)
@@ -237,8 +310,8 @@ def params_path(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.allreduce == "nicoffload" and not args.aggregator:
-        print("ddp_rank: --allreduce nicoffload needs --aggregator", file=sys.stderr, flush=True)
+    if args.allreduce != "gloo" and not args.aggregator:
+        print(f"ddp_rank: --allreduce {args.allreduce} needs --aggregator", file=sys.stderr, flush=True)
         return 2
     args.data = resolve_data(args.data)
     report: dict = {"rank": args.rank, "world": args.world, "allreduce": args.allreduce, "data": args.data,

@@ -78,14 +78,16 @@ class RankOutcome:
 class Run:
     """One training job: what ran and each rank's outcome (by rank)."""
 
-    allreduce: str                  # "gloo" or "nicoffload"
-    aggregator: str | None          # "xdp" | "userspace" for nicoffload
+    allreduce: str                  # "gloo", "nicoffload" (all-reduce in the hook) or "offload" (optimizer too)
+    aggregator: str | None          # "xdp" | "userspace" for nicoffload and offload
     elems: int | None = None        # float32 elements per packet, for nicoffload
     ranks: list[RankOutcome] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def label(self) -> str:
+        if self.allreduce == "offload":
+            return f"optimizer-in-{self.aggregator}"
         return "gloo" if self.allreduce == "gloo" else f"nicoffload-{self.aggregator}"
 
     @property
@@ -121,7 +123,7 @@ class Run:
 def _rank_spec(tb, w, run: Run, out: Path, spec: JobSpec, argv: list[str], master_port: int) -> RankSpec:
     argv = program("nicoffload.lab.ddp_rank") + ["--rank", str(w.rank), "--out", str(out), *argv,
                                                  *spec.argv(HOOK_FIELDS)]
-    if run.allreduce == "nicoffload":
+    if run.allreduce != "gloo":
         argv += ["--aggregator", tb.agg.ip, "--local-ip", w.ip]
     env = dict(os.environ, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=w.iface,
                RANK=str(w.rank), WORLD_SIZE=str(len(tb.workers)), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -150,7 +152,7 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     spec = on_testbed(tb, (spec or TRAIN_SPEC).replace(**fields))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    nco = allreduce == "nicoffload"
+    nco = allreduce != "gloo"
     run = Run(allreduce, aggregator if nco else None, spec.elems if nco else None)
     t0 = time.monotonic()
     limit = t0 + (deadline if deadline is not None else 60.0 + steps * 2.0)
@@ -167,7 +169,8 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     try:
         if nco:
             enable_gro(tb)
-            ap = AggregatorProcess(tb, aggregator, spec)
+            ap = OptimizerAggregator(tb, aggregator, spec, seed, data, extra or []) if allreduce == "offload" else \
+                AggregatorProcess(tb, aggregator, spec)
         with Launch(tb, ranks) as job:
             processes = job.wait(limit)
     finally:
@@ -178,18 +181,66 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     return run
 
 
+class OptimizerAggregator:
+    """The aggregator of an offloaded-optimizer run: the job holds the model's seeded initial
+    parameters and torch.optim.SGD's hyperparameters of the ranks (lr, momentum). ``xdp``: loaded
+    here with optimizer state; ``userspace``: a user-space aggregator thread in the aggregator's
+    namespace (the CPU-offload baseline)."""
+
+    def __init__(self, tb, kind: str, spec: JobSpec, seed: int, data: str, extra: list[str]):
+        from ..ddp import flat_params
+        from ..optim import OptimizerSpec, share
+        from .ddp_rank import build_parser, load_data, make_model
+
+        a = build_parser().parse_args(["--allreduce", "offload", "--out", "x", *extra])
+        xtr, ytr, _, _ = load_data(data, seed)
+        init = flat_params(make_model(xtr.shape[1], a.hidden, int(ytr.max()) + 1, seed).parameters())
+        opt = OptimizerSpec(lr=a.lr, momentum=a.momentum)
+        self.params, self.kind, self.agg, self.ua = init.size, kind, None, None
+        ips = [w.ip for w in tb.workers]
+        if kind == "xdp":
+            from ..aggregator import AggSpec, Aggregator
+
+            self.agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=share(init.size, spec.elems),
+                                               elems=spec.elems, port=spec.port, optimizer=True))
+            self.agg.add_job(spec.job, len(ips), spec.group, ips, optimizer=opt, params=init.size, initial=init)
+        else:
+            from ..userspace import UserspaceAggregator
+
+            with tb.in_host(tb.agg):
+                self.ua = UserspaceAggregator(len(ips), port=spec.port, elems=spec.elems, job=spec.job,
+                                              group=spec.group, local_ip=tb.agg.ip, worker_ips=ips, optimizer=opt,
+                                              params=init)
+            self.ua.start()
+
+    def memory(self) -> dict:
+        """Bytes the aggregator holds for the job's optimizer: master weights and momentum."""
+        return {"master_weights": 8 * self.params, "momentum": 8 * self.params}
+
+    def close(self) -> None:
+        if self.agg is not None:
+            self.agg.close()
+        if self.ua is not None:
+            self.ua.stop()
+
+
 def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, aggregator: str = "xdp",
-            seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None) -> tuple[Run, Run]:
-    """Both runs on testbed ``tb`` with the same seeds: (gloo Run, nicoffload Run), each
-    checked (a failed rank raises, naming it)."""
+            seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
+            offload: tuple[str, ...] = ()) -> tuple[Run, ...]:
+    """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
+    (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
+    optimizer in each of them) — the offloaded runs also follow float64 SGD on their gradients."""
+    plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else [("nicoffload", aggregator)])
     runs = []
-    for i, kind in enumerate(("gloo", "nicoffload")):
+    for i, (kind, agg) in enumerate(plan):
         if progress:
-            progress(f"training {len(tb.workers)} ranks x {steps} steps with "
-                     f"{'DDP default (gloo)' if kind == 'gloo' else f'nicoffload ({aggregator})'} ...")
-        runs.append(launch(tb, kind, workdir, aggregator=aggregator, steps=steps, seed=seed, data=data, spec=spec,
-                           master_port=MASTER_PORT + i).check())
-    return runs[0], runs[1]
+            what = {"gloo": "DDP default (gloo), torch.optim.SGD on every rank",
+                    "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator"}[kind]
+            progress(f"training {len(tb.workers)} ranks x {steps} steps with {what} ...")
+        runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
+                           spec=spec, master_port=MASTER_PORT + i,
+                           extra=["--shadow"] if kind == "offload" else None).check())
+    return tuple(runs)
 
 
 # --- the comparison ---------------------------------------------------------------------------
@@ -201,50 +252,90 @@ def _median_ms(x: np.ndarray | None) -> float | None:
 
 
 def _run_summary(run: Run) -> dict:
-    hook = run.ranks[0].report.get("hook") or {}
+    r0 = run.ranks[0].report
+    hook = r0.get("hook") or {}
     return {"allreduce": run.allreduce, "aggregator": run.aggregator, "elems": run.elems,
             "losses": [float(v) for v in run.mean_losses()],
-            "accuracy": run.accuracy, "test_loss": run.ranks[0].report["test_loss"],
+            "accuracy": run.accuracy, "test_loss": r0["test_loss"],
             "step_ms": _median_ms(run.step_seconds()),
             "step_ms_each": [float(v * 1e3) for v in run.step_seconds()],
             "allreduce_ms": _median_ms(run.allreduce_seconds()),
             "packets_sent": hook.get("packets_sent"), "retransmissions": hook.get("retransmissions"),
+            "memory": r0.get("memory"), "shadow": _shadow(r0),
+            "param_max": max(r0["param_max"]) if r0.get("param_max") else None,
             "seconds": run.seconds}
 
 
-def summarize(gloo: Run, nco: Run) -> dict:
-    """Everything worth showing, JSON-able."""
-    r0g, r0n = gloo.ranks[0], nco.ranks[0]
-    diff = float(np.max(np.abs(r0g.params.astype(np.float64) - r0n.params))) if \
-        r0g.params is not None and r0n.params is not None else None
-    return {"workers": len(gloo.ranks), "steps": r0g.report["steps"], "data": r0g.report["data"],
-            "parameters": r0g.report["parameters"], "warmup_steps_excluded": WARMUP, "max_param_diff": diff,
-            "runs": {run.label: _run_summary(run) for run in (gloo, nco)}}
+def _shadow(report: dict) -> dict | None:
+    """The offloaded optimizer against float64 SGD on the same gradients, with the bound that
+    nicoffload.optim derives for those gradients and parameters."""
+    sh = report.get("shadow")
+    if not sh:
+        return None
+    from ..optim import OptimizerSpec, error_bound
+
+    spec = OptimizerSpec(lr=report["lr"], momentum=report["momentum"])
+    bound = error_bound(spec, report["steps"], grad_max=sh["grad_max"], world=report["world"],
+                        w_max=max(report["param_max"]) if report.get("param_max") else 1.0)
+    return {**sh, "bound": bound, "within_bound": sh["max_diff"] <= bound}
+
+
+def summarize(reference: Run, *others: Run) -> dict:
+    """Everything worth showing, JSON-able; parameter differences are against ``reference``."""
+    r0 = reference.ranks[0]
+    diffs = {}
+    for run in others:
+        p = run.ranks[0].params
+        diffs[run.label] = float(np.max(np.abs(r0.params.astype(np.float64) - p))) \
+            if r0.params is not None and p is not None else None
+    return {"workers": len(reference.ranks), "steps": r0.report["steps"], "data": r0.report["data"],
+            "parameters": r0.report["parameters"], "warmup_steps_excluded": WARMUP,
+            "max_param_diff": next(iter(diffs.values()), None), "param_diff": diffs,
+            "runs": {run.label: _run_summary(run) for run in (reference, *others)}}
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
 
 
+def _kib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 1024:.0f} KiB"
+
+
 def format_summary(s: dict, rows: int = 10) -> str:
-    (lg, g), (ln, n) = s["runs"].items()
-    steps = len(g["losses"])
-    w = max(len(lg), len(ln), 12)
-    per = f"; nicoffload packets carry {n['elems']} floats" if n.get("elems") else ""
+    runs = list(s["runs"].items())
+    labels = [lb for lb, _ in runs]
+    steps = len(runs[0][1]["losses"])
+    w = max(max(len(lb) for lb in labels), 12)
+    elems = next((r["elems"] for _, r in runs if r.get("elems")), None)
+    per = f"; nicoffload packets carry {elems} floats" if elems else ""
     lines = [f"{s['workers']} ranks, {steps} steps, MLP with {s['parameters']} parameters on {s['data']} data{per}",
-             "", f"{'step':>5}  {'loss ' + lg:>{w + 5}}  {'loss ' + ln:>{w + 5}}"]
+             "", f"{'step':>5}" + "".join(f"  {'loss ' + lb:>{w + 5}}" for lb in labels)]
     for k in sorted(set(np.linspace(0, steps - 1, min(rows, steps)).round().astype(int))):
-        lines.append(f"{k:>5}  {g['losses'][k]:>{w + 5}.4f}  {n['losses'][k]:>{w + 5}.4f}")
-    lines += ["",
-              f"{'':<26}{lg:>{w}}  {ln:>{w}}",
-              f"{'final test accuracy':<26}{g['accuracy']:>{w}.4f}  {n['accuracy']:>{w}.4f}",
-              f"{'final test loss':<26}{g['test_loss']:>{w}.4f}  {n['test_loss']:>{w}.4f}",
-              f"{'time per step (median)':<26}{_ms(g['step_ms']):>{w}}  {_ms(n['step_ms']):>{w}}",
-              f"{'  of it in the all-reduce':<26}{_ms(g['allreduce_ms']):>{w}}  {_ms(n['allreduce_ms']):>{w}}",
-              f"(step times: slowest rank per step, median over steps {s['warmup_steps_excluded']}.."
-              f"{steps - 1}; the gloo all-reduce is not timed separately)"]
-    if s["max_param_diff"] is not None:
-        lines.append(f"largest parameter difference after {steps} steps: {s['max_param_diff']:.3g}")
+        lines.append(f"{k:>5}" + "".join(f"  {r['losses'][k]:>{w + 5}.4f}" for _, r in runs))
+
+    def row(name: str, fmt) -> str:
+        return f"{name:<26}" + "".join(f"  {fmt(r):>{w}}" for _, r in runs)
+
+    lines += ["", f"{'':<26}" + "".join(f"  {lb:>{w}}" for lb in labels),
+              row("final test accuracy", lambda r: f"{r['accuracy']:.4f}"),
+              row("final test loss", lambda r: f"{r['test_loss']:.4f}"),
+              row("time per step (median)", lambda r: _ms(r["step_ms"])),
+              row("  of it in nicoffload", lambda r: _ms(r["allreduce_ms"]))]
+    if any(r.get("memory") for _, r in runs):
+        lines += [row("rank memory: parameters", lambda r: _kib((r.get("memory") or {}).get("params"))),
+                  row("  gradients", lambda r: _kib((r.get("memory") or {}).get("grads"))),
+                  row("  optimizer state", lambda r: _kib((r.get("memory") or {}).get("optimizer_state")))]
+    lines.append(f"(step times: slowest rank per step, median over steps {s['warmup_steps_excluded']}.."
+                 f"{steps - 1}; the gloo all-reduce is not timed separately)")
+    for label, d in (s.get("param_diff") or {}).items():
+        if d is not None:
+            lines.append(f"largest parameter difference after {steps} steps, {label} vs {labels[0]}: {d:.3g}")
+    for label, r in runs:
+        if r.get("shadow"):
+            sh = r["shadow"]
+            lines.append(f"{label}: against float64 SGD on the same gradients {sh['max_diff']:.3g} "
+                         f"(derived bound {sh.get('bound', float('nan')):.3g})")
     return "\n".join(lines)
 
 
@@ -256,7 +347,7 @@ def plot(s: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = [dict(lw=2.5, alpha=0.6), dict(lw=1.2, ls="--")]
+    styles = [dict(lw=2.5, alpha=0.6), dict(lw=1.2, ls="--"), dict(lw=1.2, ls=":")]
     for (label, r), st in zip(s["runs"].items(), styles):
         a.plot(r["losses"], label=f"{label} (test acc {r['accuracy']:.3f})", **st)
         b.plot(r["step_ms_each"], label=f"{label} (median {r['step_ms']:.2f} ms)", **st)

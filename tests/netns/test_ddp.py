@@ -166,3 +166,21 @@ def test_without_torch_the_demo_and_the_hook_fail_in_one_line():
     assert len(lines) == 2, p.stderr
     assert lines[0].startswith("SetupError nicoffload.ddp needs PyTorch")
     assert lines[1].startswith("nicoffload: error: train-demo needs PyTorch") and "nicoffload[torch]" in lines[1]
+
+
+def test_training_with_the_optimizer_in_the_aggregator(tb, tmp_path, runs):
+    """No optimizer on the ranks: the XDP aggregator holds the parameters and the momentum, and the
+    ranks' parameters follow float64 SGD on their own gradients within the derived bound."""
+    from nicoffload.lab.ddp_train import summarize
+
+    gloo, _ = runs
+    off = launch(tb, "offload", tmp_path, aggregator="xdp", steps=STEPS, deadline=DEADLINE, master_port=29512,
+                 timeout=HOOK_TIMEOUT, extra=["--shadow"]).check()
+    s = summarize(gloo, off)
+    r = s["runs"][off.label]
+    assert r["shadow"]["within_bound"], r["shadow"]
+    assert r["memory"]["optimizer_state"] == 0 and s["runs"]["gloo"]["memory"]["optimizer_state"] == r["memory"]["params"]
+    for a, b in zip(off.ranks, off.ranks[1:]):
+        assert np.array_equal(a.params, b.params), "every rank holds the aggregator's parameters"
+    assert abs(r["accuracy"] - gloo.accuracy) <= ACC_FLIPS / s["runs"]["gloo"].get("test_samples", 1024)
+    assert s["param_diff"][off.label] < 1e-5
