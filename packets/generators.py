@@ -359,3 +359,41 @@ def sample_arrays(
         a[np.repeat(zero, elems)[:length]] = 0
         out.append(a)
     return out
+
+
+def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: int, params: int,
+                            elems: int = proto.DEFAULT_ELEMS, job: int = 1, flags: int = 0,
+                            src_ips: Sequence[str] | None = None) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """The frames of one optimizer step (one record each), per rank: its exponent rounds (op MAX,
+    one int32 per block, padded with the MAX identity) and its data rounds (op SGD, pre-averaged
+    gradients quantized as the workers do: nicoffload.optim.rank_lanes), on the job's share
+    (slot = round mod optim.share). Every record carries ``ack`` = the step's first round."""
+    from nicoffload import optim, quant
+
+    world, nb, meta = len(grads), optim.blocks(params, elems), optim.meta_slots(params, elems)
+    P, base = optim.share(params, elems), step * optim.share(params, elems)
+    exps = [quant.block_exponents(optim._padded(g, nb, elems)) for g in grads]
+    shifts = optim.step_shifts(np.max(np.stack(exps), axis=0), world)
+    counts = [min(elems, params - b * elems) for b in range(nb)]
+    src_ips = src_ips or [worker_ip(r) for r in range(world)]
+    mask = (1 << world) - 1
+
+    def frames(rank: int, rows: np.ndarray, first: int, op: int, exp, cnt) -> list[bytes]:
+        out = []
+        for j in range(len(rows)):
+            r = first + j
+            rec = encode_blocks(rows[j:j + 1], rank=rank, job=job, epoch=epoch, slot=r % P, set=(r // P) % 2,
+                                round=r, mask=mask, count=int(cnt[j]) if np.ndim(cnt) else cnt,
+                                exp=int(exp[j]) if np.ndim(exp) else exp, op=op, flags=flags, ack=base)
+            out.append(frame(bytes(rec), src_mac=worker_mac(rank), dst_mac=AGG_MAC, src_ip=src_ips[rank],
+                             dst_ip=AGG_IP))
+        return out
+
+    meta_frames, data_frames = [], []
+    for r in range(world):
+        row = np.full(meta * elems, quant.ZERO_EXP, np.int32)
+        row[:nb] = exps[r]
+        meta_frames.append(frames(r, row.reshape(meta, elems), base, proto.OP_MAX, 0, elems))
+        data_frames.append(frames(r, optim.rank_lanes(grads[r], shifts, elems, world), base + meta, proto.OP_SGD,
+                                  shifts, counts))
+    return meta_frames, data_frames

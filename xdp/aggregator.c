@@ -225,6 +225,9 @@ struct sgd_scratch {
     u64 any;                   /* the OR of |w|: its bit length is that of max |w| */
 };
 BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
+/* elements per callback: the lookups and the call are paid once per chunk */
+#define SGD_CHUNK 8
+#define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
 
 /* bpf_loop callback: element k of an update (phase 0: the SGD step; phase 1: the result lane).
  * The round of block o is complete: its set's acc holds the SUM64 lanes of the ranks'
@@ -233,35 +236,42 @@ BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
  * the first update sets the momentum to the gradient) in fixed point with AR_OPT_FRAC
  * fractional bits, on the round's count elements (the padding of a partial block stays 0
  * whatever its lanes); then the updated parameters as int32 lanes with one exponent for the
- * block (value = lane * 2^exp). Branch-free per element. */
+ * block (value = lane * 2^exp). SGD_CHUNK elements per call; branch-free per element. */
 long ar_sgd(u64 i)
 {
     u32 zero = 0;
     struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
-    if (!c || i >= AR_ELEMS)
+    if (!c || i >= SGD_CHUNKS)
         return 1;
-    u64 k = i;
     u32 idx = c->slot;
     struct ar_slot *slot = ar_slots.lookup(&idx);
     struct ar_opt *o = ar_opt.lookup(&idx);
     if (!slot || !o)
         return 1;
     u32 *lane = (u32 *)slot->set[c->set & 1].acc;
-    if (c->phase) {
-        ((s32 *)lane)[k] = (s32)(o->w[k] >> (c->out & 63));
-        return 0;
+    u64 any = 0;
+#pragma unroll
+    for (int j = 0; j < SGD_CHUNK; j++) {
+        u64 k = i * SGD_CHUNK + j;
+        if (k >= AR_ELEMS)
+            break;
+        if (c->phase) {
+            ((s32 *)lane)[k] = (s32)(o->w[k] >> (c->out & 63));
+            continue;
+        }
+        s64 live = ((s64)k - (s64)c->cnt) >> 63;
+        s64 q = (s64)lane[k] - c->offset;
+        s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
+        s64 w = o->w[k];
+        g += mulfrac(w, c->wd);
+        s64 m = mulfrac(o->m[k], c->mu) + g - mulfrac(g, c->damp);
+        o->m[k] = m;
+        s64 d = ((g + mulfrac(m, c->mu_n)) & c->nest) | (m & ~c->nest);
+        w -= mulfrac(d, c->lr);
+        o->w[k] = w;
+        any |= (u64)((w ^ (w >> 63)) - (w >> 63));
     }
-    s64 live = ((s64)k - (s64)c->cnt) >> 63;
-    s64 q = (s64)lane[k] - c->offset;
-    s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
-    s64 w = o->w[k];
-    g += mulfrac(w, c->wd);
-    s64 m = mulfrac(o->m[k], c->mu) + g - mulfrac(g, c->damp);
-    o->m[k] = m;
-    s64 d = ((g + mulfrac(m, c->mu_n)) & c->nest) | (m & ~c->nest);
-    w -= mulfrac(d, c->lr);
-    o->w[k] = w;
-    c->any |= (u64)((w ^ (w >> 63)) - (w >> 63));
+    c->any |= any;
     return 0;
 }
 
@@ -294,12 +304,12 @@ static __always_inline u32 sgd_apply(struct ar_job *job, struct ar_hyper *hp, st
     c->cnt = s->count;
     c->any = 0;
     c->phase = 0;
-    bpf_loop(AR_ELEMS, ar_sgd, 0, 0);
+    bpf_loop(SGD_CHUNKS, ar_sgd, 0, 0);
     o->steps += 1;
     u32 bits = bit_length(c->any);
     c->out = bits > 31 ? bits - 31 : 0;          /* |lane| < 2^31 */
     c->phase = 1;
-    bpf_loop(AR_ELEMS, ar_sgd, 0, 0);
+    bpf_loop(SGD_CHUNKS, ar_sgd, 0, 0);
     return bpf_htons((u16)(s16)((s32)c->out - AR_OPT_FRAC));
 }
 #endif
@@ -550,24 +560,17 @@ long ar_record(u64 i)
         count(st, AR_STAT_BAD_SLOT);
         return 0;
     }
-    struct ar_opt *opt = 0;
-    if (AR_OPT_SLOTS > 1 && h->op == AR_OP_SGD) {
-        opt = ar_opt.lookup(&idx); /* a helper: before the lock */
-        if (!opt) {
-            h->type = AR_TYPE_NOP;
-            count(st, AR_STAT_BAD_SLOT);
-            return 0;
-        }
-    }
     enum outcome o;
     struct ar_hyper *hp = f->hyper;
+    int sgd = AR_OPT_SLOTS > 1 && h->op == AR_OP_SGD && hp;
     slot_lock(slot);
-    if (opt && hp)
+    if (sgd)
         o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, 1);
     else
         o = slot_update(slot, job, h, p, f->live, f->bit, f->gate, 0);
     slot_unlock(slot);
 #if AR_OPT_SLOTS > 1
+    struct ar_opt *opt = o == OUT_UPDATING ? ar_opt.lookup(&idx) : 0;
     if (o == OUT_UPDATING && opt && hp) {
         /* the round's sum is the averaged gradient: the result is the updated parameters */
         struct ar_set *set = &slot->set[h->set & 1];
@@ -586,7 +589,7 @@ long ar_record(u64 i)
     case OUT_COMPLETE:
         count(st, AR_STAT_AGGREGATED);
         count(st, AR_STAT_COMPLETED);
-        if (opt)
+        if (sgd)
             count(st, AR_STAT_UPDATED);
         f->mcast = 1;
         keep_record(f, data, end, h, i);

@@ -94,6 +94,59 @@ def live_cost(workers: int = 4, size: int = LIVE_SIZE, elems: int = DEFAULT.elem
 
 
 
+def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 256 * 512) -> dict:
+    """The in-kernel cost of the optimizer (BPF_PROG_TEST_RUN, one record per frame, medians less
+    the timer overhead): a round's last contribution in an optimizer job (the sum, then SGD with
+    momentum, Nesterov and weight decay on the block, and the result lanes) against the same
+    contribution of a plain SUM64 round, per element; and the earlier contributions, which are
+    the same SUM64 additions in both."""
+    from nicoffload.packets import generators as gen
+
+    from ..aggregator import Aggregator
+    from ..optim import OptimizerSpec, share
+
+    spec = OptimizerSpec(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=True)
+    rng = np.random.default_rng(0)
+    grads = [(rng.standard_normal(params) * 1e-2 / workers).astype(np.float32) for _ in range(workers)]
+    agg = Aggregator.for_test(workers, slots=share(params, elems), elems=elems, agg_ip=gen.AGG_IP,
+                              agg_mac=gen.AGG_MAC, worker_ips=[gen.worker_ip(r) for r in range(workers)],
+                              optimizer=spec, params=params)
+    try:
+        fd = agg.prog.fd
+        for f in gen.join_frames(workers):
+            libbpf.test_run(fd, f)
+        epoch = agg.job_state(agg.spec.job)["epoch"]
+        foreign = hostile_frame()
+        single = float(np.median([libbpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
+        overhead = max(0.0, single - float(libbpf.test_run(fd, foreign, repeat=100000).duration_ns))
+        out: dict = {"params": params, "timer_overhead": overhead}
+        for step in range(2):  # the first update initialises the momentum: take the second
+            meta, data = gen.optimizer_contributions(grads, epoch=epoch, step=step, params=params, elems=elems)
+            for r in range(workers):
+                for f in meta[r]:
+                    libbpf.test_run(fd, f)
+            times = [[libbpf.test_run(fd, f).duration_ns for f in data[r]] for r in range(workers)]
+        out["sgd_add"] = max(0.0, float(np.median(times[1:-1] or times[:1])) - overhead)
+        out["sgd_complete"] = max(0.0, float(np.median(times[-1])) - overhead)
+        return out
+    finally:
+        agg.close()
+
+
+def hostile_frame() -> bytes:
+    from nicoffload.packets import hostile
+
+    return hostile.foreign()[1][1]
+
+
+def describe_optimizer(opt: dict, plain: dict, elems: int) -> str:
+    per = (opt["sgd_complete"] - plain["sum64_complete"]) / elems
+    return (f"optimizer (SGD, momentum, Nesterov, weight decay; {opt['params']} parameters): a round's last "
+            f"contribution {opt['sgd_complete']:.0f} ns against {plain['sum64_complete']:.0f} ns for a plain SUM64 "
+            f"round -> the update costs {per:.2f} ns per element; earlier contributions {opt['sgd_add']:.0f} ns "
+            f"(SUM64 {plain['sum64_add']:.0f} ns)")
+
+
 def describe(out: dict) -> str:
     """The text ``nicoffload agg bench`` prints for ``{"workers", "elems", "test_run_ns", "live"?}``."""
     t = out["test_run_ns"]
@@ -104,6 +157,8 @@ def describe(out: dict) -> str:
                      f"{t[op + '_complete']:7.1f}   -> {t[op + '_per_element']:.2f} ns per element")
     lines.append(f"  duplicate {t['duplicate']:.1f}   retransmission answered {t['retx_answer']:.1f}   "
                  f"foreign pass {t['pass']:.1f}")
+    if "optimizer" in out:
+        lines.append(describe_optimizer(out["optimizer"], t, out["elems"]))
     if "live" in out:
         lv = out["live"]
         lines.append(f"live testbed ({lv['mode']} XDP, kernel bpf stats, {LIVE_REPS} x {LIVE_SIZE >> 20} MiB float32 "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nicoffload import codec, optim, proto, quant
+from nicoffload import codec, optim, proto
 from nicoffload.aggregator import Aggregator
 from nicoffload.errors import InputError
 from nicoffload.libbpf import XDP_DROP, XDP_TX
@@ -42,25 +42,13 @@ def frames_of(rank: int, rows: np.ndarray, *, epoch: int, first_round: int, P: i
 
 def run_step(agg, epoch: int, step: int, grads: list[np.ndarray]):
     """Every rank's records of one step, rank by rank; returns the result records of the data rounds."""
-    P, nb = optim.share(N, E), optim.blocks(N, E)
-    meta = optim.meta_slots(N, E)
-    base = step * P
-    exps = [quant.block_exponents(optim._padded(g, nb, E)) for g in grads]
-    for r in range(W):
-        row = np.full(meta * E, quant.ZERO_EXP, np.int32)
-        row[:nb] = exps[r]
-        outs = [agg.run(f) for f in frames_of(r, row.reshape(meta, E), epoch=epoch, first_round=base, P=P,
-                                              op=proto.OP_MAX)]
-        assert [o.verdict for o in outs] == [XDP_TX if r == W - 1 else XDP_DROP] * meta
-    sh = optim.step_shifts(np.max(np.stack(exps), axis=0), W)
-    counts = [min(E, N - b * E) for b in range(nb)]
+    meta, data = gen.optimizer_contributions(grads, epoch=epoch, step=step, params=N, elems=E)
     results = []
-    for r in range(W):
-        lanes = optim.rank_lanes(grads[r], sh, E, W)
-        outs = [agg.run(f) for f in frames_of(r, lanes, epoch=epoch, first_round=base + meta, P=P,
-                                              op=proto.OP_SGD, exps=sh, counts=counts)]
-        assert [o.verdict for o in outs] == [XDP_TX if r == W - 1 else XDP_DROP] * nb
-        results = [record_of(o.data) for o in outs]
+    for frames_of_rank in (meta, data):
+        for r in range(W):
+            outs = [agg.run(f) for f in frames_of_rank[r]]
+            assert [o.verdict for o in outs] == [XDP_TX if r == W - 1 else XDP_DROP] * len(outs)
+            results = [record_of(o.data) for o in outs]
     return results
 
 
