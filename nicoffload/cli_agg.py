@@ -312,6 +312,8 @@ def _bench(args) -> int:
                                                                                             args.rounds)}
     if args.optimizer:
         out["optimizer"] = xdpbench.optimizer_costs(args.workers, elems)
+        if not args.no_live:
+            out["optimizer_live"] = xdpbench.optimizer_live_cost(args.workers, elems=elems)
     if not args.no_live:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))

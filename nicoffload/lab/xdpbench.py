@@ -133,6 +133,56 @@ def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 
         agg.close()
 
 
+def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5, elems: int = DEFAULT.elems) -> dict:
+    """Optimizer steps of ``params`` float32 parameters on a testbed with kernel bpf stats on
+    (ranks as threads, one Communicator each): the XDP program's time per record and element,
+    updates included, and the time per step."""
+    import threading
+    import time
+
+    from ..aggregator import AggSpec, Aggregator
+    from ..optim import OptimizerSpec, share
+    from ..worker import Communicator
+
+    rng = np.random.default_rng(1)
+    grads = [(rng.standard_normal(params) * 1e-2 / workers).astype(np.float32) for _ in range(workers)]
+    with libbpf.stats_enabled(), testbed(workers, elems) as tb:
+        P = share(params, elems)
+        with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=P, elems=elems, port=tb.port,
+                                     optimizer=True)) as agg:
+            agg.add_job(1, workers, tb.mcast_group, [w.ip for w in tb.workers],
+                        optimizer=OptimizerSpec(lr=0.01, momentum=0.9), params=params,
+                        initial=rng.uniform(-1, 1, params))
+            comms = []
+            for r, w in enumerate(tb.workers):
+                with tb.in_host(w):
+                    comms.append(Communicator(r, workers, tb.agg.ip, group=tb.mcast_group, local_ip=w.ip,
+                                              port=tb.port, slots=P, elems=elems, sparse=False))
+            before = libbpf.prog_stats(agg.spec.prog_id)
+            times: list[float] = []
+
+            def go(r: int) -> None:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    comms[r].step(grads[r])
+                    if r == 0:
+                        times.append(time.perf_counter() - t0)
+
+            ts = [threading.Thread(target=go, args=(r,)) for r in range(workers)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            st = libbpf.prog_stats(agg.spec.prog_id) - before
+            records = agg.stats(1)["records"]
+            for c in comms:
+                c.close()
+    return {"params": params, "steps": steps, "records": records, "run_time_ns": st.run_time_ns,
+            "per_record": st.run_time_ns / records if records else None,
+            "per_element": st.run_time_ns / (records * elems) if records else None,
+            "step_s": float(np.median(times))}
+
+
 def hostile_frame() -> bytes:
     from nicoffload.packets import hostile
 
@@ -159,6 +209,11 @@ def describe(out: dict) -> str:
                  f"foreign pass {t['pass']:.1f}")
     if "optimizer" in out:
         lines.append(describe_optimizer(out["optimizer"], t, out["elems"]))
+    if "optimizer_live" in out:
+        ol = out["optimizer_live"]
+        lines.append(f"live optimizer steps ({ol['params']} parameters, {ol['steps']} steps, kernel bpf stats): "
+                     f"{ol['per_record']:.0f} ns per record, {ol['per_element']:.2f} ns per element (the update "
+                     f"included), {ol['step_s'] * 1e3:.1f} ms per step")
     if "live" in out:
         lv = out["live"]
         lines.append(f"live testbed ({lv['mode']} XDP, kernel bpf stats, {LIVE_REPS} x {LIVE_SIZE >> 20} MiB float32 "
