@@ -23,7 +23,11 @@ The bench (``nicoffload bench``)
     plot         the bench's plots
 
 Other experiments
-    xdpbench     in-kernel cost of the XDP program (``nicoffload agg bench``)
-    ddp_rank     one DDP training rank (``python -m nicoffload.lab.ddp_rank``)
-    ddp_train    N DDP ranks on a testbed, gloo vs nicoffload, summarized and plotted
+    soak         N AllReduces under drop and duplication, every result checked (``bench --soak``)
+    tenants      J jobs at once on one XDP aggregator against one alone (``bench --tenants``)
+    xdpbench     in-kernel cost of the XDP program and its optimizer (``nicoffload agg bench``)
+    ddp_rank     one DDP training rank (``python -m nicoffload.lab.ddp_rank``), also with the
+                 optimizer in the aggregator
+    ddp_train    N DDP ranks on a testbed: gloo vs nicoffload, or torch.optim.SGD vs the optimizer
+                 in the XDP and user-space aggregators, summarized and plotted
 """
