@@ -81,7 +81,27 @@ def register(sub) -> None:
     soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
                       help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
     soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
+    ten = p.add_argument_group("tenants (--tenants J,..; --workers per job, one --sizes value, --reps apply)")
+    ten.add_argument("--tenants", type=_list(plan.workers, "job counts"), default=None, metavar="J,..",
+                     help="J jobs of the same shape at once on one XDP aggregator, against one alone")
     p.set_defaults(func=_bench)
+
+
+def _tenants(args) -> int:
+    from . import bpf
+    from .lab import tenants
+
+    bpf.require_root("nicoffload bench --tenants (it builds a namespace testbed and loads XDP)")
+    workers = (args.workers or [2])[0]
+    size = (args.sizes or [16 << 20])[0]
+    counts = sorted(set([1, *args.tenants]))
+    print(f"nicoffload bench --tenants: {counts} jobs of {workers} workers, {size >> 10} KiB float32 each, "
+          f"{args.reps or 10} reps", file=sys.stderr, flush=True)
+    rows = tenants.run(counts, workers=workers, nbytes=size, reps=args.reps or 10, seed=args.seed)
+    if not all(r.exact for r in rows):
+        print("nicoffload bench --tenants: a job's result was outside its bound", file=sys.stderr)
+        return 1
+    return 0
 
 
 #: ranks of a soak unless --workers says
@@ -107,6 +127,8 @@ def _bench(args) -> int:
 
     if args.soak is not None:
         return _soak(args)
+    if args.tenants is not None:
+        return _tenants(args)
     if _given(args, SOAK_ONLY):
         raise InputError(f"{', '.join(_given(args, SOAK_ONLY))} go with --soak N")
     bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")
