@@ -7,7 +7,6 @@ epoch handshake are answered by unicast to the sender's address and port.
 """
 from __future__ import annotations
 
-import secrets
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from .errors import InputError
 from .jobspec import DEFAULT
 from .optim import OptimizerSpec
 from .transport import Transport
+from .userspace_epochs import EpochState, serial_after
 
 
 @dataclass
@@ -34,12 +34,8 @@ class _Set:
     complete: bool = False
 
 
-def _serial_after(a: int, b: int) -> bool:
-    return 0 < ((a - b) & 0xFFFFFFFF) < 0x80000000
-
-
 @dataclass
-class UserspaceAggregator:
+class UserspaceAggregator(EpochState):
     workers: int
     port: int = DEFAULT.port
     slots: int = DEFAULT.slots
@@ -82,12 +78,7 @@ class UserspaceAggregator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hdt = codec.header_dtype()
-        # epoch state (as in struct ar_job)
-        self.live = 0
-        self.last_epoch = secrets.randbits(32)
-        self.joined = 0
-        self.nonces = [0] * proto.MAX_WORKERS
-        self.acks = [0] * proto.MAX_WORKERS
+        self._init_epochs()
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> "UserspaceAggregator":
@@ -198,18 +189,6 @@ class UserspaceAggregator:
         else:
             self._send(kept, addr[0], addr[1])
 
-    def _job_gate(self) -> int:
-        """The lowest acknowledgement of the job's ranks (serial order), as job_gate() in C."""
-        gate = self.acks[0]
-        for q in range(1, self.workers):
-            if _serial_after(gate, self.acks[q]):
-                gate = self.acks[q]
-        return gate
-
-    def _ack(self, rank: int, ack: int) -> None:
-        if _serial_after(ack, self.acks[rank]):
-            self.acks[rank] = ack
-
     def _record(self, r, recs, i, rank: int, flags_first: int) -> str | None:
         """One CONTRIB record; rewrites it in place (RESULT, STATUS or NOP). Returns "mcast" when
         it completed a round, "answer" when it answers the sender, None otherwise."""
@@ -241,7 +220,7 @@ class UserspaceAggregator:
                 self._result(r, s)
                 st["pull_answered"] += 1
                 return "answer"
-            gone = not same and s.epoch == self.live and _serial_after(s.round, rnd)
+            gone = not same and s.epoch == self.live and serial_after(s.round, rnd)
             self._status(r, 0 if gone or not same else s.bitmap, "gone" if gone else "waiting")
             st["status_sent"] += 1
             return "answer"
@@ -261,7 +240,7 @@ class UserspaceAggregator:
         mask, cnt, op, exp = int(r["mask"]), int(r["count"]), int(r["op"]), int(r["exp"])
         if not same:
             if s.epoch == self.live:
-                if not _serial_after(rnd, s.round):
+                if not serial_after(rnd, s.round):
                     if flags & proto.FLAG_RETX:
                         self._status(r, 0, "gone")
                         st["status_sent"] += 1
@@ -269,7 +248,7 @@ class UserspaceAggregator:
                     st["stale_round"] += 1
                     r["type"] = proto.TYPE_NOP
                     return None
-                if not all(_serial_after(self.acks[q], s.round) for q in range(self.workers)):
+                if not all(serial_after(self.acks[q], s.round) for q in range(self.workers)):
                     st["early"] += 1
                     r["type"] = proto.TYPE_NOP
                     return None
@@ -369,52 +348,6 @@ class UserspaceAggregator:
     def _status(r, bitmap: int, detail: str) -> None:
         r["type"], r["flags"], r["mask"], r["ack"], r["count"] = proto.TYPE_STATUS, 0, bitmap, 0, 0
         r["detail"] = proto.DETAIL[detail]
-
-    # --- JOIN (mirrors join_epoch) ------------------------------------------------------------
-    def _join(self, out: bytearray, h, rank: int, addr) -> None:
-        st = self.stats
-        rec = np.frombuffer(out, dtype=self._hdt, count=1)
-        table = np.frombuffer(out, dtype="<u8", count=proto.MAX_WORKERS, offset=proto.HDR_LEN)
-        if int(h["mask"]) != self._mask_all:
-            self._status(rec[0], self._mask_all, "world")
-            st["status_sent"] += 1
-            return self._send(out, addr[0], addr[1])
-        nonce = (int(h["ack"]) << 32) | int(h["round"])
-        cur = self.nonces[rank]
-        bit = 1 << rank
-        if self.live and nonce == cur:
-            st["join"] += 1
-            self._joined(rec[0], table)
-            return self._send(out, addr[0], addr[1])
-        if cur and nonce < cur:
-            st["stale_join"] += 1
-            if int(h["flags"]) & proto.FLAG_RETX:
-                self._status(rec[0], 0, "superseded")
-                self._send(out, addr[0], addr[1])
-            return
-        st["join"] += 1
-        if not self.live and self.joined & bit and nonce == cur:
-            if int(h["flags"]) & proto.FLAG_RETX:
-                self._status(rec[0], self.joined, "joining")
-                self._send(out, addr[0], addr[1])
-            return
-        if self.live:
-            self.live, self.joined = 0, 0
-        self.nonces[rank] = nonce
-        self.joined |= bit
-        if self.joined == self._mask_all:
-            self.last_epoch = (self.last_epoch + 1) & 0xFFFFFFFF or 1
-            self.live = self.last_epoch
-            self.acks = [0] * proto.MAX_WORKERS
-            st["epoch_formed"] += 1
-            st["result_sent"] += 1
-            self._joined(rec[0], table)
-            self._send(out, self.group, addr[1])
-
-    def _joined(self, r, table: np.ndarray) -> None:
-        r["type"], r["flags"], r["epoch"], r["mask"], r["detail"] = (
-            proto.TYPE_JOINED, 0, self.live, self.joined, 0)
-        table[:] = self.nonces
 
     def _send(self, data: bytes | bytearray, dst: str, port: int) -> None:
         try:
