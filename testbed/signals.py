@@ -7,6 +7,7 @@ very thread, so teardown runs from the unwinding (``__exit__``, or ``up``'s exce
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -56,3 +57,17 @@ class SignalGuard:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def terminated_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent (the thread that forked it) dies.
+    ``ip netns exec`` execs the command, which keeps the setting."""
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
+            os._exit(1)
+    return preexec

@@ -15,9 +15,7 @@ listing and cleaning up testbeds by name is the registry's (registry.py).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -33,41 +31,13 @@ from . import state as st
 from .fault import FaultInjector
 from .netlink import (create_netns, ipr, limit, link_index, netns_exists, remove_netns_and_pins, set_sysctl,
                       tolerant, unshape, wait_oper_up)
-from .signals import SignalGuard
+from .napi import attach_napi_pass
+from .signals import SignalGuard, terminated_with
 from .topology import BRIDGE_IFACE, PREFIXLEN, Host, Topology, check_name
 
 MCAST_NET, MCAST_LEN = "224.0.0.0", 4
 BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables",
                      "net.bridge.bridge-nf-call-arptables")
-NAPI_PROG = "int xdp_napi_pass(struct xdp_md *ctx) { return XDP_PASS; }\n"
-
-
-def attach_napi_pass(ifname: str, ns: str) -> None:
-    """Attach the trivial XDP_PASS program (native) to ``ifname`` in ``ns``: it gives the veth
-    NAPI, which XDP_TX or a redirect from its peer needs. The attachment keeps the program
-    alive; this process keeps no reference, so detaching frees it."""
-    b = nbpf.compile_bpf("xdp_napi_pass", text=NAPI_PROG)
-    try:
-        fn = nbpf.load_func(b, "xdp_napi_pass", "XDP", "xdp_napi_pass")
-        nbpf.attach_xdp(fn, ifname, ns, "native")
-    finally:
-        b.cleanup()
-
-
-_PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _terminated_with(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when its parent (the thread that forked it) dies.
-    ``ip netns exec`` execs the command, which keeps the setting."""
-    def preexec() -> None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
-            os._exit(1)
-    return preexec
-
-
 def _from_topology(attr: str, doc: str = "") -> property:
     return property(lambda self: getattr(self.topology, attr), doc=doc or f"The topology's {attr}.")
 
@@ -172,7 +142,7 @@ class Testbed:
         """Start ``argv`` inside the host's namespace. Still running at teardown: terminated.
         It gets SIGTERM when the thread that started it dies, even by SIGKILL (no teardown
         then): no orphan keeps running, or keeps a removed namespace alive."""
-        popen_kwargs.setdefault("preexec_fn", _terminated_with(os.getpid()))
+        popen_kwargs.setdefault("preexec_fn", terminated_with(os.getpid()))
         p = subprocess.Popen(self.command(host, argv), **popen_kwargs)
         self._procs.append(p)
         return p
