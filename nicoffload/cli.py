@@ -13,6 +13,7 @@ from .errors import NicoffloadError, SetupError, VerifierError
 #: modules that contribute subcommands, in help order
 SUBCOMMAND_MODULES = [
     "nicoffload.cli_agg",
+    "nicoffload.cli_ring",
     "nicoffload.cli_testbed",
     "nicoffload.cli_worker",
     "nicoffload.cli_train",

@@ -1,9 +1,9 @@
 """``nicoffload testbed``: bring a namespace testbed up, run commands in its hosts, inject
 faults, take it down, and clean up whatever the toolkit left behind.
 
-``down`` and ``clean`` first unload the XDP aggregators recorded in the namespaces that are about
-to go (through the aggregator's API: the testbed knows nothing of them), then take the testbeds
-down."""
+``down`` and ``clean`` first unload the XDP aggregators and ring programs recorded in the
+namespaces that are about to go (through their own APIs: the testbed knows nothing of them), then
+take the testbeds down."""
 from __future__ import annotations
 
 import argparse
@@ -37,11 +37,14 @@ def _prob(text: str) -> float:
 
 
 def _unload_aggregators(netns_prefix: str) -> list[str]:
-    """Unload every aggregator recorded in a namespace whose name starts with ``netns_prefix``."""
-    from . import aggregator
+    """Unload every aggregator, and every ring program, recorded in a namespace whose name starts
+    with ``netns_prefix``."""
+    from . import aggregator, ring
 
     return [f"{ns}/{iface} aggregator" for ns, iface in aggregator.loaded(netns_prefix)
-            if aggregator.unload(ns, iface, missing_ok=True)]
+            if aggregator.unload(ns, iface, missing_ok=True)] + \
+        [f"{ns}/{iface} ring program" for ns, iface in ring.loaded(netns_prefix)
+         if ring.unload(ns, iface, missing_ok=True)]
 
 
 def cmd_up(args) -> int:

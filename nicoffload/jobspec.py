@@ -17,6 +17,8 @@ from .errors import InputError
 
 #: IP multicast group results go to, unless the job names its own
 DEFAULT_GROUP = "239.77.0.1"
+#: how a job sums: through an aggregator, or around a ring of the workers (the ring offload)
+MODES = ("aggregator", "ring")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class JobSpec:
     timeout: float = 10.0          # seconds a worker waits without progress before failing
     sparse: bool = True            # skip zero blocks (a metadata round even for int32)
     local_port: int | None = None  # the port workers bind and send from (None: ``port``)
+    mode: str = "aggregator"       # aggregator (star through an aggregator) or ring (the ring offload)
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -57,6 +60,8 @@ class JobSpec:
             raise InputError(f"--local-port must be 1..65535, not {self.local_port}")
         if not self.timeout > 0:
             raise InputError(f"--timeout must be positive, not {self.timeout}")
+        if self.mode not in MODES:
+            raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         return self
 
     def replace(self, **changes) -> "JobSpec":
@@ -83,6 +88,8 @@ class JobSpec:
         "sparse": ("--dense", "no zero-block detection (skips the metadata round for int32)"),
         "local_port": ("--local-port", "UDP port the workers bind and send from; results come back to it "
                                        "(default: --port; ranks of jobs that share a host need different ones)"),
+        "mode": ("--mode", "aggregator: sum through an aggregator (XDP or user space); ring: the ring offload, "
+                           "every worker's XDP adds and forwards (DirectReduce, docs/ring.md)"),
     }
 
     @classmethod
@@ -99,9 +106,12 @@ class JobSpec:
             if f.name == "sparse":
                 parser.add_argument(opt, dest="spec_dense", action="store_true", help=text)
                 continue
+            shown = "" if value is None else f" (default {value})"
+            if f.name == "mode":
+                parser.add_argument(opt, dest="spec_mode", choices=MODES, default=value, help=text + shown)
+                continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]
-            shown = "" if value is None else f" (default {value})"
             parser.add_argument(opt, dest=f"spec_{f.name}", metavar=f.name.upper(), type=kind, default=value,
                                 help=text + shown)
 

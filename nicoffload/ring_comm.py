@@ -62,9 +62,9 @@ class RingStats:
     seconds: float = 0.0
     passes: int = 0             # ring passes (a float call: the exponents' pass and the data)
     records: int = 0            # records per pass, summed
-    sent: int = 0               # records this host sent itself (its own chunk, taken-over records, NACKs)
+    packets_sent: int = 0       # records this host sent itself (its own chunk, taken-over records, NACKs)
     taken_over: int = 0         # records the host processed itself (offload: parked by its program)
-    nacks: int = 0              # records asked for again
+    retransmissions: int = 0    # records asked for again (NACKs)
     timeouts: int = 0           # waits that ended in a request for missing records
     wakeups: int = 0            # events from the program
     syscalls: int = 0
@@ -117,6 +117,12 @@ class RingCommunicator:
     xdp_mode: str = "auto"
     stats: RingStats = field(default_factory=RingStats)
     last: RingStats = field(default_factory=RingStats)
+
+    @classmethod
+    def from_spec(cls, rank: int, world: int, peers: list[str], spec, **kw) -> "RingCommunicator":
+        """A rank of the job ``spec`` describes (its job id, port, record size and timeout)."""
+        return cls(rank, world, list(peers), job=spec.job, port=spec.port, elems=spec.elems, timeout=spec.timeout,
+                   **kw)
 
     def __post_init__(self):
         self.peers = list(self.peers)
@@ -382,7 +388,7 @@ class RingCommunicator:
                 upto = min(own_hi, own_lo + acked + self.window)
                 if upto > sent:
                     self._t.send_records(self._local, sent, upto - sent, nxt)
-                    self.last.sent += upto - sent
+                    self.last.packets_sent += upto - sent
                     sent = upto
                     if sent < own_hi:
                         st[ST_OWN_WAKE] = max(acked + 1, sent - own_lo - self.window // 2)
@@ -461,7 +467,7 @@ class RingCommunicator:
             if n:
                 self._t.send_records(buf, 0, n, nxt)
                 total += n
-        self.last.sent += total
+        self.last.packets_sent += total
         self.last.taken_over += total
         return total
 
@@ -488,20 +494,12 @@ class RingCommunicator:
         return bytes(codec.encode_blocks(np.zeros((1, 0), np.int32), rank=self.rank, job=self.job, epoch=c,
                                          slot=self._stored(), set=0, round=K, mask=0, count=0, type=TYPE_PONG))
 
-    def _behind(self, c: int, K: int) -> dict[int, int | None]:
-        """The nodes that are not in call ``c`` yet: {rank: its call, or None if it does not
-        answer a PING}."""
-        pongs = self.ping(c, K, wait=min(PING_WAIT, max(self.rto, 0.005)))
-        out: dict[int, int | None] = {}
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            p = pongs.get(r)
-            if p is None:
-                out[r] = None
-            elif (p["call"] - c) & 0x80000000:
-                out[r] = p["call"]
-        return out
+    def _behind(self, c: int, K: int) -> dict[int, int]:
+        """The nodes that say they have not entered call ``c`` yet: {rank: its call}. A node
+        that does not answer in time is not among them (asking it again costs little; if it is
+        gone, the timeout names it)."""
+        pongs = self.ping(c, K, wait=min(PING_WAIT, max(4 * self.rto, 0.01)))
+        return {r: p["call"] for r, p in pongs.items() if (p["call"] - c) & 0x80000000}
 
     def _nack_missing(self, c: int, K: int, limit: int) -> None:
         """Ask again for the first ``limit`` records whose final this node has not stored: its
@@ -520,27 +518,29 @@ class RingCommunicator:
                 part = which[j0:j0 + cap]
                 rk.build_nacks(self._local, self._rec, part, restart, self.rank, self._nacks)
                 self._t.send_records(self._nacks, 0, len(part), (self.peers[peer], self.port))
-                self.last.nacks += len(part)
-                self.last.sent += len(part)
+                self.last.retransmissions += len(part)
+                self.last.packets_sent += len(part)
 
     # --- when the ring stalls ---------------------------------------------------------------
     def ping(self, c: int = 0, K: int = 0, wait: float = PING_WAIT) -> dict[int, dict]:
         """Every other node's answer to a PING: {rank: {"call", "stored", "expected"}} (ranks that
-        do not answer are missing)."""
-        self._pongs[:] = 0
+        do not answer within ``wait`` seconds are missing). The host keeps taking over what its
+        socket holds meanwhile."""
+        before = self._pongs[:, 0].copy()
         ping = bytes(codec.encode_blocks(np.zeros((1, 0), np.int32), rank=self.rank, job=self.job, epoch=c, slot=0,
                                          set=0, round=0, mask=0, count=0, type=TYPE_PING))
-        for r, ip in enumerate(self.peers):
-            if r != self.rank:
-                self._t.send_one(ping, (ip, self.port))
+        others = [r for r in range(self.world) if r != self.rank]
+        for r in others:
+            self._t.send_one(ping, (self.peers[r], self.port))
         until = time.monotonic() + wait
-        while time.monotonic() < until:
-            if self._t.wait(until - time.monotonic()):
-                self._take_over(c or self._call, K)
-            if all(self._pongs[r, 0] for r in range(self.world) if r != self.rank):
+        while not all(self._pongs[r, 0] > before[r] for r in others):
+            left = until - time.monotonic()
+            if left <= 0:
                 break
-        return {r: {"call": int(p[1]), "stored": int(p[2]), "expected": int(p[3])}
-                for r, p in enumerate(self._pongs) if p[0] and r != self.rank}
+            if self._t.wait(left):
+                self._take_over(c or self._call, K)
+        return {r: {"call": int(self._pongs[r, 1]), "stored": int(self._pongs[r, 2]),
+                    "expected": int(self._pongs[r, 3])} for r in others if self._pongs[r, 0] > before[r]}
 
     def _fail(self, c: int, K: int) -> None:
         have = self._stored()

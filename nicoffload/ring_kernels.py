@@ -157,8 +157,8 @@ def process_datagram(buf, start, ln, src, peer_addrs, rec, elems, me, world, job
     ``out`` (io[IO_OUT]: to the next node; answers to NACKs of another call to ``late``,
     io[IO_LATE]), finals stored in ``result``, counters in ``cnt``
     (index AR_RING_STAT_*). A frame of the next call is kept in ``stash`` (its records, with
-    their sender's address in ``stash_src``), a PONG noted in ``pongs[rank] = (call, stored,
-    expected)``, a PING's sender in ``pings`` (the host answers it)."""
+    their sender's address in ``stash_src``), a PONG noted in ``pongs[rank] = (answers so far,
+    call, stored, expected)``, a PING's sender in ``pings`` (the host answers it)."""
     if ln < HDR:
         cnt[S_RX] += 1
         cnt[S_RECORDS] += 1
@@ -169,7 +169,7 @@ def process_datagram(buf, start, ln, src, peer_addrs, rec, elems, me, world, job
     if good and t == TYPE_PONG:
         r = _be16(buf, start + O_RANK)
         if r < world and src == peer_addrs[r]:
-            pongs[r, 0] = 1
+            pongs[r, 0] += 1  # answers so far: the host tells a fresh one from an earlier one
             pongs[r, 1] = _be32(buf, start + O_EPOCH)
             pongs[r, 2] = _be32(buf, start + O_SLOT)
             pongs[r, 3] = _be32(buf, start + O_ROUND)

@@ -35,7 +35,7 @@ from .jobspec import DEFAULT, JobSpec
 from .stream import Buffers, CallStats, RoundStream
 from .transport import SLOT_BYTES
 
-__all__ = ["Communicator", "CallStats", "DTYPES"]
+__all__ = ["Communicator", "CallStats", "DTYPES", "communicator"]
 
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
 _KIND = {np.dtype(np.int32): pump.KIND_INT32, np.dtype(np.float32): pump.KIND_FLOAT32,
@@ -294,3 +294,25 @@ class Communicator:
         if exps is None:
             return None, out[0]
         return out[0], (out[1] if bits is not None else None)
+
+
+def communicator(rank: int, world: int, *, mode: str | None = None, aggregator: str | None = None,
+                 peers=None, spec: JobSpec = DEFAULT, local_ip: str | None = None, **kw):
+    """The communicator of ``mode`` (default ``spec.mode``), with the same API (``allreduce``,
+    ``barrier``, ``close``, context manager): ``aggregator``, a :class:`Communicator` that sums
+    through the aggregator at ``aggregator``; ``ring``, a
+    :class:`~nicoffload.ring_comm.RingCommunicator` for the ring of ``peers`` (every rank's
+    address, by rank; ``offload=False`` in ``kw``: the user-space UDP ring). ``kw`` goes to the
+    class."""
+    mode = mode or spec.mode
+    if mode == "ring":
+        from .ring_comm import RingCommunicator
+
+        if not peers:
+            raise InputError("the ring mode needs every rank's address (peers)")
+        return RingCommunicator.from_spec(rank, world, list(peers), spec, **kw)
+    if mode != "aggregator":
+        raise InputError(f"mode must be aggregator or ring, not {mode!r}")
+    if not aggregator:
+        raise InputError("the aggregator mode needs the aggregator's address")
+    return Communicator.from_spec(rank, world, aggregator, spec, local_ip=local_ip, **kw)

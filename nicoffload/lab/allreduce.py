@@ -40,29 +40,41 @@ def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: Jo
         if drop or dup:
             tb.faults.configure(drop=drop, dup=dup, seed=seed)
         outs = [Path(d) / f"out{r}.npy" for r in range(n)]
-        res = run_job(tb, _save(Path(d), arrays, "in"), outs, aggregator, spec)
+        res = _run(tb, _save(Path(d), arrays, "in"), outs, aggregator, spec)
         results = [np.load(p) for p in outs]
     for r, y in enumerate(results[1:], 1):
         if not np.array_equal(y, results[0]):
             raise ProtocolError(f"rank {r}'s result differs from rank 0's (a bug: please report)")
     out = results[0].reshape(arrays[0].shape).astype(arrays[0].dtype)
     return out, {"workers": n, "elements": int(out.size), "dtype": str(out.dtype), "seconds": res.seconds,
-                 "aggregator": aggregator, "packets_sent": res.totals("packets_sent"),
+                 "aggregator": aggregator, "mode": spec.mode, "packets_sent": res.totals("packets_sent"),
                  "retransmissions": res.totals("retransmissions")}
 
 
+def _run(tb, inputs, outputs, kind: str, spec: JobSpec, **kw):
+    """One job of ``spec.mode``: through a ``kind`` aggregator, or around a ring of the workers
+    whose hops run in ``kind`` (XDP: the ring offload; userspace: the user-space UDP ring)."""
+    if spec.mode == "ring":
+        from .rings import run_ring_job
+
+        return run_ring_job(tb, inputs, outputs, kind, spec, **kw)
+    return run_job(tb, inputs, outputs, kind, spec, **kw)
+
+
 def describe_allreduce(report: dict) -> str:
+    via = f"{report['aggregator']} ring" if report.get("mode") == "ring" else f"{report['aggregator']} aggregator"
     return (f"summed {report['workers']} x {report['elements']} {report['dtype']} through the "
-            f"{report['aggregator']} aggregator in {report['seconds'] * 1e3:.1f} ms ({report['packets_sent']} "
+            f"{via} in {report['seconds'] * 1e3:.1f} ms ({report['packets_sent']} "
             f"packets, {report['retransmissions']} retransmitted) -> {report['output']}")
 
 
 # --- demo -------------------------------------------------------------------------------------
 def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: int = 0,
-         progress: Callable[[str], None] | None = None) -> dict:
+         progress: Callable[[str], None] | None = None, mode: str = "aggregator") -> dict:
     """Float32 gradients of ``nbytes`` per worker (``sparsity``: fraction of zero blocks)
-    through the XDP and the user-space aggregator; per aggregator its times, goodput, error
-    and whether the error is within the documented bound. ``progress(kind)`` before each."""
+    through the XDP and the user-space aggregator (``mode`` ring: the ring offload and the
+    user-space UDP ring); per system its times, goodput, error and whether the error is within
+    the documented bound. ``progress(kind)`` before each."""
     bpf.require_root("nicoffload demo (it builds a namespace testbed and loads XDP)")
     if not 0 <= sparsity <= 1:
         raise InputError("--sparsity is a fraction in [0, 1]")
@@ -76,7 +88,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
             outs = [Path(d) / f"{kind}{r}.npy" if r == 0 else None for r in range(workers)]
             if progress:
                 progress(kind)
-            res = run_job(tb, ins, outs, kind, reps=reps, timeout=DEMO_TIMEOUT)
+            res = _run(tb, ins, outs, kind, DEFAULT.replace(mode=mode), reps=reps, timeout=DEMO_TIMEOUT)
             check = want.check(np.load(outs[0]))
             rows.append({
                 "aggregator": kind, "seconds": res.seconds, "min_s": min(res.rep_seconds),
@@ -84,9 +96,9 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
                 "within_bound": check.within_bound,
                 "packets_sent": res.totals("packets_sent"),
                 "retransmissions": res.totals("retransmissions"),
-                "blocks_skipped": res.ranks[0]["stats"]["blocks_skipped"],
+                "blocks_skipped": res.ranks[0]["stats"].get("blocks_skipped", 0),
             })
-    return {"workers": workers, "bytes": n * 4, "sparsity": sparsity, "runs": rows}
+    return {"workers": workers, "bytes": n * 4, "sparsity": sparsity, "mode": mode, "runs": rows}
 
 
 def demo_ok(summary: dict) -> bool:
@@ -104,5 +116,6 @@ def describe_demo(summary: dict, reps: int) -> str:
                      f"{r['max_abs_err']:>11.3g} {'yes' if r['within_bound'] else 'NO':>9} {r['packets_sent']:>9} "
                      f"{r['retransmissions']:>6}")
     if len(rows) == 2:
-        lines.append(f"XDP is {rows[1]['seconds'] / rows[0]['seconds']:.1f}x faster than the user-space aggregator")
+        what = "ring" if summary.get("mode") == "ring" else "aggregator"
+        lines.append(f"XDP is {rows[1]['seconds'] / rows[0]['seconds']:.1f}x faster than the user-space {what}")
     return "\n".join(lines)

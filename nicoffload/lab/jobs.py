@@ -24,13 +24,18 @@ from .links import enable_gro
 
 
 # --- the worker process ---------------------------------------------------------------------
-def worker_rank(rank: int, world: int, aggregator: str, x: np.ndarray, spec: JobSpec = DEFAULT,
-                local_ip: str | None = None, reps: int = 1) -> tuple[np.ndarray, dict]:
+def worker_rank(rank: int, world: int, aggregator: str | None, x: np.ndarray, spec: JobSpec = DEFAULT,
+                local_ip: str | None = None, reps: int = 1, peers: Sequence[str] | None = None,
+                ring_userspace: bool = False, capacity: int | None = None) -> tuple[np.ndarray, dict]:
     """``reps`` AllReduces of ``x`` as rank ``rank``, each behind a barrier: (the sum, a report
-    with each rep's time and the last call's counters)."""
-    from ..worker import Communicator
+    with each rep's time and the last call's counters). ``spec.mode`` ring: around the ring of
+    ``peers`` (the user-space UDP ring with ``ring_userspace``)."""
+    from ..worker import communicator
 
-    with Communicator.from_spec(rank, world, aggregator, spec, local_ip=local_ip) as c:
+    kw = {}
+    if spec.mode == "ring":
+        kw = {"offload": not ring_userspace, **({"capacity": capacity} if capacity else {})}
+    with communicator(rank, world, aggregator=aggregator, peers=peers, spec=spec, local_ip=local_ip, **kw) as c:
         out, times = timed_reps(c, x, reps)
         last = dict(c.last.__dict__)
     return out, {"rank": rank, "times": times, "stats": last, "elements": int(x.size), "dtype": str(x.dtype)}
@@ -62,21 +67,27 @@ class JobResult:
         return int(sum(r["stats"].get(key, 0) for r in self.ranks))
 
 
-def _worker_argv(tb, w, spec: JobSpec, inp: Path, out: Path | None, reps: int, pin_cpus: bool) -> list[str]:
+def _worker_argv(tb, w, spec: JobSpec, inp: Path, out: Path | None, reps: int, pin_cpus: bool,
+                 ring_userspace: bool = False, capacity: int | None = None) -> list[str]:
     pin = ["taskset", "-c", str(w.rank % (os.cpu_count() or 1))] if pin_cpus else []
     argv = pin + CLI + ["worker", "--rank", str(w.rank), "--world", str(len(tb.workers)), "--aggregator", tb.agg.ip,
                         "--local-ip", w.ip, "--input", str(inp), "--reps", str(reps), "--json", *spec.argv()]
+    if spec.mode == "ring":
+        argv += ["--peers", ",".join(h.ip for h in tb.workers)] + (["--ring-userspace"] if ring_userspace else []) \
+            + (["--capacity", str(capacity)] if capacity else [])
     return argv + (["--output", str(out)] if out is not None else [])
 
 
 def run_workers(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], spec: JobSpec | None = None, *,
                 reps: int = 1, deadline: float | None = None, pin_cpus: bool = False,
-                ranks: Sequence[int] | None = None, **fields) -> list[dict]:
+                ranks: Sequence[int] | None = None, ring_userspace: bool = False, capacity: int | None = None,
+                **fields) -> list[dict]:
     """One worker process per worker host (``ranks``: only these), for the job ``spec`` with
     ``fields`` changed; their JSON reports. Raises one error naming every rank that failed, of
     the class their exit codes say (a rank still running at ``deadline`` is killed: a timeout)."""
     spec = on_testbed(tb, (spec or DEFAULT).replace(**fields))
-    specs = [RankSpec(f"rank {w.rank}", w, _worker_argv(tb, w, spec, inp, out, reps, pin_cpus))
+    specs = [RankSpec(f"rank {w.rank}", w,
+                      _worker_argv(tb, w, spec, inp, out, reps, pin_cpus, ring_userspace, capacity))
              for w, inp, out in zip(tb.workers, inputs, outputs) if ranks is None or w.rank in ranks]
     limit = deadline or (time.monotonic() + spec.timeout * (reps + 2) + 60)
     with Launch(tb, specs) as job:
