@@ -54,6 +54,7 @@ except ImportError as _e:  # an optional extra: say what to install, in one line
                      f"(torch==2.13.0, the CPU wheel) ({_e})") from None
 
 from .worker import Communicator
+from .worker import communicator as make_communicator
 
 #: dtypes the Communicator sums as they are; others (float16, bfloat16) go through float32
 _NATIVE = (torch.float32, torch.float64)
@@ -83,16 +84,21 @@ class NicoffloadHookState:
     settings are the Communicator's (``aggregator`` where contributions go, ``group`` the
     multicast group results arrive on, ``local_ip`` this rank's address, ``port``, ``job``,
     ``slots``/``elems`` as the aggregator was configured, ``timeout`` seconds without progress
-    before an all-reduce fails naming the missing ranks). ``communicator`` may be given instead
-    (already built; the state then owns it and closes it)."""
+    before an all-reduce fails naming the missing ranks). ``mode="ring"`` sums around the ring of
+    ``peers`` (every rank's address, by rank) instead: the ring offload in every worker's XDP
+    (:class:`~nicoffload.ring_comm.RingCommunicator`; ``offload=False``: the user-space UDP ring).
+    ``communicator`` may be given instead (already built; the state then owns it and closes it)."""
 
-    def __init__(self, aggregator: str | None = None, *, group: str = DEFAULT.group,
+    def __init__(self, aggregator: str | None = None, *, mode: str = "aggregator", peers=None,
+                 group: str = DEFAULT.group,
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  slots: int = DEFAULT.slots, elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout,
                  rank: int | None = None, world: int | None = None, overlap: bool = True,
                  communicator: Communicator | None = None, **communicator_kwargs: Any):
         if communicator is None:
-            if aggregator is None:
+            if mode == "ring" and not peers:
+                raise NicoffloadError("NicoffloadHookState(mode='ring') needs every rank's address (peers)")
+            if mode != "ring" and aggregator is None:
                 raise NicoffloadError("NicoffloadHookState needs the aggregator's address (or a Communicator)")
             if rank is None or world is None:
                 if not (dist.is_available() and dist.is_initialized()):
@@ -100,9 +106,13 @@ class NicoffloadHookState:
                                           "torch.distributed.init_process_group first")
                 rank = dist.get_rank() if rank is None else rank
                 world = dist.get_world_size() if world is None else world
-            communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port,
-                                        job=job, slots=slots, elems=elems, timeout=timeout,
-                                        **communicator_kwargs)
+            if mode == "ring":
+                spec = DEFAULT.replace(job=job, port=port, elems=elems, timeout=timeout, mode="ring")
+                communicator = make_communicator(rank, world, peers=peers, spec=spec, **communicator_kwargs)
+            else:
+                communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port,
+                                            job=job, slots=slots, elems=elems, timeout=timeout,
+                                            **communicator_kwargs)
         self.comm = communicator
         self.rank, self.world = communicator.rank, communicator.world
         self.stats = HookStats()

@@ -65,6 +65,7 @@ class RingStats:
     packets_sent: int = 0       # records this host sent itself (its own chunk, taken-over records, NACKs)
     taken_over: int = 0         # records the host processed itself (offload: parked by its program)
     retransmissions: int = 0    # records asked for again (NACKs)
+    blocks_skipped: int = 0     # always 0: the ring sums every block (the aggregator's API has it)
     timeouts: int = 0           # waits that ended in a request for missing records
     wakeups: int = 0            # events from the program
     syscalls: int = 0
