@@ -35,6 +35,8 @@ def register(sub) -> None:
                  "sudo nicoffload bench --workers 4 --sizes 16MiB --rate unshaped --reps 10",
                  "sudo nicoffload bench --workers 4 --sizes 64MiB --rate 1gbit --systems xdp,userspace,ring",
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full",
+                 "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,64KiB,1MiB,64MiB --sparsity 0 --rate 1gbit "
+                 "--systems ring,xdpring,udpring,gloo --compute     # the ring offload against the rings",
                  "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
                  "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
     p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
@@ -46,7 +48,9 @@ def register(sub) -> None:
     p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
                    help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
     p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
-                   help="default xdp,userspace,ring,gloo,mpi (unavailable ones are skipped with a reason)")
+                   help="default xdp,userspace,ring,gloo,mpi,xdpring,udpring (ring: the TCP ring; xdpring: the ring "
+                        "offload in every worker's XDP; udpring: the same protocol in user space; unavailable ones "
+                        "are skipped with a reason)")
     p.add_argument("--reps", type=int, default=None, help="timed AllReduces per point, at least (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed AllReduces per point (default 1)")
     p.add_argument("--min-time", type=float, default=None,
@@ -66,7 +70,11 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "int32"], default=plan.BenchConfig.dtype,
                    help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
     p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
-                   help="XDP attach mode of the aggregator (default auto: generic batches on veth)")
+                   help="XDP attach mode of the aggregator and of the ring programs (default auto: generic batches "
+                        "on veth); the ring mode itself is chosen with --systems xdpring,udpring")
+    p.add_argument("--compute", action="store_true",
+                   help="run a compute loop beside every rank: how much of its throughput each system's AllReduces "
+                        "take (compute_drop)")
     soak = p.add_argument_group("soak (--soak N; --workers, --sizes, --sparsity, --seed, --timeout, --mode apply)")
     soak.add_argument("--soak", type=int, metavar="N", default=None,
                       help="instead of the sweep: N consecutive AllReduces on one testbed through the XDP aggregator "
@@ -107,7 +115,8 @@ def _tenants(args) -> int:
 #: ranks of a soak unless --workers says
 SOAK_WORKERS = 3
 #: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
-SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick")
+SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick",
+              "compute")
 SOAK_ONLY = ("drop", "dup", "dtypes", "json")
 
 
@@ -137,7 +146,8 @@ def _bench(args) -> int:
                                    min_time=args.min_time, max_reps=args.max_reps, timeout=args.timeout,
                                    max_point_s=args.max_point_time).items()
              if v is not None}
-    given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype)
+    given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
+                 compute=args.compute)
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)

@@ -18,11 +18,17 @@ from ..errors import InputError
 from ..jobspec import DEFAULT, JobSpec
 from .inputs import parse_size
 
-SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi")
+SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring")
 #: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
 AGG_SYSTEMS = ("xdp", "userspace")
+#: nicoffload's ring mode: the ring offload in XDP and the user-space UDP ring (fixed point; ring bound)
+RING_SYSTEMS = ("xdpring", "udpring")
+#: systems whose results go through nicoffload's fixed point (checked against its bound)
+QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS
 #: the largest size the sparsity and worker axes are measured at
 REFERENCE_MAX = 16 << 20
+#: seconds of reps per point at least when a compute loop runs beside the ranks
+COMPUTE_MIN_TIME = 1.0
 
 
 @dataclass
@@ -46,6 +52,7 @@ class BenchConfig:
     spec: JobSpec = DEFAULT     # the nicoffload job (slots, record size) of xdp and userspace
     mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
     dtype: str = "float32"      # of the gradients: float32 (quantized to int32) or int32 (exact)
+    compute: bool = False       # a compute loop beside every rank: how much of it each AllReduce takes
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)
@@ -68,6 +75,8 @@ class BenchConfig:
                 raise InputError(f"unknown {what}: {', '.join(sorted(set(values) - set(known)))}")
         self.systems = [s for s in SYSTEMS if s in self.systems]
         self.max_reps = max(self.max_reps, self.reps)
+        if self.compute:  # the compute loop's rate needs a second or so of each to be worth reading
+            self.min_time = max(self.min_time, COMPUTE_MIN_TIME)
         return self
 
     def to_dict(self) -> dict:

@@ -12,7 +12,12 @@ import numpy as np
 from .inputs import format_size
 from .plan import BenchConfig, bounds, centre_workers, rate_bps, rate_label, reference_size, tbf_burst_bytes
 
-COLORS = {"xdp": "tab:red", "userspace": "tab:orange", "ring": "tab:blue", "gloo": "tab:green", "mpi": "tab:purple"}
+COLORS = {"xdp": "tab:red", "userspace": "tab:orange", "ring": "tab:blue", "gloo": "tab:green", "mpi": "tab:purple",
+          "xdpring": "tab:brown", "udpring": "tab:pink"}
+#: the ring offload's figure: latency gain over the TCP ring against the chunk size M/N
+RING_GAIN = "ring_gain_vs_chunk.png"
+#: DirectReduce's reported gain over a ring AllReduce for M/N > 1 KB (15% .. 36%)
+PAPER_GAIN = (0.15, 0.36)
 PANEL = (6.2, 4.6)  # inches per panel
 DPI = 110
 FILES = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
@@ -149,8 +154,33 @@ def _draw_bound_fraction(plt, s: _Sweep) -> Path:
     return _finish(plt, fig, axes, path)
 
 
+def _draw_ring_gain(plt, s: _Sweep) -> Path:
+    """Per link rate: 1 - t(system) / t(TCP ring) at each (workers, size), against M/N."""
+    fig, axes = _panels(plt, len(s.rates), "Latency gain over the TCP ring against the chunk size M/N "
+                        "(1 - t / t_ring; median times)")
+    markers = ["o", "s", "^", "D", "v", "P"]
+    for ax, rate in zip(axes, s.rates):
+        ring = {(r["workers"], r["bytes"]): r["median_s"] for r in s.rows if r["rate"] == rate
+                and r["system"] == "ring" and r["sparsity"] == s.base}
+        for system in [x for x in s.systems if x not in ("ring", "xdp", "userspace")]:
+            for i, n in enumerate(sorted({w for w, _ in ring})):
+                rs = sorted((r for r in s.rows if r["rate"] == rate and r["system"] == system and r["workers"] == n
+                             and r["sparsity"] == s.base and (n, r["bytes"]) in ring), key=lambda r: r["bytes"])
+                if rs:
+                    ax.plot([r["bytes"] / n for r in rs], [1 - r["median_s"] / ring[(n, r["bytes"])] for r in rs],
+                            marker=markers[i % len(markers)], color=COLORS.get(system), label=f"{system} N={n}")
+        for g in PAPER_GAIN:
+            ax.axhline(g, color="gray", ls=":", lw=1)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.axvline(1024, color="gray", ls="--", lw=1, label="M/N = 1 KiB (dotted: the paper's 15%, 36%)")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="M/N (bytes of each node's chunk)", ylabel="gain over the TCP ring", title=f"links {rate}")
+    return _finish(plt, fig, axes, s.out / RING_GAIN)
+
+
 def plot(rows: list[dict], cfg: BenchConfig) -> list[Path]:
-    """Every plot of the sweep into cfg.out; their paths (in FILES order)."""
+    """Every plot of the sweep into cfg.out; their paths (in FILES order, then the ring offload's
+    gain over the TCP ring when the sweep has both)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,4 +188,7 @@ def plot(rows: list[dict], cfg: BenchConfig) -> list[Path]:
 
     s = _Sweep([r for r in rows if r.get("median_s") is not None], list(dict.fromkeys(rate_label(r) for r in cfg.rates)),
                list(cfg.systems), centre_workers(cfg.workers), reference_size(cfg.sizes), min(cfg.sparsities), cfg.out)
-    return [_draw_time(plt, s, p) for p in _time_plots(s)] + [_draw_bound_fraction(plt, s)]
+    out = [_draw_time(plt, s, p) for p in _time_plots(s)] + [_draw_bound_fraction(plt, s)]
+    if "ring" in cfg.systems and set(cfg.systems) & {"xdpring", "udpring", "gloo", "mpi"}:
+        out.append(_draw_ring_gain(plt, s))
+    return out

@@ -91,6 +91,34 @@ class _Ring(_Adapter):
         self.r.close()
 
 
+class _RingMode(_Adapter):
+    """nicoffload's ring mode: the ring offload (xdpring; the ring programs are loaded by the
+    sweep) or the user-space UDP ring (udpring)."""
+
+    def __init__(self, plan: dict, rank: int):
+        from ..ring_comm import RingCommunicator
+
+        p = plan["params"]
+        self.rank = rank
+        self.c = RingCommunicator.from_spec(rank, plan["world"], p["peers"], job_spec(p), offload=p["offload"],
+                                            capacity=p["capacity"])
+        self._one = np.zeros(1, dtype=np.int32)
+
+    def allreduce(self, x, out):
+        self.c.allreduce(x, out=out)
+
+    def flag(self, v):
+        self._one[0] = v
+        return int(self.c.allreduce(self._one)[0])
+
+    def counters(self):
+        s = self.c.stats
+        return {"packets": s.packets_sent, "retransmissions": s.retransmissions}
+
+    def close(self):
+        self.c.close()
+
+
 class _Gloo(_Adapter):
     def __init__(self, plan: dict, rank: int):
         from datetime import timedelta
@@ -153,7 +181,10 @@ def _check_local_ip(ip: str, who: str) -> None:
         s.close()
 
 
-ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi}
+ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi,
+            "xdpring": _RingMode, "udpring": _RingMode}
+#: seconds every rank measures its compute loop with nothing else running (plan["compute"])
+IDLE_S = 1.0
 
 
 # --- one point ------------------------------------------------------------------------------
@@ -162,10 +193,18 @@ class _Window:
 
     def __init__(self, plan: dict):
         self.iface, self.prog_id = plan["iface"], plan.get("prog_id")
-        self.bpf0 = counters.bpf_runtime(self.prog_id)
+        self.prog_ids = plan.get("prog_ids") or ([self.prog_id] if self.prog_id else [])
+        self.bpf0 = self._bpf()
         self.net0 = counters.iface_bytes(self.iface)
         self.cpu0 = counters.cpu_ticks()
         self.t0 = time.monotonic()
+
+    def _bpf(self) -> tuple[int, int] | None:
+        """(run_time_ns, run_cnt) of the system's XDP programs together (the ring: every node's)."""
+        got = [counters.bpf_runtime(p) for p in self.prog_ids]
+        if not got or any(g is None for g in got):
+            return None
+        return sum(g[0] for g in got), sum(g[1] for g in got)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -173,7 +212,7 @@ class _Window:
     def close(self) -> dict:
         cpu1, t1 = counters.cpu_ticks(), time.monotonic()
         net = counters.delta(counters.iface_bytes(self.iface), self.net0)
-        bpf = counters.delta(counters.bpf_runtime(self.prog_id), self.bpf0)
+        bpf = counters.delta(self._bpf(), self.bpf0)
         hz = os.sysconf("SC_CLK_TCK")
         rec = {"cpu_busy_s": (cpu1[0] - self.cpu0[0]) / hz, "cpu_all_s": (cpu1[1] - self.cpu0[1]) / hz,
                "window_s": t1 - self.t0}
@@ -192,19 +231,30 @@ def _go_on(plan: dict, done: int, elapsed: float) -> bool:
         (done < plan["reps"] or elapsed < plan["min_time"])
 
 
-def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dict) -> dict:
-    """Warm-up, then timed reps, each behind a one-element AllReduce (barrier + rank 0's go-on)."""
+def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dict, loop=None) -> dict:
+    """Warm-up, then timed reps, each behind a one-element AllReduce (barrier + rank 0's go-on).
+    Every rank also reports its own process's CPU time over the reps; with a compute ``loop``
+    (:class:`~nicoffload.lab.compute.ComputeLoop`), its rate while every rank idles and while
+    the reps run."""
     for _ in range(plan["warmup"]):
         a.flag(1)
         a.allreduce(x, out)
     c_before = a.counters()
+    idle = None
+    if loop is not None:
+        a.flag(0)
+        idle = loop.rate(IDLE_S)
+        a.flag(0)
     window = _Window(plan) if lead else None
+    cpu0, k0, t00 = time.process_time(), loop.count() if loop else 0, time.monotonic()
     times: list[float] = []
     while a.flag(int(_go_on(plan, len(times), window.elapsed())) if lead else 0):
         t0 = time.perf_counter()
         a.allreduce(x, out)
         times.append(time.perf_counter() - t0)
-    rec: dict = {"times": times, **(window.close() if lead else {})}
+    rec: dict = {"times": times, "proc_cpu_s": time.process_time() - cpu0, **(window.close() if lead else {})}
+    if loop is not None:
+        rec["compute_idle"], rec["compute_busy"] = idle, (loop.count() - k0) / (time.monotonic() - t00)
     c_after = a.counters()
     if c_after:
         rec["counters"] = {k: c_after[k] - c_before.get(k, 0) for k in c_after}
@@ -219,13 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=None, help="(not for mpi: the rank comes from MPI)")
     args = p.parse_args(argv)
     plan = json.loads(args.plan.read_text())
+    loop = None
     try:
+        if plan.get("compute"):
+            from .compute import ComputeLoop
+
+            loop = ComputeLoop()
         a = ADAPTERS[args.system](plan, args.rank)
         a.emit({"ready": True, "rank": a.rank})
         for pt in plan["points"]:
             x = np.load(pt["inputs"][a.rank], allow_pickle=False)
             out = np.empty_like(x)
-            rec = run_point(a, x, out, a.rank == 0, plan)
+            rec = run_point(a, x, out, a.rank == 0, plan, loop)
             if a.rank == 0 and pt.get("output"):
                 np.save(pt["output"], out)
             a.emit({"point": pt["index"], "rank": a.rank, **rec})
@@ -237,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.system == "mpi":
             _mpi_abort()
         return getattr(e, "exit_code", 1)
+    finally:
+        if loop is not None:
+            loop.close()
     return 0
 
 

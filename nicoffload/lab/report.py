@@ -4,7 +4,11 @@ against the reference, written as results.json / results.csv / meta.json and sho
 
 A rep's time is the slowest rank's. ``cpu_s`` and ``bpf_ns`` are rank 0's whole-machine CPU time
 and the XDP program's run time over the timed window divided by the reps (the window holds reps
-AllReduces and reps+1 barriers; /proc/stat ticks are 10 ms, hence the bench's ``min_time``).
+AllReduces and reps+1 barriers; /proc/stat ticks are 10 ms, hence the bench's ``min_time``);
+for the ring offload ``bpf_ns`` is every node's program together. ``proc_cpu_s`` is a rank
+process's own CPU time per AllReduce (user + system, the mean over ranks): what the host spends.
+With ``--compute``, ``compute_drop`` is the share of a compute loop's throughput beside every
+rank that the AllReduces took (1 - its rate during the reps / its rate while every rank idled).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from .reference import Check
 FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status", "reason", "reps",
           "median_s", "min_s", "max_s", "goodput_bps", "cpu_s", "cpu_util", "bpf_ns", "bpf_cnt",
           "bound_agg_s", "bound_ring_s", "bound_s", "bound_fraction", "max_abs_err", "within_bound",
-          "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape"]
+          "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape", "proc_cpu_s",
+          "compute_drop"]
 
 
 # --- rows -------------------------------------------------------------------------------------
@@ -52,6 +57,11 @@ def measured_row(system: str, workers: int, pt: Point, rate: str, rbps: int | No
         r["w0_tx_bytes"], r["w0_rx_bytes"] = lead["tx_bytes"] / nrep, lead["rx_bytes"] / nrep
     if "bpf_ns" in lead:
         r["bpf_ns"], r["bpf_cnt"] = lead["bpf_ns"] / nrep, lead["bpf_cnt"] / nrep
+    if all("proc_cpu_s" in d for d in recs):
+        r["proc_cpu_s"] = float(np.mean([d["proc_cpu_s"] for d in recs])) / nrep
+    if all(d.get("compute_idle") for d in recs):
+        idle = sum(d["compute_idle"] for d in recs)
+        r["compute_drop"] = 1 - sum(d["compute_busy"] for d in recs) / idle
     if all("counters" in d for d in recs):
         r["packets"] = sum(d["counters"]["packets"] for d in recs)
         r["retransmissions"] = sum(d["counters"]["retransmissions"] for d in recs)
@@ -115,15 +125,18 @@ def _table_line(r: dict) -> str:
     bpf = f"{r['bpf_ns'] / 1e6:.2f}ms" if r.get("bpf_ns") is not None else "-"
     frac = f"{r['bound_fraction']:.0%}" if r.get("bound_fraction") is not None else "-"
     st = "ok" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+    host = fmt_t(r.get("proc_cpu_s"))
+    drop = f"{r['compute_drop']:.0%}" if r.get("compute_drop") is not None else "-"
     return base + (f"{fmt_t(r['median_s']):>10} {fmt_t(r['min_s']):>10} {fmt_t(r['max_s']):>10} "
-                   f"{r['goodput_bps'] / 1e9:>5.2f}Gb/s {fmt_t(r['cpu_s']):>10} {bpf:>9} {frac:>7} "
-                   f"{r['reps']:>4}  {st}")
+                   f"{r['goodput_bps'] / 1e9:>5.2f}Gb/s {fmt_t(r['cpu_s']):>10} {host:>10} {bpf:>9} {frac:>7} "
+                   f"{drop:>6} {r['reps']:>4}  {st}")
 
 
 def table(rows: list[dict]) -> str:
     """Every row, grouped by (rate, workers, size, sparsity), systems in SYSTEMS order."""
     hdr = (f"{'rate':>9} {'N':>2} {'size':>7} {'sparse':>6} {'system':<9} {'median':>10} {'min':>10} {'max':>10} "
-           f"{'goodput':>10} {'cpu/AR':>10} {'xdp/AR':>9} {'bound%':>7} {'reps':>4}  status")
+           f"{'goodput':>10} {'cpu/AR':>10} {'rank cpu':>10} {'xdp/AR':>9} {'bound%':>7} {'drop':>6} {'reps':>4}  "
+           f"status")
     lines = [hdr, "-" * len(hdr)]
     prev = None
     for r in sorted(rows, key=_order):

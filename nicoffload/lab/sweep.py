@@ -31,7 +31,8 @@ from .inputs import as_int32, make_gradients
 from .jobs import tempdir, testbed
 from .launcher import Launch
 from .links import enable_gro, link_state
-from .plan import AGG_SYSTEMS, BenchConfig, Point, rate_bps, rate_label, sweep_plan
+from .plan import AGG_SYSTEMS, QUANTIZED, BenchConfig, Point, rate_bps, rate_label, sweep_plan
+from .rings import RingPrograms
 from .plot import plot
 
 
@@ -51,7 +52,7 @@ class Bed:
     expected: dict = field(default_factory=dict)  # (point, quantizes) -> reference.Expected
 
     def reference(self, pt: Point, system: str) -> reference.Expected:
-        key = (pt.index, system in AGG_SYSTEMS)
+        key = (pt.index, system in QUANTIZED)
         if key not in self.expected:
             xs = [np.load(p, mmap_mode="r") for p in self.inputs[pt.index]]
             self.expected[key] = reference.expected(xs, key[1], self.cfg.spec.elems)
@@ -91,6 +92,7 @@ class SystemRun:
         self.failure: str | None = None
         self.startup_failure: str | None = None
         self.ap: AggregatorProcess | None = None
+        self.rp: RingPrograms | None = None     # xdpring: the ring programs on every worker
         self.job: Launch | None = None
 
     def plan(self) -> dict:
@@ -99,7 +101,8 @@ class SystemRun:
                 "iface": b.tb.workers[0].iface, "params": systems.rank_params(b.tb, self.system, cfg),
                 "warmup": cfg.warmup, "reps": cfg.reps, "min_time": cfg.min_time, "max_reps": cfg.max_reps,
                 "max_point_s": cfg.max_point_s, "timeout": cfg.timeout,
-                "prog_id": self.ap.prog_id if self.ap else None, "mode": self.ap.mode if self.ap else None,
+                "prog_id": self.ap.prog_id if self.ap else None, "mode": self._mode(),
+                "prog_ids": self.rp.prog_ids if self.rp else None, "compute": cfg.compute,
                 "points": [{"index": pt.index, "inputs": [str(p) for p in b.inputs[pt.index]], "output": str(o)}
                            for pt, o in zip(b.points, self.outputs)]}
 
@@ -110,6 +113,12 @@ class SystemRun:
                 self.ap = AggregatorProcess(b.tb, self.system, cfg.spec, mode=cfg.mode)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
+                raise _Abort(self.startup_failure)
+        if self.system == "xdpring":
+            try:
+                self.rp = RingPrograms(b.tb, cfg.spec, mode=cfg.mode, capacity=systems.ring_capacity(cfg))
+            except Exception as e:
+                self.startup_failure = f"the ring programs did not load: {e}"
                 raise _Abort(self.startup_failure)
         b.meta["links"][self.system] = link_state(b.tb)
         plan = self.plan()
@@ -169,9 +178,17 @@ class SystemRun:
     def _errors(self) -> str:
         return "; ".join(o.describe() for o in self.job.ended() if not o.ok)
 
+    def _mode(self) -> str | None:
+        return self.ap.mode if self.ap else self.rp.mode if self.rp else None
+
     def stop(self) -> None:
         if self.job is not None:
             self.job.stop()
+        if self.rp is not None:
+            b = self.bed
+            stats = self.rp.close()
+            b.meta.setdefault("ring_stats", {}).setdefault(self.system, []).append(
+                {"workers": self.n, "rate": b.rate, "stats": stats})
         if self.ap is not None:
             b = self.bed
             try:
@@ -183,7 +200,7 @@ class SystemRun:
     def finish(self) -> list[dict]:
         """The rows of every point: measured ones checked, missing ones errors naming the failure."""
         b = self.bed
-        shape = systems.packet_shape(self.system, self.ap.mode if self.ap else None, b.cfg.spec)
+        shape = systems.packet_shape(self.system, self._mode(), b.cfg.spec)
         out = []
         for pt, o in zip(b.points, self.outputs):
             r = self.rows.get(pt.index)

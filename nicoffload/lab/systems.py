@@ -11,6 +11,9 @@ gloo       torch.distributed ``all_reduce`` with the gloo backend (TCP), if torc
 mpi        Open MPI ``MPI_Allreduce`` through mpi4py, BTL ``tcp,self`` (the shared-memory BTL
            is excluded: every namespace shares one machine's memory and would bypass the
            network), if mpirun and mpi4py exist
+xdpring    nicoffload's ring mode with the ring offload (DirectReduce): every worker's XDP adds
+           its staged record into the passing packet and sends it on (UDP, int32 fixed point)
+udpring    the same ring protocol with every hop in user space (the user-space UDP ring)
 ========== =====================================================================================
 
 Ranks: one process per worker namespace running :mod:`nicoffload.lab.ranks`; for mpi,
@@ -30,7 +33,9 @@ from ..jobspec import JobSpec
 from ..transport import MAX_GSO_SEGS
 from .aggregators import on_testbed
 from .launcher import RankSpec, program
-from .plan import AGG_SYSTEMS, BenchConfig
+from .plan import AGG_SYSTEMS, RING_SYSTEMS, BenchConfig
+from .rings import capacity_for
+from .rings import on_testbed as ring_on_testbed
 
 DESCRIPTION = {
     "xdp": "nicoffload workers + XDP aggregator (UDP, int32 fixed point, zero blocks skipped)",
@@ -38,6 +43,8 @@ DESCRIPTION = {
     "ring": "Ring AllReduce over a TCP ring (reduce-scatter + all-gather), float32 summed in float32",
     "gloo": "torch.distributed all_reduce, gloo backend (TCP)",
     "mpi": "Open MPI MPI_Allreduce via mpi4py, btl tcp,self (no shared memory)",
+    "xdpring": "nicoffload ring offload: every worker's XDP adds and forwards (UDP, int32 fixed point)",
+    "udpring": "nicoffload user-space UDP ring (the same protocol, every hop in the worker process)",
 }
 PORT_OFFSET = {"ring": 21, "gloo": 22}  # above the testbed's nicoffload port
 RANKS = "nicoffload.lab.ranks"
@@ -77,7 +84,7 @@ def _probe_mpi(mpirun: str) -> tuple[str | None, str]:
 
 def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
     """(reason the system cannot run or None, version/description)."""
-    if system == "xdp":
+    if system in ("xdp", "xdpring"):
         try:
             from .. import bpf
 
@@ -85,7 +92,7 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
         except Exception as e:
             return f"bcc is not importable ({e}); run scripts/setup.sh", ""
         return None, "bcc"
-    if system in ("userspace", "ring"):
+    if system in ("userspace", "ring", "udpring"):
         return None, "nicoffload"
     if system == "gloo":
         return _probe_gloo()
@@ -100,9 +107,19 @@ def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
     if system in AGG_SYSTEMS:
         spec = on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
         return {"aggregator": tb.agg.ip, "spec": spec.to_dict()}
+    if system in RING_SYSTEMS:
+        spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
+        return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",
+                "capacity": ring_capacity(cfg)}
     if system in PORT_OFFSET:
         return {"port": tb.port + PORT_OFFSET[system]}
     return {}
+
+
+def ring_capacity(cfg: BenchConfig) -> int:
+    """Records per call of the ring programs (and the user-space ring's buffers): one pass for
+    the largest size of the sweep."""
+    return capacity_for(max(cfg.sizes), cfg.spec.elems)
 
 
 def job_spec(params: dict) -> JobSpec:
@@ -153,7 +170,15 @@ def rank_specs(tb, system: str, plan_path: Path, params: dict, work: Path, cfg: 
 
 # --- how its data crosses the links ---------------------------------------------------------
 def packet_shape(system: str, mode: str | None, spec: JobSpec) -> dict:
-    """The aggregator's XDP mode and the packets of a system, for the rows."""
+    """The aggregator's (or the ring programs') XDP mode and the packets of a system, for the rows."""
+    if system in RING_SYSTEMS:
+        rec = proto.record_size(spec.elems)
+        per = min(MAX_GSO_SEGS, proto.max_records(spec.elems))
+        xdp = system == "xdpring"
+        seen = {"generic": "seen whole by generic XDP on every hop", "native": "one datagram per XDP run"}.get(
+            mode, "") if xdp else "received with UDP_GRO"
+        return {"mode": mode if xdp else "userspace",
+                "shape": f"UDP_SEGMENT batches of <= {per} x {rec} B records around the ring, {seen}"}
     if system not in AGG_SYSTEMS:
         return {"mode": "-", "shape": {"ring": "TCP streams", "gloo": "TCP streams (gloo)",
                                        "mpi": "TCP streams (Open MPI btl tcp)"}.get(system, "-")}

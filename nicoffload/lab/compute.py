@@ -1,0 +1,71 @@
+"""A compute loop beside a rank: how much an AllReduce takes from the work a host would do
+meanwhile (DirectReduce's first claim: with the reduction in the NIC the host keeps computing).
+
+:class:`ComputeLoop` forks a child that runs elementwise float32 math for ever (no BLAS: its
+thread pool does not survive a fork) and counts the steps in shared memory; the rank reads the
+count around what it measures. On this testbed every "NIC" is the same two CPUs as the hosts,
+so the loop loses whatever the AllReduce costs the machine: its process, the kernel's network
+path and the XDP programs alike.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+
+#: elements the loop works on (a step takes a few microseconds)
+ELEMS = 4096
+
+
+def _loop(counter: np.ndarray) -> None:
+    x = np.linspace(0, 1, ELEMS, dtype=np.float32)
+    y = np.empty_like(x)
+    while True:
+        for _ in range(16):
+            np.sin(x, out=y)
+            np.multiply(y, np.float32(0.999), out=x)
+        counter[0] += 16
+
+
+class ComputeLoop:
+    """The child and its counter. ``rate(seconds)``: steps per second over an interval while
+    nothing else is measured; ``count()`` for intervals of the caller's own."""
+
+    def __init__(self):
+        self._mem = mmap.mmap(-1, mmap.PAGESIZE)
+        self.counter = np.frombuffer(self._mem, dtype=np.uint64, count=1)
+        pid = os.fork()
+        if pid == 0:  # the child: single-threaded numpy, until it is killed
+            os.environ["OMP_NUM_THREADS"] = "1"
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                _loop(self.counter)
+            finally:
+                os._exit(0)
+        self.pid = pid
+
+    def count(self) -> int:
+        return int(self.counter[0])
+
+    def rate(self, seconds: float) -> float:
+        c0, t0 = self.count(), time.monotonic()
+        time.sleep(seconds)
+        return (self.count() - c0) / (time.monotonic() - t0)
+
+    def close(self) -> None:
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = 0
+
+    def __enter__(self) -> "ComputeLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
