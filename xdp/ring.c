@@ -307,8 +307,10 @@ long ring_record(u64 i)
         return 1;
     }
 
-    if (h->flags & AR_RING_FLAG_SKIP)
-        return 0; /* dropped on the way, left in place */
+    if (h->flags & AR_RING_FLAG_SKIP) {
+        h->rank = f->me_be; /* dropped on the way, left in place: it goes on as this node's */
+        return 0;
+    }
     count(cnt, AR_RING_STAT_RECORDS);
     u32 why = check_record(f, h);
     int consumed = 0;
