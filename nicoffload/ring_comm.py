@@ -95,6 +95,19 @@ def iface_of(ip: str) -> str:
     raise InputError(f"no interface of this network namespace has the address {ip}")
 
 
+class _Layout:
+    """The chunks of a call of K records: record indices, origins and their masks, this rank's
+    staging order and own chunk."""
+
+    def __init__(self, K: int, world: int, rank: int):
+        b = chunk_bounds(K, world)
+        self.idx = np.arange(K, dtype=np.int64)
+        self.origins = origins(K, world)
+        self.masks = origin_masks(K, world)
+        self.order = staging_order(K, world, rank)
+        self.own = (int(b[rank]), int(b[rank + 1]))
+
+
 @dataclass
 class RingCommunicator:
     """One rank of a ring: ``peers[r]`` is rank r's IPv4 address (this rank's is ``peers[rank]``,
@@ -157,6 +170,8 @@ class RingCommunicator:
         self._pongs = np.zeros((self.world, 4), np.int64)
         self._pings = np.zeros(64, np.int64)
         self._io = np.zeros(rk.IO_WORDS, np.int64)
+        self._seen: dict[int, tuple[int, int]] = {}  # rank -> (call, stored) it answered last
+        self._layouts: dict[int, _Layout] = {}
         self._missing = np.zeros(cap, np.int64)
         self._tmpl = _template(self.rank, self.job)
         self._nacks = np.zeros(MAX_MSGS * self._t.per_datagram * self._rec, np.uint8)
@@ -287,16 +302,16 @@ class RingCommunicator:
         single = x.dtype == np.float32
         for s0, s1 in segments(nb, self.capacity):
             K = s1 - s0
-            blocks = np.arange(s0, s1, dtype=np.int64)
-            masks = origin_masks(K, W)
+            lay = self._layout(K)
+            blocks, masks = lay.idx[:K] + s0, lay.masks
             sh = shifts[s0:s1]
             if kind == KIND_INT32:
                 def stage(lo, hi, tmpl):
-                    kernels.encode_int(self._local, self._rec, E, tmpl, flat, np.arange(lo, hi), 0, 1 << 40, blocks,
+                    kernels.encode_int(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40, blocks,
                                        masks, proto.OP_SUM, lo)
             else:
                 def stage(lo, hi, tmpl):
-                    kernels.encode_float(self._local, self._rec, E, tmpl, flat, np.arange(lo, hi), 0, 1 << 40,
+                    kernels.encode_float(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40,
                                          blocks, masks, sh, bias, single, lo, proto.OP_SUM64)
             self._pass(K, stage)
             t2 = time.perf_counter()
@@ -317,7 +332,7 @@ class RingCommunicator:
     # --- passes -----------------------------------------------------------------------------
     def _values(self, v: np.ndarray, op: int) -> np.ndarray:
         """Combine one int32 per block over every rank with ``op`` (MAX of the exponents)."""
-        E, W = self.elems, self.world
+        E = self.elems
         out = np.empty(v.size, np.int32)
         per = -(-v.size // E)
         for s0, s1 in segments(per, self.capacity):
@@ -326,17 +341,25 @@ class RingCommunicator:
             lo_v = s0 * E
             hi_v = min(v.size, s1 * E)
             vals[:hi_v - lo_v] = v[lo_v:hi_v]
-            masks = origin_masks(K, W)
-            blocks = np.arange(K, dtype=np.int64)
+            lay = self._layout(K)
 
-            def stage(lo, hi, tmpl, vals=vals, masks=masks, blocks=blocks):
-                kernels.encode_int(self._local, self._rec, E, tmpl, vals, np.arange(lo, hi), 0, 1 << 40, blocks,
-                                   masks, op, lo)
+            def stage(lo, hi, tmpl, vals=vals, lay=lay):
+                kernels.encode_int(self._local, self._rec, E, tmpl, vals, lay.idx[lo:hi], 0, 1 << 40, lay.idx,
+                                   lay.masks, op, lo)
             self._pass(K, stage)
             got = np.empty(K * E, np.int32)
             rk.copy_values(self._result, self._rec, E, K, got)
             out[lo_v:hi_v] = got[:hi_v - lo_v]
         return out
+
+    def _layout(self, K: int) -> "_Layout":
+        """A call of K records as this rank sees it (cached: calls repeat their sizes)."""
+        lay = self._layouts.get(K)
+        if lay is None:
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            lay = self._layouts[K] = _Layout(K, self.world, self.rank)
+        return lay
 
     def _next_call(self) -> int:
         self._call = (self._call + 1) & 0xFFFFFFFF or 1
@@ -360,15 +383,15 @@ class RingCommunicator:
             _trace(r, f"enter call {c}, {K} records, stash {self._stash_n}")
         tmpl = self._tmpl
         t0 = time.perf_counter()
-        for lo, hi in staging_order(K, W, r):
+        lay = self._layout(K)
+        for lo, hi in lay.order:
             rk.set_tags(self._local, rec, lo, hi, 0)
             stage(lo, hi, tmpl)
             rk.set_tags(self._local, rec, lo, hi, c)
         t1 = time.perf_counter()
         self.last.stage_s += t1 - t0
-        b = chunk_bounds(K, W)
-        own_lo, own_hi = int(b[r]), int(b[r + 1])
-        self._origin = origins(K, W)
+        own_lo, own_hi = lay.own
+        self._origin = lay.origins
         self._io[:] = 0
         nxt = (self.peers[(r + 1) % W], self.port)
         # records of this call that arrived before it (kept by the previous call)
@@ -409,15 +432,18 @@ class RingCommunicator:
             elif now >= retry_at:
                 if now >= deadline_idle:
                     self._fail(c, K)
-                # A node that has not entered the call yet stalls it, and asking again would only
-                # add traffic: ask for missing records only when every node is in the call.
-                behind = self._behind(c, K)
-                if not behind:
+                # Ask for missing records again only when the whole ring stands still: a node
+                # that has not entered the call yet stalls it (asking would only add traffic), and
+                # while other nodes still store finals the records are on their way (a slow
+                # ring, e.g. queues of shaped links, is not a lossy one).
+                behind, moving = self._ring_state(c, K)
+                if not behind and not moving:
                     self._nack_missing(c, K, self.window)
                 if _TRACE:
                     _trace(r, f"timeout in call {c}: stored {st[ST_STORED]} + host {st[ST_HOST_STORED]} "
                               f"of {K}, missing {rk.untagged(self._result, rec, 0, K, c, self._missing)}: "
-                              f"{self._missing[:8]}, " + (f"behind: {behind}" if behind else "nacked"))
+                              f"{self._missing[:8]}, " + (f"behind: {behind}" if behind else
+                                                           "moving" if moving else "nacked"))
                 self.last.timeouts += 1
                 rto = min(rto * 2, self.max_rto)
                 retry_at = now + rto
@@ -495,12 +521,17 @@ class RingCommunicator:
         return bytes(codec.encode_blocks(np.zeros((1, 0), np.int32), rank=self.rank, job=self.job, epoch=c,
                                          slot=self._stored(), set=0, round=K, mask=0, count=0, type=TYPE_PONG))
 
-    def _behind(self, c: int, K: int) -> dict[int, int]:
-        """The nodes that say they have not entered call ``c`` yet: {rank: its call}. A node
-        that does not answer in time is not among them (asking it again costs little; if it is
-        gone, the timeout names it)."""
+    def _ring_state(self, c: int, K: int) -> tuple[dict[int, int], bool]:
+        """Ask every node (PING): ({rank: its call} of the nodes that say they have not entered
+        call ``c`` yet, whether any node stored records since the last time it was asked). A node
+        that does not answer in time is neither (asking it again costs little; if it is gone, the
+        timeout names it)."""
         pongs = self.ping(c, K, wait=min(PING_WAIT, max(4 * self.rto, 0.01)))
-        return {r: p["call"] for r, p in pongs.items() if (p["call"] - c) & 0x80000000}
+        behind = {r: p["call"] for r, p in pongs.items() if (p["call"] - c) & 0x80000000}
+        seen = {r: (p["call"], p["stored"]) for r, p in pongs.items()}
+        moving = any(self._seen.get(r) not in (None, v) for r, v in seen.items() if v[0] == c)
+        self._seen.update(seen)
+        return behind, moving
 
     def _nack_missing(self, c: int, K: int, limit: int) -> None:
         """Ask again for the first ``limit`` records whose final this node has not stored: its

@@ -100,6 +100,18 @@ def test_user_space_ring_over_the_same_protocol(make_testbed, tmp_path):
     for y in results(outs):
         assert want.check(y).within_bound
     assert all(r["stats"]["taken_over"] > 0 for r in res.ranks)  # every hop in user space
+    # and its own rank program (python -m nicoffload.lab.udpring), next to the TCP ring's
+    peers = ",".join(w.ip for w in tb.workers)
+    procs = [tb.popen(w, [sys.executable, "-m", "nicoffload.lab.udpring", "--rank", str(w.rank), "--world", "3",
+                          "--peers", peers, "--port", str(tb.port), "--input", str(ins[w.rank]), "--output",
+                          str(outs[w.rank]), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w in tb.workers]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert json.loads(out)["elements"] == xi[0].size
+    for y in results(outs):
+        assert want.check(y).within_bound
     nothing_left(tb)
 
 
