@@ -44,7 +44,12 @@ __all__ = ["RingCommunicator", "RingStats", "WINDOW"]
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
 _KIND = {np.dtype(np.int32): KIND_INT32, np.dtype(np.float32): KIND_FLOAT32, np.dtype(np.float64): KIND_FLOAT64}
 #: records of its own chunk a rank has on the way at most (its send window)
-WINDOW = 1024
+WINDOW = 256
+#: a rank stages its records in this many rounds (a slice of every chunk each, at least SLICE
+#: records of each) and sends its own slice after each round: a quarter of the staging goes
+#: before the first send, and the successor has a quarter's lead to stage what arrives
+ROUNDS = 4
+SLICE = 64
 _NO_WAKE = 0xFFFFFFFF
 #: seconds a diagnosis waits for the nodes' PONGs
 PING_WAIT = 0.3
@@ -97,15 +102,20 @@ def iface_of(ip: str) -> str:
 
 class _Layout:
     """The chunks of a call of K records: record indices, origins and their masks, this rank's
-    staging order and own chunk."""
+    own chunk, and the slices it stages them in: slice j of every chunk (in the order their
+    reduces reach the rank, its own last) before slice j + 1 of any."""
 
     def __init__(self, K: int, world: int, rank: int):
         b = chunk_bounds(K, world)
         self.idx = np.arange(K, dtype=np.int64)
         self.origins = origins(K, world)
         self.masks = origin_masks(K, world)
-        self.order = staging_order(K, world, rank)
         self.own = (int(b[rank]), int(b[rank + 1]))
+        order = staging_order(K, world, rank)
+        longest = max((hi - lo for lo, hi in order), default=0)
+        step = max(SLICE, -(-longest // ROUNDS))
+        self.slices = [(lo + j, min(hi, lo + j + step)) for j in range(0, longest, step)
+                       for lo, hi in order if lo + j < hi]
 
 
 @dataclass
@@ -382,34 +392,43 @@ class RingCommunicator:
         if _TRACE:
             _trace(r, f"enter call {c}, {K} records, stash {self._stash_n}")
         tmpl = self._tmpl
-        t0 = time.perf_counter()
         lay = self._layout(K)
-        for lo, hi in lay.order:
-            rk.set_tags(self._local, rec, lo, hi, 0)
-            stage(lo, hi, tmpl)
-            rk.set_tags(self._local, rec, lo, hi, c)
-        t1 = time.perf_counter()
-        self.last.stage_s += t1 - t0
         own_lo, own_hi = lay.own
         self._origin = lay.origins
         self._io[:] = 0
         nxt = (self.peers[(r + 1) % W], self.port)
-        # records of this call that arrived before it (kept by the previous call)
-        nst = self._stash_n
-        self._stash_n = 0
-        if nst:
-            self._run_replay(nst, c, K)
+        slices, si, staged = lay.slices, 0, own_lo  # own records staged: [own_lo, staged)
         sent = own_lo
         deadline_idle = time.monotonic() + self.timeout
         rto = self.rto
         last_progress = self._stored()
         retry_at = time.monotonic() + rto
         poll = [self._t.sock] + ([self._events] if self._events is not None else [])
+        t1 = time.perf_counter()
         while True:
+            # Stage one slice of every chunk (in the order their reduces arrive, this rank's own
+            # last) at a time, and send the own part as soon as it is staged: the first records
+            # go out long before the whole tensor is staged.
+            staging = si < len(slices)
+            if staging:
+                t0 = time.perf_counter()
+                lo, hi = slices[si]
+                si += 1
+                rk.set_tags(self._local, rec, lo, hi, 0)
+                stage(lo, hi, tmpl)
+                rk.set_tags(self._local, rec, lo, hi, c)
+                if own_lo <= lo < own_hi:
+                    staged = hi
+                t1 = time.perf_counter()
+                self.last.stage_s += t1 - t0
+                if si == len(slices) and self._stash_n:
+                    # records of this call that arrived before it (kept by the previous call)
+                    nst, self._stash_n = self._stash_n, 0
+                    self._run_replay(nst, c, K)
             # the send window of this rank's own chunk: at most `window` records without their final back
-            if sent < own_hi:
+            if sent < staged:
                 acked = int(st[ST_OWN_STORED]) + int(st[ST_HOST_OWN])
-                upto = min(own_hi, own_lo + acked + self.window)
+                upto = min(staged, own_lo + acked + self.window)
                 if upto > sent:
                     self._t.send_records(self._local, sent, upto - sent, nxt)
                     self.last.packets_sent += upto - sent
@@ -418,6 +437,8 @@ class RingCommunicator:
                         st[ST_OWN_WAKE] = max(acked + 1, sent - own_lo - self.window // 2)
                         continue  # the wake-up may have been crossed meanwhile: look again
                     st[ST_OWN_WAKE] = _NO_WAKE
+            if staging:
+                continue  # the host takes over parked records only once its own are all staged
             done = self._stored()
             if done >= K and rk.count_tagged(self._result, rec, K, c) == K:
                 if _TRACE:
