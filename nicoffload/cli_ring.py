@@ -7,6 +7,7 @@ import sys
 import time
 
 from .cli import add_examples
+from .cli_agg import _print_stats
 from .errors import InputError
 from .jobspec import DEFAULT
 from .ring_layout import DEFAULT_CAPACITY
@@ -125,7 +126,7 @@ def _stats(args) -> int:
             if args.json:
                 print(json.dumps(s))
             else:
-                _print(s, None, 0)
+                _print_stats(s, None, 0)
             return 0
         prev, t0 = node.stats(), time.monotonic()
         try:
@@ -136,20 +137,11 @@ def _stats(args) -> int:
                     print(json.dumps({"t": t1, "stats": cur}), flush=True)
                 else:
                     print(f"--- {time.strftime('%H:%M:%S')}")
-                    _print(cur, prev, t1 - t0)
+                    _print_stats(cur, prev, t1 - t0)
                     sys.stdout.flush()
                 prev, t0 = cur, t1
         except KeyboardInterrupt:
             return 0
-
-
-def _print(stats: dict, prev: dict | None, dt: float) -> None:
-    width = max(len(k) for k in stats)
-    for k, v in stats.items():
-        line = f"{k:<{width}}  {v:>14,}"
-        if prev is not None and dt > 0:
-            line += f"  {(v - prev[k]) / dt:>14,.0f}/s"
-        print(line)
 
 
 def _unload(args) -> int:

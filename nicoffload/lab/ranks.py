@@ -91,9 +91,9 @@ class _Ring(_Adapter):
         self.r.close()
 
 
-class _RingMode(_Adapter):
+class _RingMode(_Nicoffload):
     """nicoffload's ring mode: the ring offload (xdpring; the ring programs are loaded by the
-    sweep) or the user-space UDP ring (udpring)."""
+    sweep) or the user-space UDP ring (udpring); the same calls as the aggregator mode's."""
 
     def __init__(self, plan: dict, rank: int):
         from ..ring_comm import RingCommunicator
@@ -103,20 +103,6 @@ class _RingMode(_Adapter):
         self.c = RingCommunicator.from_spec(rank, plan["world"], p["peers"], job_spec(p), offload=p["offload"],
                                             capacity=p["capacity"])
         self._one = np.zeros(1, dtype=np.int32)
-
-    def allreduce(self, x, out):
-        self.c.allreduce(x, out=out)
-
-    def flag(self, v):
-        self._one[0] = v
-        return int(self.c.allreduce(self._one)[0])
-
-    def counters(self):
-        s = self.c.stats
-        return {"packets": s.packets_sent, "retransmissions": s.retransmissions}
-
-    def close(self):
-        self.c.close()
 
 
 class _Gloo(_Adapter):
