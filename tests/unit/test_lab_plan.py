@@ -151,3 +151,13 @@ def test_packet_shapes_follow_the_record_size():
 
 def test_point_is_a_value():
     assert Point(0, 4, 0.5) == Point(0, 4, 0.5) and len({Point(0, 4, 0.5), Point(0, 4, 0.5)}) == 1
+
+
+def test_a_point_stops_by_its_rules():
+    from nicoffload.lab.ranks import _go_on
+    p = {"reps": 3, "min_time": 0.5, "max_reps": 20, "max_point_s": 5.0}
+    assert _go_on(p, 0, 99.0)                     # one rep always, however long the warm-up took
+    assert _go_on(p, 2, 4.0) and _go_on(p, 3, 0.1)  # fewer than reps, or under min_time
+    assert not _go_on(p, 3, 0.6)                  # reps done and min_time spent
+    assert not _go_on(p, 1, 5.0)                  # a slow point stops after max_point_s with what it has
+    assert not _go_on(p, 20, 0.1)                 # max_reps
