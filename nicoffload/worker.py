@@ -33,13 +33,11 @@ from . import kernels, optim, proto, pump, quant
 from .errors import InputError
 from .jobspec import DEFAULT, JobSpec
 from .stream import Buffers, CallStats, RoundStream
+from .tensors import DTYPES, KIND, block_exponents, call_arrays
 from .transport import SLOT_BYTES
 
 __all__ = ["Communicator", "CallStats", "DTYPES", "communicator"]
 
-DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
-_KIND = {np.dtype(np.int32): pump.KIND_INT32, np.dtype(np.float32): pump.KIND_FLOAT32,
-         np.dtype(np.float64): pump.KIND_FLOAT64}
 
 
 @dataclass
@@ -117,13 +115,7 @@ class Communicator:
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
         float32/float64: through int32 fixed point (error bound in nicoffload.quant)."""
-        x = np.ascontiguousarray(array)
-        if x.dtype not in DTYPES:
-            raise InputError(f"allreduce supports int32, float32 and float64, not {x.dtype}")
-        if out is None:
-            out = np.empty_like(x)
-        elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
-            raise InputError("out must be a C-contiguous array with the input's shape and dtype")
+        x, out = call_arrays(array, out)
         t0 = time.perf_counter()
         st = self.last = self._s.last = CallStats()
         sys0, foreign0 = self._s.syscalls, self._s.foreign
@@ -192,7 +184,7 @@ class Communicator:
                 def encode(j0: int, j1: int) -> None:
                     kernels.encode_int(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
                                        masks, proto.OP_SUM, j0)
-            self._s.run(base, K, blocks, masks, mine, shifts, send, _KIND[x.dtype], res, encode)
+            self._s.run(base, K, blocks, masks, mine, shifts, send, KIND[x.dtype], res, encode)
             st.results = K
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
@@ -201,26 +193,15 @@ class Communicator:
         return out
 
     def _block_exps(self, flat: np.ndarray, nb: int) -> np.ndarray:
-        exps = self._buf.get("exps", nb, np.int32)
-        bad = (kernels.block_meta_f32 if flat.dtype == np.float32 else kernels.block_meta_f64)(flat, self.elems, exps)
-        if bad >= 0:
-            kind = "NaN" if np.isnan(flat[bad]) else "Inf"
-            raise InputError(f"rank {self.rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
-                             f"refusing to sum it")
-        return exps
+        return block_exponents(flat, self.elems, self._buf.get("exps", nb, np.int32), self.rank)
 
     def step(self, grads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """One optimizer step of a job the aggregator holds the optimizer of: send this rank's
         gradients (pre-averaged: divided by the world size, as DDP does) and return the updated
         parameters (float32/float64, the gradients' shape). Every rank calls it with gradients of
         the job's parameter count; the job's slots are its share (optim.share)."""
-        g = np.ascontiguousarray(grads)
-        if g.dtype not in DTYPES[1:]:
-            raise InputError(f"optimizer steps take float32 or float64 gradients, not {g.dtype}")
-        if out is None:
-            out = np.empty_like(g)
-        elif out.shape != g.shape or out.dtype != g.dtype or not out.flags.c_contiguous:
-            raise InputError("out must be a C-contiguous array with the gradients' shape and dtype")
+        g, out = call_arrays(grads, out, DTYPES[1:], "optimizer steps take float32 or float64 gradients",
+                             "the gradients'")
         E, n = self.elems, g.size
         nb = -(-n // E)
         if self.slots != optim.share(n, E):
