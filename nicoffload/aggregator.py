@@ -16,12 +16,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import bpf, libbpf, optim, proto
+from . import bpf, libbpf, loadstate, optim, proto
 from .aggmaps import AggMaps
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from .iface import MODES, iface_addr, resolve_mode
 from .jobspec import DEFAULT, JobSpec
-from .jobtable import JobEntry, JobTable
+from .jobtable import JobEntry, JobTable, default_group
 from .aggopt import OptimizerControl
 from .optim import OptimizerSpec
 
@@ -41,7 +41,7 @@ def pin_dir(netns: str | None, iface: str) -> Path:
 
 
 def state_file(netns: str | None, iface: str) -> Path:
-    return STATE_DIR / f"{netns or 'root'}__{iface}.json"
+    return loadstate.state_file(STATE_DIR, netns, iface)
 
 
 @dataclass
@@ -197,11 +197,7 @@ class Aggregator(OptimizerControl):
 
     def _save_state(self) -> None:
         self.spec.jobs = self.table.to_dicts()
-        sf = state_file(self.spec.netns, self.spec.iface)
-        sf.parent.mkdir(parents=True, exist_ok=True)
-        tmp = sf.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self.spec)))
-        tmp.replace(sf)
+        loadstate.save(state_file(self.spec.netns, self.spec.iface), asdict(self.spec))
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -223,7 +219,7 @@ class Aggregator(OptimizerControl):
                 initial: np.ndarray | None = None) -> JobEntry:
         """Register a job with its own share of the pool (``slots``; None: the largest free
         range) and its own multicast group (None: the first one no job uses, see
-        :func:`default_group`). Refused with CapacityError when the pool has no room. With an
+        :func:`nicoffload.jobtable.default_group`). Refused with CapacityError when the pool has no room. With an
         ``optimizer``, the aggregator keeps ``params`` master weights (``initial``, else 0) and
         the optimizer's state, and answers each step with the updated parameters."""
         with self._changing():
@@ -324,31 +320,14 @@ class Aggregator(OptimizerControl):
         self._closed = True
         if self._owner:
             unload(self.spec.netns, self.spec.iface, missing_ok=True)
-        if self.prog is not None:
-            self.prog.close()
-            self.prog = None
-        if self.b is not None:
-            self.b.cleanup()
-            self.b = None
+        loadstate.release(self.prog, self.b)
+        self.prog = self.b = None
 
     def __enter__(self) -> "Aggregator":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def default_group(job: int, table: JobTable) -> str:
-    """A multicast group no registered job uses: DEFAULT.group for the first job, then
-    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
-    used = {e.group for e in table.entries.values()}
-    if DEFAULT.group not in used:
-        return DEFAULT.group
-    for x in range(2, 255):
-        g = f"239.77.0.{x}"
-        if g not in used:
-            return g
-    raise InputError(f"no free default multicast group for job {job}: give one with --group")
 
 
 def _read_spec(netns: str | None, iface: str) -> AggSpec:
@@ -407,10 +386,4 @@ def loaded(netns_prefix: str = "") -> list[tuple[str | None, str]]:
     """(netns, iface) of every aggregator recorded on this machine (optionally only those in
     namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them; also
     those whose load was killed while it wrote the state file (only its ``.tmp`` is there)."""
-    out = []
-    stems = {f.stem for pat in ("*__*.json", "*__*.tmp") for f in STATE_DIR.glob(pat)} if STATE_DIR.is_dir() else ()
-    for stem in sorted(stems):
-        ns, _, iface = stem.partition("__")
-        if ns.startswith(netns_prefix):
-            out.append((None if ns == "root" else ns, iface))
-    return out
+    return loadstate.recorded(STATE_DIR, netns_prefix)

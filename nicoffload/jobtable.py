@@ -152,3 +152,16 @@ class JobTable:
         entry = self.get(job)
         del self.entries[job]
         return entry
+
+
+def default_group(job: int, table: JobTable) -> str:
+    """A multicast group no registered job uses: DEFAULT.group for the first job, then
+    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
+    used = {e.group for e in table.entries.values()}
+    if DEFAULT.group not in used:
+        return DEFAULT.group
+    for x in range(2, 255):
+        g = f"239.77.0.{x}"
+        if g not in used:
+            return g
+    raise InputError(f"no free default multicast group for job {job}: give one with --group")
