@@ -9,6 +9,9 @@ compiled code, and the decoding of every received record straight into the calle
                     everything else skipped
     replay_stash    the stashed results that belong to a new stream
     advance         the stream's head: the lowest round without a result
+    recv_batch, gro_segment, unfix
+                    one recvmmsg, a datagram's GRO segment size, fixed point into floats:
+                    inlined here and in the ring's kernels (nicoffload.ring_kernels)
 """
 from __future__ import annotations
 
@@ -47,6 +50,28 @@ D_EPOCH, D_WAITING = proto.DETAIL["epoch"], proto.DETAIL["waiting"]
 
 
 # --- decoding --------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def unfix(lanes, cnt, nb32, s, kind, out_f32, out_f64, lo):
+    """``cnt`` fixed-point lanes into out_f32 (kind KIND_FLOAT32) or out_f64 from element ``lo``
+    on: (lane - nb32) * 2^-s, nb32 the contributors' offset-binary bias (the int32 difference is
+    exact: |sum| <= 2^30), with one rounding. Shared with the ring's decode."""
+    if kind == KIND_FLOAT32 and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
+        f = np.float32(math.ldexp(1.0, -s))
+        d32 = out_f32[lo:lo + cnt]
+        for k in range(cnt):
+            d32[k] = np.float32(np.int32(lanes[k] - nb32)) * f
+    elif kind == KIND_FLOAT32:
+        d = math.ldexp(1.0, -s)
+        d32 = out_f32[lo:lo + cnt]
+        for k in range(cnt):
+            d32[k] = np.float32(np.float64(np.int32(lanes[k] - nb32)) * d)
+    else:
+        d = math.ldexp(1.0, -s)
+        d64 = out_f64[lo:lo + cnt]
+        for k in range(cnt):
+            d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d
+
 
 @njit(cache=True, boundscheck=False)
 def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, base, nrounds, nslots,
@@ -144,23 +169,7 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                     mask &= mask - 1
                     c += 1
                 # lane - contributors * bias in int32 arithmetic: exact, |sum| <= 2^30
-                nb32 = np.int32(np.int64(c) * bias)
-                s = shifts[i]
-                if kind == KIND_FLOAT32 and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
-                    f = np.float32(math.ldexp(1.0, -s))
-                    d32 = out_f32[lo:lo + cnt]
-                    for k in range(cnt):
-                        d32[k] = np.float32(np.int32(lanes[k] - nb32)) * f
-                elif kind == KIND_FLOAT32:
-                    d = math.ldexp(1.0, -s)
-                    d32 = out_f32[lo:lo + cnt]
-                    for k in range(cnt):
-                        d32[k] = np.float32(np.float64(np.int32(lanes[k] - nb32)) * d)
-                else:
-                    d = math.ldexp(1.0, -s)
-                    d64 = out_f64[lo:lo + cnt]
-                    for k in range(cnt):
-                        d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d
+                unfix(lanes, cnt, np.int32(np.int64(c) * bias), shifts[i], kind, out_f32, out_f64, lo)
             done[i] = 1
             newly[new] = i
             new += 1
@@ -168,6 +177,23 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
 
 
 # --- batch system calls ---------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def recv_batch(fd, msgs, nmsgs, clen, namelen, cspace):
+    """One recvmmsg of up to ``nmsgs`` datagrams, never blocking (their control and address
+    lengths reset first). Returns how many came (<= 0: none). Shared with the ring's receive."""
+    for m in range(nmsgs):
+        clen[m] = cspace
+        namelen[m] = SOCKADDR_IN
+    return _recvmmsg(fd, msgs, nmsgs, MSG_DONTWAIT, 0)
+
+
+@njit(cache=True, inline="always")
+def gro_segment(clen, cm_level, cm_type, cm_data, m):
+    """The UDP_GRO segment size datagram ``m`` came with (0: none, a single datagram)."""
+    ok = clen[m] >= CMSG_HDR + 4 and cm_level[m] == SOL_UDP and cm_type[m] == UDP_GRO
+    return cm_data[m] if ok else 0
+
 
 @njit(cache=True, boundscheck=False)
 def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size):
@@ -202,15 +228,11 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
     new = 0
     event = 0
     while True:
-        for m in range(nmsgs):
-            clen[m] = cspace
-            namelen[m] = SOCKADDR_IN
-        n = _recvmmsg(fd, msgs, nmsgs, MSG_DONTWAIT, 0)
+        n = recv_batch(fd, msgs, nmsgs, clen, namelen, cspace)
         if n <= 0:
             break
         for m in range(n):
-            ok = clen[m] >= CMSG_HDR + 4 and cm_level[m] == SOL_UDP and cm_type[m] == UDP_GRO
-            segs[m] = cm_data[m] if ok else 0
+            segs[m] = gro_segment(clen, cm_level, cm_type, cm_data, m)
             if peer[0] and (src_addr[m] != peer[0] or src_port[m] != peer[1]):
                 lens[m] = 0  # not from the aggregator: decode_results skips it
                 foreign[0] += 1

@@ -11,15 +11,13 @@ before the data (the program does the same; x86 keeps stores, and loads, in orde
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
 
 from . import proto
-from .kernels import (F32_SHIFT_LIMIT, HDR, O_COUNT, O_EPOCH, O_EXP, O_FLAGS, O_JOB, O_MASK, O_OP, O_RANK, O_ROUND,
-                      O_SLOT, O_TYPE, _be16, _be32, _put16, _put32)
-from .pump import CMSG_HDR, KIND_FLOAT32, KIND_INT32, MSG_DONTWAIT, SOCKADDR_IN, SOL_UDP, UDP_GRO, _recvmmsg
+from .kernels import (HDR, O_COUNT, O_EPOCH, O_EXP, O_FLAGS, O_JOB, O_MASK, O_OP, O_RANK, O_ROUND, O_SLOT, O_TYPE,
+                      _be16, _be32, _put16, _put32)
+from .pump import KIND_INT32, gro_segment, recv_batch, unfix
 from .ring_layout import FLAG_RESTART, FLAG_SKIP, STAT, TYPE_GATHER, TYPE_NACK, TYPE_PING, TYPE_PONG, TYPE_REDUCE
 from .ring_layout import ST_HOST_OWN, ST_HOST_STORED
 
@@ -314,15 +312,11 @@ def recv_process(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, 
     ``out_room`` records of room. Returns the datagrams received."""
     total = 0
     while io[IO_OUT] + out_room <= out.size // rec and io[IO_LATE] + out_room <= late.size // rec:
-        for m in range(nmsgs):
-            clen[m] = cspace
-            namelen[m] = SOCKADDR_IN
-        n = _recvmmsg(fd, msgs, nmsgs, MSG_DONTWAIT, 0)
+        n = recv_batch(fd, msgs, nmsgs, clen, namelen, cspace)
         if n <= 0:
             break
         for m in range(n):
-            ok = clen[m] >= CMSG_HDR + 4 and cm_level[m] == SOL_UDP and cm_type[m] == UDP_GRO
-            seg = cm_data[m] if ok else 0
+            seg = gro_segment(clen, cm_level, cm_type, cm_data, m)
             ln = lens[m]
             start = m * stride
             if seg <= 0 or seg >= ln:
@@ -388,22 +382,7 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
             for i in range(cnt):
                 dst[i] = lanes[i]
             continue
-        s = shifts[k]
-        if kind == KIND_FLOAT32 and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
-            f = np.float32(math.ldexp(1.0, -s))
-            d32 = out_f32[lo:lo + cnt]
-            for i in range(cnt):
-                d32[i] = np.float32(np.int32(lanes[i] - nb32)) * f
-        elif kind == KIND_FLOAT32:
-            dd = math.ldexp(1.0, -s)
-            d32 = out_f32[lo:lo + cnt]
-            for i in range(cnt):
-                d32[i] = np.float32(np.float64(np.int32(lanes[i] - nb32)) * dd)
-        else:
-            dd = math.ldexp(1.0, -s)
-            d64 = out_f64[lo:lo + cnt]
-            for i in range(cnt):
-                d64[i] = np.float64(np.int32(lanes[i] - nb32)) * dd
+        unfix(lanes, cnt, nb32, shifts[k], kind, out_f32, out_f64, lo)
 
 
 @njit(cache=True, boundscheck=False)
