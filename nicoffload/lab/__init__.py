@@ -18,12 +18,14 @@ The bench (``nicoffload bench``)
     systems      xdp, userspace, ring, gloo, mpi: can it run here, how its ranks start
     ranks        one rank of a bench run, an adapter per system (``python -m nicoffload.lab.ranks``)
     tcpring      the TCP Ring AllReduce baseline (``python -m nicoffload.lab.tcpring``)
+    rankprog     the command line tcpring's and udpring's rank programs share
     sweep        every system over the points of each testbed
     report       rows, results.json/csv, meta.json, tables, progress
     plot         the bench's plots
 
 Other experiments
     soak         N AllReduces under drop and duplication, every result checked (``bench --soak``)
+    soakreport   the soak's summary: call records, time distributions, worst call, its table
     tenants      J jobs at once on one XDP aggregator against one alone (``bench --tenants``)
     xdpbench     in-kernel cost of the XDP program and its optimizer (``nicoffload agg bench``)
     ddp_rank     one DDP training rank (``python -m nicoffload.lab.ddp_rank``), also with the

@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import queue
 import socket
 import struct
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import InputError, NicoffloadError, TimeoutError_
-from .counters import timed_reps
+from . import rankprog
 
 DEFAULT_PORT = 48900
 DEFAULT_TIMEOUT = 30.0  # seconds without progress before a rank fails
@@ -229,46 +227,15 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 
 # --- the rank process -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nicoffload.lab.tcpring",
-                                description="One rank of a TCP Ring AllReduce (reduce-scatter + all-gather).",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="examples:\n"
-                                "  python -m nicoffload.lab.tcpring --rank 0 --world 2 --peers 10.0.0.10,10.0.0.11 "
-                                "--input g0.npy --output sum.npy\n"
-                                "  python -m nicoffload.lab.tcpring --rank 1 --world 2 --peers 10.0.0.10,10.0.0.11 "
-                                "--input g1.npy --reps 5 --json")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--peers", required=True, help="comma-separated IPv4 address of every rank, in rank order")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--input", type=Path, required=True, help=".npy file (int32, float32 or float64)")
-    p.add_argument("--output", type=Path, default=None)
-    p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds without progress before failing")
-    p.add_argument("--json", action="store_true")
-    return p
+    return rankprog.build_parser("nicoffload.lab.tcpring",
+                                 "One rank of a TCP Ring AllReduce (reduce-scatter + all-gather).",
+                                 DEFAULT_PORT, DEFAULT_TIMEOUT)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        x = np.load(args.input, allow_pickle=False)
-        peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-        with RingComm(args.rank, args.world, peers, args.port, args.timeout) as ring:
-            out, times = timed_reps(ring, x, args.reps)
-        if args.output:
-            np.save(args.output, out)
-    except NicoffloadError as e:
-        print(f"nicoffload ring: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except (OSError, ValueError) as e:
-        print(f"nicoffload ring: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"rank": args.rank, "times": times, "elements": int(x.size), "dtype": str(x.dtype)}))
-    else:
-        print(f"ring rank {args.rank}: {x.size} {x.dtype} in {min(times) * 1e3:.2f} ms")
-    return 0
+    return rankprog.main(build_parser().parse_args(argv),
+                         lambda args, peers, x: RingComm(args.rank, args.world, peers, args.port, args.timeout),
+                         "ring", "ring")
 
 
 if __name__ == "__main__":
