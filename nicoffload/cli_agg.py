@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
-import time
 
 from . import cli_aggopt, proto
 from .cli import add_examples
+from .cli_xdp import MODES, action, show_stats, watch_argument, where_arguments
 from .jobspec import DEFAULT, JobSpec
-
-MODES = ["auto", "generic", "native"]
 
 
 def _job_arguments(q, load: bool = False) -> None:
@@ -40,8 +37,7 @@ def register(sub) -> None:
     asub.required = True
 
     def where(q):
-        q.add_argument("--netns", default=None, help="network namespace of the interface (default: root)")
-        q.add_argument("--iface", required=True, help="interface the aggregator runs on")
+        where_arguments(q, "interface the aggregator runs on")
 
     q = asub.add_parser("load", help="compile, attach and pin the aggregator (and register a first job)")
     add_examples(q, "sudo nicoffload agg load --netns nco-tb-agg --iface eth0 --workers 4",
@@ -71,15 +67,11 @@ def register(sub) -> None:
                           ("stats", _stats, "show the per-reason counters"),
                           ("slots", _slots, "dump slot state (bitmaps, counts, sets)"),
                           ("unload", _unload, "detach and remove the pins")):
-        q = asub.add_parser(name, help=hlp)
-        where(q)
-        if name != "unload":
-            q.add_argument("--json", action="store_true", help="print JSON")
+        q = action(asub, name, fn, hlp, where)
         if name == "stats":
             q.add_argument("--job", type=int, default=None,
                            help="one job's counters (default: every row, including traffic of no job)")
-            q.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
-                           help="print rates every SECONDS until interrupted")
+            watch_argument(q)
             add_examples(q, "sudo nicoffload agg stats --netns NS --iface eth0",
                          "sudo nicoffload agg stats --netns NS --iface eth0 --watch 0.5")
         elif name == "slots":
@@ -89,7 +81,6 @@ def register(sub) -> None:
                          "sudo nicoffload agg slots --netns NS --iface eth0 --busy --json")
         else:
             add_examples(q, f"sudo nicoffload agg {name} --netns NS --iface eth0")
-        q.set_defaults(func=fn)
 
 
 def _load(args) -> int:
@@ -220,43 +211,11 @@ def _status(args) -> int:
     return 0
 
 
-def _print_stats(stats: dict, prev: dict | None, dt: float) -> None:
-    width = max(len(k) for k in stats)
-    for k, v in stats.items():
-        line = f"{k:<{width}}  {v:>14,}"
-        if prev is not None and dt > 0:
-            line += f"  {(v - prev[k]) / dt:>14,.0f}/s"
-        print(line)
-
-
 def _stats(args) -> int:
     from .aggregator import Aggregator
 
     agg = Aggregator.open(args.netns, args.iface)
-
-    def read() -> dict:
-        return agg.stats(args.job)
-
-    if args.watch is None:
-        s = read()
-        print(json.dumps(s) if args.json else "", end="\n" if args.json else "")
-        if not args.json:
-            _print_stats(s, None, 0)
-        return 0
-    prev, t0 = read(), time.monotonic()
-    try:
-        while True:
-            time.sleep(args.watch)
-            cur, t1 = read(), time.monotonic()
-            if args.json:
-                print(json.dumps({"t": t1, "stats": cur}), flush=True)
-            else:
-                print(f"--- {time.strftime('%H:%M:%S')}")
-                _print_stats(cur, prev, t1 - t0)
-                sys.stdout.flush()
-            prev, t0 = cur, t1
-    except KeyboardInterrupt:
-        return 0
+    return show_stats(lambda: agg.stats(args.job), args.json, args.watch)
 
 
 def _slots(args) -> int:

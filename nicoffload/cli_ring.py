@@ -3,21 +3,16 @@ interface; one node of a ring per call (``load`` on every worker of the ring).""
 from __future__ import annotations
 
 import json
-import sys
-import time
 
 from .cli import add_examples
-from .cli_agg import _print_stats
+from .cli_xdp import MODES, action, show_stats, watch_argument, where_arguments
 from .errors import InputError
 from .jobspec import DEFAULT
 from .ring_layout import DEFAULT_CAPACITY
 
-MODES = ["auto", "generic", "native"]
-
 
 def _where(q) -> None:
-    q.add_argument("--netns", default=None, help="network namespace of the interface (default: root)")
-    q.add_argument("--iface", required=True, help="the worker's interface")
+    where_arguments(q, "the worker's interface")
 
 
 def register(sub) -> None:
@@ -57,15 +52,10 @@ def register(sub) -> None:
     for name, fn, hlp in (("status", _status, "show what is loaded, its ring and its call"),
                           ("stats", _stats, "show the per-reason counters"),
                           ("unload", _unload, "detach and remove the pins and the state file")):
-        q = rsub.add_parser(name, help=hlp)
-        _where(q)
-        if name != "unload":
-            q.add_argument("--json", action="store_true", help="print JSON")
+        q = action(rsub, name, fn, hlp, _where)
         if name == "stats":
-            q.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
-                           help="print rates every SECONDS until interrupted")
+            watch_argument(q)
         add_examples(q, f"sudo nicoffload ring {name} --netns NS --iface eth0")
-        q.set_defaults(func=fn)
 
 
 def _list(text: str | None) -> list[str]:
@@ -121,27 +111,7 @@ def _stats(args) -> int:
     from .ring import RingNode
 
     with RingNode.open(args.netns, args.iface) as node:
-        if args.watch is None:
-            s = node.stats()
-            if args.json:
-                print(json.dumps(s))
-            else:
-                _print_stats(s, None, 0)
-            return 0
-        prev, t0 = node.stats(), time.monotonic()
-        try:
-            while True:
-                time.sleep(args.watch)
-                cur, t1 = node.stats(), time.monotonic()
-                if args.json:
-                    print(json.dumps({"t": t1, "stats": cur}), flush=True)
-                else:
-                    print(f"--- {time.strftime('%H:%M:%S')}")
-                    _print_stats(cur, prev, t1 - t0)
-                    sys.stdout.flush()
-                prev, t0 = cur, t1
-        except KeyboardInterrupt:
-            return 0
+        return show_stats(node.stats, args.json, args.watch)
 
 
 def _unload(args) -> int:
