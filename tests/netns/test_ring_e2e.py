@@ -20,16 +20,9 @@ from nicoffload.lab.jobs import run_job, run_workers
 from nicoffload.lab.links import enable_gro
 from nicoffload.lab.rings import RingPrograms, run_ring_job
 
-CLI = [sys.executable, "-m", "nicoffload.cli"]
+from e2ekit import CLI, save
+
 E = proto.DEFAULT_ELEMS
-
-
-def save(tmp_path, arrays, tag=""):
-    ins = [tmp_path / f"in{tag}{r}.npy" for r in range(len(arrays))]
-    outs = [tmp_path / f"out{tag}{r}.npy" for r in range(len(arrays))]
-    for a, p in zip(arrays, ins):
-        np.save(p, a)
-    return ins, outs
 
 
 def ints(world, n, seed=0):

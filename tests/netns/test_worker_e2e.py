@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,16 +17,9 @@ from nicoffload.lab.aggregators import AggregatorProcess
 from nicoffload.lab.jobs import run_job, run_workers
 from nicoffload.lab.links import enable_gro
 
-CLI = [sys.executable, "-m", "nicoffload.cli"]
+from e2ekit import CLI, save
+
 E = proto.DEFAULT_ELEMS
-
-
-def save(tmp_path, arrays, tag=""):
-    ins = [tmp_path / f"in{tag}{r}.npy" for r in range(len(arrays))]
-    outs = [tmp_path / f"out{tag}{r}.npy" for r in range(len(arrays))]
-    for a, p in zip(arrays, ins):
-        np.save(p, a)
-    return ins, outs
 
 
 def wait_for_epoch(ap, procs, timeout=60.0) -> None:
