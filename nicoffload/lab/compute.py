@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from ..testbed.signals import terminated_with
+
 #: elements the loop works on (a step takes a few microseconds)
 ELEMS = 4096
 
@@ -37,10 +39,16 @@ class ComputeLoop:
     def __init__(self):
         self._mem = mmap.mmap(-1, mmap.PAGESIZE)
         self.counter = np.frombuffer(self._mem, dtype=np.uint64, count=1)
+        parent = os.getpid()
         pid = os.fork()
-        if pid == 0:  # the child: single-threaded numpy, until it is killed
-            os.environ["OMP_NUM_THREADS"] = "1"
+        if pid == 0:  # the child: single-threaded numpy, until it is killed or its rank dies
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            terminated_with(parent)()
+            # not the rank's stdout/stderr: a bench reads those pipes until every writer is gone
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.environ["OMP_NUM_THREADS"] = "1"
             try:
                 _loop(self.counter)
             finally:
