@@ -32,10 +32,6 @@
 #include "parse.h"
 #include "agg_maps.h"
 
-#ifndef AR_PORT
-#define AR_PORT AR_DEFAULT_PORT
-#endif
-
 #define AR_REC_LEN (AR_HDR_LEN + AR_ELEMS * 4)  /* bytes of one record */
 #define AR_JOIN_LEN (AR_HDR_LEN + AR_JOIN_PAYLOAD)
 /* records of one frame: the verifier reaches at most AR_MAX_PACKET_OFF bytes into a packet */
@@ -711,17 +707,7 @@ static __always_inline int emit(struct xdp_md *ctx, struct ar_job *job, int mcas
     }
     __builtin_memcpy(eth->h_source, job->agg_mac, ETH_ALEN);
     ip->saddr = job->agg_ip;
-    ip->ttl = AR_TTL;
-    ip->id = 0;
-    ip->frag_off = bpf_htons(AR_IP_DF);
-    ip->check = 0;
-    ip->check = ipv4_csum(ip);
-    udp->dest = udp->source; /* the sender's port: where its socket listens */
-    udp->source = bpf_htons(AR_PORT);
-    /* A batch is a GSO skb (CHECKSUM_PARTIAL): keep its pseudo-header sum consistent with the
-     * new addresses. A single datagram goes out without a checksum (optional in IPv4), which
-     * any receiver accepts whatever path the frame takes. */
-    udp->check = records > 1 ? udp_pseudo_partial(ip, udp) : 0;
+    out_headers(ip, udp, 1, records);
     return XDP_TX;
 }
 
@@ -758,35 +744,6 @@ struct sender {
     u32 live;                /* the job's current epoch, host order (0: none) */
     u32 index;               /* the job's row of the job table */
 };
-
-/* Ethernet / IPv4 / UDP to AR_PORT. Returns 0 with *ip, *udp set when the frame is ours, -1 when
- * it is someone else's (it passes untouched), or the counter that rejects it. */
-static __always_inline int parse_l2l4(void *data, void *end, struct iphdr **ipp, struct udphdr **udpp)
-{
-    struct cursor c = {.pos = data, .end = end};
-    struct ethhdr *eth = parse_eth(&c);
-    if (!eth || eth->h_proto != bpf_htons(ETH_P_IP))
-        return -1;
-    struct iphdr *ip = parse_ipv4(&c);
-    if (!ip || ip->protocol != IPPROTO_UDP || (ip->frag_off & bpf_htons(AR_IP_MF_OFFSET)))
-        return -1; /* fragments are not ours to reassemble */
-    u32 ihl = ip->ihl;
-    if (ihl < AR_IPV4_IHL)
-        return -1; /* not a valid IPv4 header: the stack drops it */
-    c.pos = (void *)ip + ihl * 4;
-    struct udphdr *udp = parse_udp(&c);
-    if (!udp || udp->dest != bpf_htons(AR_PORT))
-        return -1;
-    /* ours from here on */
-    if (ihl != AR_IPV4_IHL) /* results are rewritten in place: no IP options */
-        return AR_STAT_BAD_LEN;
-    u32 udp_len = bpf_ntohs(udp->len);
-    if (bpf_ntohs(ip->tot_len) != udp_len + AR_IPV4_LEN || udp_len < sizeof(*udp))
-        return AR_STAT_BAD_LEN;
-    *ipp = ip;
-    *udpp = udp;
-    return 0;
-}
 
 /* The job and rank the first record names, checked against the job table. Returns 0, or the
  * counter that rejects the frame; *attributed says whether that counter belongs to the job's row
@@ -946,7 +903,7 @@ int ar_aggregate(struct xdp_md *ctx)
         return XDP_PASS;
     struct iphdr *ip;
     struct udphdr *udp;
-    int bad = parse_l2l4(data, end, &ip, &udp);
+    int bad = parse_l2l4(data, end, 0, 0, AR_STAT_BAD_LEN, &ip, &udp);
     if (bad < 0) {
         count(st0, AR_STAT_PASSED);
         return XDP_PASS;

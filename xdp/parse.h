@@ -1,5 +1,7 @@
-/* Parsing for the aggregator: a cursor over the frame (each step checks bounds, advances and
- * returns a pointer to the header or NULL), the record header's C view, and checksums.
+/* Parsing for the aggregator and the ring: a cursor over the frame (each step checks bounds,
+ * advances and returns a pointer to the header or NULL), the record header's C view, checksums,
+ * and what both programs do to a frame's Ethernet / IPv4 / UDP headers: recognise one of theirs
+ * (parse_l2l4) and make it go out again (out_headers).
  * Byte order: wire fields are big endian, payloads little endian (see nicoffload_proto.h). */
 #ifndef NICOFFLOAD_PARSE_H
 #define NICOFFLOAD_PARSE_H
@@ -10,6 +12,10 @@
 #include <uapi/linux/udp.h>
 
 #include "nicoffload_proto.h"
+
+#ifndef AR_PORT
+#define AR_PORT AR_DEFAULT_PORT
+#endif
 
 /* IPv4 header without options (bytes); results are rewritten in place, so only ihl 5 is ours */
 #define AR_IPV4_LEN 20
@@ -130,6 +136,57 @@ static __always_inline u16 udp_pseudo_partial(struct iphdr *ip, struct udphdr *u
     u32 sum = (ip->saddr & 0xffff) + (ip->saddr >> 16) + (ip->daddr & 0xffff) + (ip->daddr >> 16);
     sum += bpf_htons(IPPROTO_UDP) + udp->len;
     return csum_fold(sum);
+}
+
+/* Ethernet / IPv4 / UDP to AR_PORT (and, with to_me, to the address my_ip). Returns 0 with *ipp,
+ * *udpp set when the frame is ours, -1 when it is someone else's (it passes untouched), or
+ * bad_len, the caller's counter, when it is ours but has IP options (frames are rewritten in
+ * place) or lengths that disagree. to_me and bad_len are constants at every call. */
+static __always_inline int parse_l2l4(void *data, void *end, int to_me, u32 my_ip, int bad_len,
+                                      struct iphdr **ipp, struct udphdr **udpp)
+{
+    struct cursor c = {.pos = data, .end = end};
+    struct ethhdr *eth = parse_eth(&c);
+    if (!eth || eth->h_proto != bpf_htons(ETH_P_IP))
+        return -1;
+    struct iphdr *ip = parse_ipv4(&c);
+    if (!ip || ip->protocol != IPPROTO_UDP || (to_me && ip->daddr != my_ip) ||
+        (ip->frag_off & bpf_htons(AR_IP_MF_OFFSET)))
+        return -1; /* fragments are not ours to reassemble */
+    u32 ihl = ip->ihl;
+    if (ihl < AR_IPV4_IHL)
+        return -1; /* not a valid IPv4 header: the stack drops it */
+    c.pos = (void *)ip + ihl * 4;
+    struct udphdr *udp = parse_udp(&c);
+    if (!udp || udp->dest != bpf_htons(AR_PORT))
+        return -1;
+    /* ours from here on */
+    if (ihl != AR_IPV4_IHL) /* results are rewritten in place: no IP options */
+        return bad_len;
+    u32 udp_len = bpf_ntohs(udp->len);
+    if (bpf_ntohs(ip->tot_len) != udp_len + AR_IPV4_LEN || udp_len < sizeof(*udp))
+        return bad_len;
+    *ipp = ip;
+    *udpp = udp;
+    return 0;
+}
+
+/* The rest of a frame's headers once its addresses are rewritten: IPv4 TTL, no fragmenting and
+ * the checksum; UDP from AR_PORT to the sender's port (to_sender, a constant: where the sender's
+ * socket listens) or to AR_PORT; the UDP checksum: a batch of `records` (> 1) is a GSO skb
+ * (CHECKSUM_PARTIAL), whose pseudo-header sum must fit the new addresses; a single datagram goes
+ * out without a checksum (optional in IPv4), which any receiver accepts whatever path the frame
+ * takes. */
+static __always_inline void out_headers(struct iphdr *ip, struct udphdr *udp, int to_sender, u32 records)
+{
+    ip->ttl = AR_TTL;
+    ip->id = 0;
+    ip->frag_off = bpf_htons(AR_IP_DF);
+    ip->check = 0;
+    ip->check = ipv4_csum(ip);
+    udp->dest = to_sender ? udp->source : bpf_htons(AR_PORT);
+    udp->source = bpf_htons(AR_PORT);
+    udp->check = records > 1 ? udp_pseudo_partial(ip, udp) : 0;
 }
 
 #endif

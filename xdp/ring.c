@@ -31,9 +31,6 @@
 
 #include "parse.h"
 
-#ifndef AR_PORT
-#define AR_PORT AR_DEFAULT_PORT
-#endif
 #ifndef AR_ELEMS
 #define AR_ELEMS AR_DEFAULT_ELEMS
 #endif
@@ -353,45 +350,8 @@ static __always_inline int emit_to(struct xdp_md *ctx, struct ring_cfg *cfg, u32
     __builtin_memcpy(eth->h_source, cfg->my_mac, ETH_ALEN);
     ip->daddr = cfg->peer_ip[peer];
     ip->saddr = cfg->my_ip;
-    ip->ttl = AR_TTL;
-    ip->id = 0;
-    ip->frag_off = bpf_htons(AR_IP_DF);
-    ip->check = 0;
-    ip->check = ipv4_csum(ip);
-    udp->source = bpf_htons(AR_PORT);
-    udp->dest = bpf_htons(AR_PORT);
-    /* A batch is a GSO skb (CHECKSUM_PARTIAL): its pseudo-header sum must fit the new addresses;
-     * a single datagram goes without a checksum (optional in IPv4), as the aggregator's do. */
-    udp->check = batch > 1 ? udp_pseudo_partial(ip, udp) : 0;
+    out_headers(ip, udp, 0, batch);
     return XDP_TX;
-}
-
-/* Ethernet / IPv4 / UDP to AR_PORT and this node. 0 with *ip, *udp set when the frame is ours,
- * -1 when it is not (it passes untouched), else the counter that rejects it. */
-static __always_inline int parse_l2l4(void *data, void *end, u32 my_ip, struct iphdr **ipp, struct udphdr **udpp)
-{
-    struct cursor c = {.pos = data, .end = end};
-    struct ethhdr *eth = parse_eth(&c);
-    if (!eth || eth->h_proto != bpf_htons(ETH_P_IP))
-        return -1;
-    struct iphdr *ip = parse_ipv4(&c);
-    if (!ip || ip->protocol != IPPROTO_UDP || ip->daddr != my_ip || (ip->frag_off & bpf_htons(AR_IP_MF_OFFSET)))
-        return -1;
-    u32 ihl = ip->ihl;
-    if (ihl < AR_IPV4_IHL)
-        return -1;
-    c.pos = (void *)ip + ihl * 4;
-    struct udphdr *udp = parse_udp(&c);
-    if (!udp || udp->dest != bpf_htons(AR_PORT))
-        return -1;
-    if (ihl != AR_IPV4_IHL)
-        return AR_RING_STAT_BAD_LEN;
-    u32 udp_len = bpf_ntohs(udp->len);
-    if (bpf_ntohs(ip->tot_len) != udp_len + AR_IPV4_LEN || udp_len < sizeof(*udp))
-        return AR_RING_STAT_BAD_LEN;
-    *ipp = ip;
-    *udpp = udp;
-    return 0;
 }
 
 static __always_inline int is_ring_type(u8 t)
@@ -492,7 +452,7 @@ int ring_xdp(struct xdp_md *ctx)
 
     struct iphdr *ip;
     struct udphdr *udp;
-    int bad = parse_l2l4(data, end, cfg->my_ip, &ip, &udp);
+    int bad = parse_l2l4(data, end, 1, cfg->my_ip, AR_RING_STAT_BAD_LEN, &ip, &udp);
     if (bad < 0) {
         count(cnt, AR_RING_STAT_PASSED);
         return XDP_PASS;
