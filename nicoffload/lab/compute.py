@@ -54,6 +54,7 @@ class ComputeLoop:
             finally:
                 os._exit(0)
         self.pid = pid
+        self.best_idle = 0.0
 
     def count(self) -> int:
         return int(self.counter[0])
@@ -62,6 +63,13 @@ class ComputeLoop:
         c0, t0 = self.count(), time.monotonic()
         time.sleep(seconds)
         return (self.count() - c0) / (time.monotonic() - t0)
+
+    def idle_rate(self, seconds: float) -> float:
+        """The loop's rate while its rank idles: the best of every such interval measured so far
+        (what the machine can give the loop does not change within a run; a lower reading means
+        something else ran, e.g. the bench preparing the next system)."""
+        self.best_idle = max(self.best_idle, self.rate(seconds))
+        return self.best_idle
 
     def close(self) -> None:
         if self.pid:

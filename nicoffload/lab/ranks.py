@@ -226,10 +226,9 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
         a.flag(1)
         a.allreduce(x, out)
     c_before = a.counters()
-    idle = None
     if loop is not None:
         a.flag(0)
-        idle = loop.rate(IDLE_S)
+        loop.idle_rate(IDLE_S)
         a.flag(0)
     window = _Window(plan) if lead else None
     cpu0, k0, t00 = time.process_time(), loop.count() if loop else 0, time.monotonic()
@@ -240,7 +239,11 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
         times.append(time.perf_counter() - t0)
     rec: dict = {"times": times, "proc_cpu_s": time.process_time() - cpu0, **(window.close() if lead else {})}
     if loop is not None:
-        rec["compute_idle"], rec["compute_busy"] = idle, (loop.count() - k0) / (time.monotonic() - t00)
+        busy = (loop.count() - k0) / (time.monotonic() - t00)
+        a.flag(0)  # idle once more after the reps: a window some other work spoiled must not be the baseline
+        idle = loop.idle_rate(IDLE_S)
+        a.flag(0)
+        rec["compute_idle"], rec["compute_busy"] = idle, busy
     c_after = a.counters()
     if c_after:
         rec["counters"] = {k: c_after[k] - c_before.get(k, 0) for k in c_after}

@@ -28,7 +28,7 @@ FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status"
           "median_s", "min_s", "max_s", "goodput_bps", "cpu_s", "cpu_util", "bpf_ns", "bpf_cnt",
           "bound_agg_s", "bound_ring_s", "bound_s", "bound_fraction", "max_abs_err", "within_bound",
           "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape", "proc_cpu_s",
-          "compute_drop"]
+          "compute_idle", "compute_busy", "compute_drop"]
 
 
 # --- rows -------------------------------------------------------------------------------------
@@ -60,8 +60,8 @@ def measured_row(system: str, workers: int, pt: Point, rate: str, rbps: int | No
     if all("proc_cpu_s" in d for d in recs):
         r["proc_cpu_s"] = float(np.mean([d["proc_cpu_s"] for d in recs])) / nrep
     if all(d.get("compute_idle") for d in recs):
-        idle = sum(d["compute_idle"] for d in recs)
-        r["compute_drop"] = 1 - sum(d["compute_busy"] for d in recs) / idle
+        idle, busy = sum(d["compute_idle"] for d in recs), sum(d["compute_busy"] for d in recs)
+        r["compute_idle"], r["compute_busy"], r["compute_drop"] = idle, busy, 1 - busy / idle
     if all("counters" in d for d in recs):
         r["packets"] = sum(d["counters"]["packets"] for d in recs)
         r["retransmissions"] = sum(d["counters"]["retransmissions"] for d in recs)
