@@ -75,20 +75,6 @@ struct frame {
     u32 kept;    /* records that carry an answer, compacted to the front of the frame */
 };
 
-/* The context pointer of a bpf_loop callback (its second argument, r2). bcc rewrites the
- * parameters of an exported function as a probe's, so a callback takes only the index and reads
- * r2 first thing (check the compiled code when changing the callback's start). */
-#define callback_ctx()                                 \
-    ({                                                 \
-        void *_c;                                      \
-        asm volatile("%0 = r2" : "=r"(_c));            \
-        _c;                                            \
-    })
-
-/* Make the compiler forget how `var` was computed, so it cannot rematerialise a checked packet
- * pointer from data + offset (the verifier would see a new pointer without the checked range). */
-#define barrier_var(var) asm volatile("" : "+r"(var))
-
 static __always_inline int serial_after(u32 a, u32 b)
 {
     return (s32)(a - b) > 0;

@@ -1,7 +1,8 @@
 /* Parsing for the aggregator and the ring: a cursor over the frame (each step checks bounds,
  * advances and returns a pointer to the header or NULL), the record header's C view, checksums,
- * and what both programs do to a frame's Ethernet / IPv4 / UDP headers: recognise one of theirs
- * (parse_l2l4) and make it go out again (out_headers).
+ * what both programs do to a frame's Ethernet / IPv4 / UDP headers: recognise one of theirs
+ * (parse_l2l4) and make it go out again (out_headers), and the two macros of their bpf_loop
+ * callbacks (callback_ctx, barrier_var).
  * Byte order: wire fields are big endian, payloads little endian (see nicoffload_proto.h). */
 #ifndef NICOFFLOAD_PARSE_H
 #define NICOFFLOAD_PARSE_H
@@ -24,6 +25,20 @@
 #define AR_IP_MF_OFFSET 0x3fff
 #define AR_IP_DF 0x4000
 #define AR_TTL 64
+
+/* The context pointer of a bpf_loop callback (its second argument, r2). bcc rewrites the
+ * parameters of an exported function as a probe's, so a callback takes only the index and reads
+ * r2 first thing (check the compiled code when changing the callback's start). */
+#define callback_ctx()                                 \
+    ({                                                 \
+        void *_c;                                      \
+        asm volatile("%0 = r2" : "=r"(_c));            \
+        _c;                                            \
+    })
+
+/* Make the compiler forget how `var` was computed, so it cannot rematerialise a checked packet
+ * pointer from data + offset (the verifier would see a new pointer without the checked range). */
+#define barrier_var(var) asm volatile("" : "+r"(var))
 
 struct cursor {
     void *pos;

@@ -120,7 +120,6 @@ struct rframe {
     struct ring_tally *tally;
 };
 
-#define barrier_var(var) asm volatile("" : "+r"(var))
 #define READ_ONCE_U32(x) (*(volatile u32 *)&(x))
 
 static __always_inline void count(struct ring_counters *cnt, u32 idx)
@@ -287,8 +286,7 @@ static __always_inline u32 on_nack(struct rframe *f, struct ar_hdr *h, u32 k)
  * exports, so this one takes only the index and reads bpf_loop's context pointer from r2. */
 long ring_record(u64 i)
 {
-    struct rframe *f;
-    asm volatile("%0 = r2" : "=r"(f));
+    struct rframe *f = callback_ctx();
 
     struct xdp_md *ctx = f->ctx;
     struct ring_counters *cnt = f->cnt;
