@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import bpf, libbpf, loadstate, proto
+from . import bpf, libbpf, loadstate, nodelock, proto
 from .addr import ip_net, mac_bytes
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError, SetupError
 from .iface import MODES, iface_addr, resolve_mode
@@ -359,6 +359,7 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     bpf.remove_pin_dir(pin_dir(netns, iface))
     for f in (sf, sf.with_suffix(".tmp")):
         f.unlink(missing_ok=True)
+    nodelock.remove_unheld(sf.with_suffix(".lock"))
     if not (found or detached) and not missing_ok:
         raise NotFoundError(f"no ring program is loaded on {iface} in {netns or 'the root namespace'}")
     return found or detached

@@ -115,6 +115,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         self.window = max(1, self.window)
         self._rec = proto.record_size(self.elems)
         self._node = None
+        self._lock = None
         self._t = None
         self._closed = False
         self._call = 0
@@ -122,7 +123,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         try:
             m = open_maps(self)
             self._local, self._result, self._state, self._events = m.local, m.result, m.state, m.events
-            self._node, self.iface, self.capacity = m.node, m.iface, m.capacity
+            self._node, self.iface, self.capacity, self._lock = m.node, m.iface, m.capacity, m.lock
             self._t = Transport(self.port, None, self._my_ip, self._rec)
         except BaseException:
             self.close()
@@ -178,6 +179,9 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         if self._node is not None:
             self._node.close()
             self._node = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> "RingCommunicator":
         return self

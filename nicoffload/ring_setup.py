@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InputError, NotFoundError
+from .nodelock import NodeLock
 from .ring_layout import ST_WORDS
 
 
@@ -39,6 +40,7 @@ class HostMaps:
     node: object | None
     iface: str | None
     capacity: int
+    lock: NodeLock | None = None
 
 
 def open_maps(comm) -> HostMaps:
@@ -53,12 +55,21 @@ def open_maps(comm) -> HostMaps:
 
     netns = ring.current_netns()
     iface = comm.iface or iface_of(comm.peers[comm.rank])
+    lock = NodeLock(ring.state_file(netns, iface).with_suffix(".lock"),
+                    f"the ring node {iface}" + (f" in {netns}" if netns else ""))
     try:
         node = ring.RingNode.open(netns, iface)
     except NotFoundError:
         spec = ring.RingSpec(netns, iface, comm.rank, comm.world, comm.peers, comm.job, comm.port, comm.elems,
                              comm.capacity, comm.xdp_mode)
-        node = ring.RingNode.load(spec, pin=False, owner=os.getpid())
+        try:
+            node = ring.RingNode.load(spec, pin=False, owner=os.getpid())
+        except BaseException:
+            lock.release()
+            raise
+    except BaseException:
+        lock.release()
+        raise
     try:
         s = node.spec
         want = dict(rank=comm.rank, world=comm.world, peers=comm.peers, job=comm.job, port=comm.port,
@@ -70,7 +81,8 @@ def open_maps(comm) -> HostMaps:
                              f"(nicoffload ring unload / load)")
         m = node.maps
         m.reset()
-        return HostMaps(m.local, m.result, m.state, m.events, node, iface, s.capacity)
+        return HostMaps(m.local, m.result, m.state, m.events, node, iface, s.capacity, lock)
     except BaseException:
         node.close()
+        lock.release()
         raise

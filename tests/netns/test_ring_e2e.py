@@ -51,6 +51,7 @@ def nothing_left(tb) -> None:
         assert bpf.xdp_prog_id(w.iface, w.netns) is None, w.name
         assert not ring.pin_dir(w.netns, w.iface).exists()
         assert not ring.state_file(w.netns, w.iface).exists()
+        assert not ring.state_file(w.netns, w.iface).with_suffix(".lock").exists()
     assert not [ns for ns, _ in ring.loaded() if ns and ns.startswith(f"nco-{tb.name}-")]
 
 
@@ -200,3 +201,41 @@ def test_ring_cli_load_status_stats_unload_and_testbed_clean(make_testbed, tmp_p
     assert any("ring program" in r for r in out["removed"])
     assert not ring.state_file(tb.workers[1].netns, tb.workers[1].iface).exists()
     assert not [ns for ns, _ in ring.loaded() if ns and ns.startswith(f"nco-{tb.name}-")]
+
+
+HOLDER = """
+import sys, time
+from nicoffload.jobspec import JobSpec
+from nicoffload.ring_comm import RingCommunicator
+c = RingCommunicator.from_spec(0, 2, sys.argv[2].split(","), JobSpec.from_dict(__import__("json").loads(sys.argv[1])))
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_communicator_per_node_and_a_rerun_after_a_kill_is_exact(make_testbed, tmp_path):
+    """A second process on a ring node would stage into the same mapped records as the first and
+    mix their tensors silently: it is refused, naming the first; once that one is killed (-9,
+    no cleanup) the next run of the job is exact and the node's lock goes with the program."""
+    tb = make_testbed(2)
+    enable_gro(tb)
+    xi = ints(2, 5 * E + 1, seed=9)
+    ins, outs = save(tmp_path, xi)
+    spec = ring_spec(tb).replace(timeout=3.0)
+    peers = ",".join(w.ip for w in tb.workers)
+    with RingPrograms(tb, spec):
+        holder = tb.popen(tb.workers[0], [sys.executable, "-c", HOLDER, json.dumps(spec.to_dict()), peers],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+            with pytest.raises(Exception) as e:
+                run_workers(tb, ins, outs, spec)
+            assert "rank 0:" in str(e.value) and "in use by another communicator (pid" in str(e.value), str(e.value)
+        finally:
+            holder.kill()
+            holder.wait()
+        run_workers(tb, ins, outs, spec)
+        want = np.sum(np.stack(xi).astype(np.int64), axis=0).astype(np.int32)  # wraps like the ring
+        for y in results(outs):
+            assert np.array_equal(y, want)
+    nothing_left(tb)
