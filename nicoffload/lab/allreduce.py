@@ -107,15 +107,15 @@ def demo_ok(summary: dict) -> bool:
 
 def describe_demo(summary: dict, reps: int) -> str:
     rows = summary["runs"]
+    what = "ring" if summary.get("mode") == "ring" else "aggregator"
     lines = [f"\n{summary['workers']} workers, {summary['bytes'] / 2**20:.1f} MiB float32 each, "
              f"{summary['sparsity']:.0%} zero blocks (median of {reps})",
-             f"{'aggregator':<11} {'time':>10} {'goodput':>12} {'max |err|':>11} {'in bound':>9} {'packets':>9} "
+             f"{what:<11} {'time':>10} {'goodput':>12} {'max |err|':>11} {'in bound':>9} {'packets':>9} "
              f"{'retx':>6}"]
     for r in rows:
         lines.append(f"{r['aggregator']:<11} {r['seconds'] * 1e3:>8.1f}ms {r['goodput_gbps']:>8.2f}Gb/s "
                      f"{r['max_abs_err']:>11.3g} {'yes' if r['within_bound'] else 'NO':>9} {r['packets_sent']:>9} "
                      f"{r['retransmissions']:>6}")
     if len(rows) == 2:
-        what = "ring" if summary.get("mode") == "ring" else "aggregator"
         lines.append(f"XDP is {rows[1]['seconds'] / rows[0]['seconds']:.1f}x faster than the user-space {what}")
     return "\n".join(lines)
