@@ -145,6 +145,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         self._nacks = np.zeros(MAX_MSGS * self._t.per_datagram * self._rec, np.uint8)
         kernels.warm_up(self.elems)
         self._warm_up()
+        self._mismatch_seen = int(self.counters().get("mismatch", 0))
 
     def _warm_up(self) -> None:
         """Compile (or load from the on-disk cache) the ring kernels before the first call."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import codec
 from . import ring_kernels as rk
-from .errors import TimeoutError_
+from .errors import ProtocolError, TimeoutError_
 from .ring_layout import TYPE_PING, TYPE_PONG
 
 #: seconds a diagnosis waits for the nodes' PONGs
@@ -67,6 +67,20 @@ class RingDiagnosis:
                 self._take_over(c or self._call, K)
         return {r: {"call": int(self._pongs[r, 1]), "stored": int(self._pongs[r, 2]),
                     "expected": int(self._pongs[r, 3])} for r in others if self._pongs[r, 0] > before[r]}
+
+    _mismatch_seen = 0
+
+    def _check_agreement(self, c: int) -> None:
+        """Raise ProtocolError if this node refused records since the last look because they
+        disagree with its own (element count, exponent or op): the ranks were given calls of
+        different shapes or dtypes, and no record of this call can ever complete."""
+        n = int(self.counters().get("mismatch", 0))
+        new, self._mismatch_seen = n - self._mismatch_seen, n
+        if new > 0:
+            pred = (self.rank - 1) % self.world
+            raise ProtocolError(f"rank {self.rank}: in call {c}, {new} record(s) from rank {pred} disagree with "
+                                f"this rank's own (element count, exponent or op): the ranks were not given "
+                                f"tensors of the same shape and dtype")
 
     def _fail(self, c: int, K: int) -> None:
         have = self._stored()

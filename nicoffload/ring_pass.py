@@ -145,6 +145,7 @@ class RingPasses:
                 rto = self.rto
                 retry_at = now + rto
             elif now >= retry_at:
+                self._check_agreement(c)  # ranks that disagree about the call fail now, naming it
                 if now >= deadline_idle:
                     self._fail(c, K)
                 # Ask for missing records again only when the whole ring stands still: a node

@@ -239,3 +239,21 @@ def test_one_communicator_per_node_and_a_rerun_after_a_kill_is_exact(make_testbe
         for y in results(outs):
             assert np.array_equal(y, want)
     nothing_left(tb)
+
+
+def test_ranks_given_different_shapes_fail_naming_the_disagreement(make_testbed, tmp_path):
+    """Rank 1 holds 12 elements, the others 10: its record and theirs never add up. The nodes
+    that refuse a record as mismatched fail at once with a ProtocolError saying so (not a wait
+    for the timeout that would blame losses); no rank returns a sum."""
+    tb = make_testbed(3)
+    enable_gro(tb)
+    xs = [np.arange(12 if r == 1 else 10, dtype=np.int32) for r in range(3)]
+    ins, outs = save(tmp_path, xs)
+    with RingPrograms(tb, ring_spec(tb)):
+        with pytest.raises(Exception) as e:
+            run_workers(tb, ins, outs, ring_spec(tb).replace(timeout=3.0))
+    msg = str(e.value)
+    assert "rank 1: in call" in msg and "disagree with this rank's own" in msg, msg
+    assert "not given tensors of the same shape and dtype" in msg
+    assert not any(p.exists() for p in outs)
+    nothing_left(tb)
