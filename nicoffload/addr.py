@@ -26,6 +26,19 @@ def mac_bytes(mac: str | bytes) -> bytes:
     return bytes(int(x, 16) for x in mac.split(":"))
 
 
+def require_ipv4s(ips, what: str, twice: str) -> None:
+    """Raise InputError unless every entry of ``ips`` is a dotted-quad IPv4 address (``what``
+    names one in the message; ``socket.inet_aton``'s shorthands such as ``10.1`` are refused) and
+    none appears twice (``twice``: the message)."""
+    for ip in ips:
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise InputError(f"{what} {ip!r} is not an IPv4 address") from None
+    if len(set(ips)) != len(ips):
+        raise InputError(twice)
+
+
 def ip_net(ip: str) -> int:
     """An IPv4 address as the u32 a BPF map stores (network order bytes, read natively)."""
     return int.from_bytes(socket.inet_aton(ip), "little")

@@ -15,10 +15,10 @@ Rules (each refusal names what to do):
 """
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import asdict, dataclass, field
 
 from . import optim, proto
+from .addr import require_ipv4s
 from .errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
 from .jobspec import DEFAULT, JobSpec
 from .optim import OptimizerSpec
@@ -45,13 +45,7 @@ class JobEntry:
         JobSpec(job=self.job, group=self.group).validate()
         if self.worker_ips and len(self.worker_ips) != self.workers:
             raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
-        for ip in self.worker_ips:
-            try:
-                ipaddress.IPv4Address(ip)
-            except ValueError:
-                raise InputError(f"worker address {ip!r} is not an IPv4 address") from None
-        if len(set(self.worker_ips)) != len(self.worker_ips):
-            raise InputError(f"job {self.job}: two ranks registered with the same address")
+        require_ipv4s(self.worker_ips, "worker address", f"job {self.job}: two ranks registered with the same address")
         return self
 
     @property

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import bpf, libbpf, loadstate, nodelock, proto
-from .addr import ip_net, mac_bytes
+from .addr import ip_net, mac_bytes, require_ipv4s
 from .errors import AlreadyExistsError, InputError, MapError, NotFoundError, SetupError
 from .iface import MODES, iface_addr, resolve_mode
 from .jobspec import DEFAULT
@@ -96,13 +96,7 @@ class RingSpec:
             raise InputError(f"--rank must be 0..{self.world - 1}, not {self.rank}")
         if len(self.peers) != self.world:
             raise InputError(f"--peers names {len(self.peers)} addresses; a ring of {self.world} needs one per rank")
-        for ip in self.peers:
-            try:
-                socket.inet_aton(ip)
-            except OSError:
-                raise InputError(f"--peers: {ip!r} is not an IPv4 address") from None
-        if len(set(self.peers)) != len(self.peers):
-            raise InputError("--peers names an address twice: every rank needs its own")
+        require_ipv4s(self.peers, "--peers:", "--peers names an address twice: every rank needs its own")
         if self.peer_macs and len(self.peer_macs) != self.world:
             raise InputError(f"--peer-macs names {len(self.peer_macs)} addresses, the ring has {self.world} ranks")
         DEFAULT.replace(job=self.job, port=self.port, elems=self.elems).validate()

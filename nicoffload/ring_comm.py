@@ -23,7 +23,6 @@ one pass of op SUM. A tensor larger than the maps' ``capacity`` goes in several 
 """
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from . import codec, kernels, proto, quant
 from . import ring_kernels as rk
+from .addr import ip_net, require_ipv4s
 from .errors import InputError
 from .jobspec import DEFAULT
 from .pump import KIND_FLOAT32, KIND_FLOAT64, KIND_INT32
@@ -109,6 +109,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
             raise InputError(f"rank {self.rank} / world {self.world}: need 0 <= rank < world <= {proto.MAX_WORKERS}")
         if len(self.peers) != self.world:
             raise InputError(f"a ring of {self.world} ranks needs {self.world} peer addresses, not {len(self.peers)}")
+        require_ipv4s(self.peers, "peer address", "two ranks of the ring have the same peer address")
         if self.elems < 2 or self.elems % 2 or proto.record_size(self.elems) * MAX_GSO_SEGS > 1 << 16 \
                 and proto.max_records(self.elems) < 1:
             raise InputError(f"elems must be even and fit a datagram, not {self.elems}")
@@ -129,7 +130,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
             self.close()
             raise
         cap = self.capacity
-        self._peer_addrs = np.array([int.from_bytes(socket.inet_aton(ip), "little") for ip in self.peers], np.int64)
+        self._peer_addrs = np.array([ip_net(ip) for ip in self.peers], np.int64)
         self._out = np.zeros(MAX_MSGS * self._t.per_datagram * self._rec, np.uint8)
         self._late = np.zeros_like(self._out)
         self._stash = np.zeros(cap * self._rec, np.uint8)

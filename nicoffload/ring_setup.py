@@ -58,17 +58,35 @@ def open_maps(comm) -> HostMaps:
     lock = NodeLock(ring.state_file(netns, iface).with_suffix(".lock"),
                     f"the ring node {iface}" + (f" in {netns}" if netns else ""))
     try:
+        return _node_maps(comm, ring, netns, iface, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _node_maps(comm, ring, netns: str | None, iface: str, lock: NodeLock) -> HostMaps:
+    """The maps of the ring program on ``iface`` (loaded for ``comm`` if there is none), reset
+    for a new communicator that holds ``lock``."""
+    try:
         node = ring.RingNode.open(netns, iface)
     except NotFoundError:
         spec = ring.RingSpec(netns, iface, comm.rank, comm.world, comm.peers, comm.job, comm.port, comm.elems,
                              comm.capacity, comm.xdp_mode)
-        try:
-            node = ring.RingNode.load(spec, pin=False, owner=os.getpid())
-        except BaseException:
-            lock.release()
-            raise
+        node = ring.RingNode.load(spec, pin=False, owner=os.getpid())
+    try:
+        s = node.spec
+        want = dict(rank=comm.rank, world=comm.world, peers=comm.peers, job=comm.job, port=comm.port,
+                    elems=comm.elems)
+        got = dict(rank=s.rank, world=s.world, peers=s.peers, job=s.job, port=s.port, elems=s.elems)
+        if want != got:
+            bad = ", ".join(f"{k} {got[k]} (not {want[k]})" for k in want if want[k] != got[k])
+            raise InputError(f"the ring program on {iface} was loaded for another ring: {bad}; reload it "
+                             f"(nicoffload ring unload / load)")
+        m = node.maps
+        m.reset()
+        return HostMaps(m.local, m.result, m.state, m.events, node, iface, s.capacity, lock)
     except BaseException:
-        lock.release()
+        node.close()
         raise
     try:
         s = node.spec

@@ -211,3 +211,22 @@ def test_losses_and_duplicates_on_every_hop_still_give_the_exact_sum(seed):
 def test_peer_addresses_are_compared_as_stored_in_a_sockaddr():
     ip = "10.200.7.11"
     assert int.from_bytes(socket.inet_aton(ip), "little") == np.frombuffer(socket.inet_aton(ip), np.uint32)[0]
+
+
+def test_ring_peers_are_dotted_quads_once_each():
+    """One check for every list of hosts (a job's workers, a ring's peers): inet_aton's
+    shorthands such as 10.1 (= 10.0.0.1) would name another host than the one written."""
+    from nicoffload.errors import InputError
+    from nicoffload.jobtable import JobTable
+    from nicoffload.ring import RingSpec
+
+    def spec(peers):
+        return RingSpec("ns", "eth0", 0, len(peers), peers, 1, 40000, 256, 64, "generic")
+
+    spec(["10.0.0.1", "10.0.0.2"]).validate()
+    for bad, msg in ((["10.0.0.1", "10.2"], "--peers: '10.2' is not an IPv4 address"),
+                     (["10.0.0.1", "10.0.0.1"], "names an address twice")):
+        with pytest.raises(InputError, match=msg):
+            spec(bad).validate()
+    with pytest.raises(InputError, match="worker address '10.2' is not an IPv4 address"):
+        JobTable(64).admit(1, 2, "239.1.1.1", ["10.0.0.1", "10.2"], slots=8)
