@@ -12,7 +12,8 @@ import ipaddress
 from dataclasses import dataclass, fields
 from typing import Iterable
 
-from . import proto
+from nicoffload.wire import proto
+
 from .errors import InputError
 
 #: IP multicast group results go to, unless the job names its own

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import proto, quant
+from nicoffload.wire import proto, quant
+
 from .errors import InputError
 
 FRAC = proto.C["AR_OPT_FRAC"]

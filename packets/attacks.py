@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nicoffload import proto
-from nicoffload.codec import encode_blocks
 from nicoffload.errors import InputError
+from nicoffload.wire import proto
+from nicoffload.wire.codec import encode_blocks
 
 from .generators import AGG_IP, AGG_MAC, PORT, frame, join_record, record
 from .hostile import MalformedCase, foreign, malformed_cases, malformed_headers

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from nicoffload import proto
-from nicoffload.codec import datagram_size, decode_datagrams, encode_blocks
+from nicoffload.wire import proto
+from nicoffload.wire.codec import datagram_size, decode_datagrams, encode_blocks
 
 
 def _best(fn, repeat: int) -> float:

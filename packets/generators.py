@@ -19,15 +19,15 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
-from nicoffload import proto
-from nicoffload.addr import multicast_mac
-from nicoffload.codec import datagram_size, encode_blocks
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT
+from nicoffload.wire import proto
+from nicoffload.wire.addr import multicast_mac
+from nicoffload.wire.codec import datagram_size, encode_blocks
 
 from . import layers  # noqa: F401 - registers the AllReduce layer for Ether(frame) dissection
 
-#: defaults equal to ``nicoffload.aggregator.Aggregator.for_test``'s (a test checks it)
+#: defaults equal to ``nicoffload.agg.Aggregator.for_test``'s (a test checks it)
 AGG_IP = "10.0.0.100"
 AGG_MAC = "02:00:00:00:00:64"
 #: IP multicast group of results (a job's default; it is configured per job)
@@ -368,7 +368,8 @@ def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: in
     one int32 per block, padded with the MAX identity) and its data rounds (op SGD, pre-averaged
     gradients quantized as the workers do: nicoffload.optim.rank_lanes), on the job's share
     (slot = round mod optim.share). Every record carries ``ack`` = the step's first round."""
-    from nicoffload import optim, quant
+    from nicoffload import optim
+    from nicoffload.wire import quant
 
     world, nb, meta = len(grads), optim.blocks(params, elems), optim.meta_slots(params, elems)
     P, base = optim.share(params, elems), step * optim.share(params, elems)

@@ -8,14 +8,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-
-from scapy.layers.inet import ICMP, IP, IPOption, TCP, UDP
+from scapy.layers.inet import ICMP, IP, TCP, UDP, IPOption
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Raw
 
-from nicoffload import proto
 from nicoffload.errors import InputError
+from nicoffload.wire import proto
 
 from .generators import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, record, worker_ip, worker_mac
 from .layers import AllReduce

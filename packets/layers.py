@@ -1,6 +1,6 @@
 """Scapy layer for the nicoffload AllReduce record header (40 bytes) and its int32 payload.
 
-Field order, sizes and offsets come from ``nicoffload.proto.FIELDS`` (which reads them from
+Field order, sizes and offsets come from ``nicoffload.wire.proto.FIELDS`` (which reads them from
 xdp/nicoffload_proto.h); nothing here retypes a number of the wire format. ``magic``, ``version``
 and ``count`` default to None and are filled in by ``post_build`` (count = payload bytes / 4), so a
 test sets them explicitly to build a bad packet. The payload is a ``Raw`` layer of little-endian int32.
@@ -35,7 +35,7 @@ from scapy.fields import (
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_top_down, split_bottom_up
 
-from nicoffload import proto
+from nicoffload.wire import proto
 
 #: field name -> struct code, offset (the single source: proto.FIELDS)
 _CODES: dict[str, str] = {name: code for name, _, code in proto.FIELDS}

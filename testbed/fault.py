@@ -30,10 +30,10 @@ from typing import Iterable, Protocol
 
 from pyroute2 import NetlinkError
 
-from nicoffload import bpf as nbpf
-from nicoffload import libbpf
+from nicoffload.ebpf import libbpf
+from nicoffload.ebpf import loader as nbpf
 from nicoffload.errors import InputError, NotFoundError
-from nicoffload.proto import C, DEFAULT_PORT, FAULTS
+from nicoffload.wire.proto import DEFAULT_PORT, FAULTS, C
 
 from .netlink import ipr, link_index, tolerant
 from .topology import Host, Topology

@@ -2,7 +2,7 @@
 needs one on the receiving side)."""
 from __future__ import annotations
 
-from nicoffload import bpf as nbpf
+from nicoffload.ebpf import loader as nbpf
 
 NAPI_PROG = "int xdp_napi_pass(struct xdp_md *ctx) { return XDP_PASS; }\n"
 

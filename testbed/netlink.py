@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 from pyroute2 import IPRoute, NetlinkError
 from pyroute2 import netns as pyr_netns
 
-from nicoffload.bpf import NETNS_DIR, PIN_ROOT, netns as enter_netns, remove_pin_dir
+from nicoffload.ebpf.loader import NETNS_DIR, PIN_ROOT, remove_pin_dir
+from nicoffload.ebpf.loader import netns as enter_netns
 from nicoffload.errors import NotFoundError, SetupError
 
 #: errors that mean "it is already gone" during teardown

@@ -24,14 +24,24 @@ from typing import Callable, Iterator
 from pyroute2.netlink.rtnl.ndmsg import flags as ntf_flags
 from pyroute2.netlink.rtnl.ndmsg import states as nud_states
 
-from nicoffload import bpf as nbpf
+from nicoffload.ebpf import loader as nbpf
 from nicoffload.errors import InputError, NotFoundError, SetupError
 
 from . import state as st
 from .fault import FaultInjector
-from .netlink import (create_netns, ipr, limit, link_index, netns_exists, remove_netns_and_pins, set_sysctl,
-                      tolerant, unshape, wait_oper_up)
 from .napi import attach_napi_pass
+from .netlink import (
+    create_netns,
+    ipr,
+    limit,
+    link_index,
+    netns_exists,
+    remove_netns_and_pins,
+    set_sysctl,
+    tolerant,
+    unshape,
+    wait_oper_up,
+)
 from .signals import SignalGuard, terminated_with
 from .topology import BRIDGE_IFACE, PREFIXLEN, Host, Topology, check_name
 

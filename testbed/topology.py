@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from nicoffload.errors import InputError
-from nicoffload.proto import DEFAULT_PORT, MAX_MTU, MAX_WORKERS
+from nicoffload.wire.proto import DEFAULT_PORT, MAX_MTU, MAX_WORKERS
 
 #: every object the toolkit creates carries this prefix (namespaces, pin directories)
 PREFIX = "nco-"

@@ -1,7 +1,7 @@
 /* Maps of the XDP aggregator. Included by aggregator.c and by the control plane's inspector
  * (which compiles only these definitions to reopen the pinned maps with bcc's typed tables).
  *
- * Build-time sizes (bcc -D, set by nicoffload/aggregator.py):
+ * Build-time sizes (bcc -D, set by nicoffload/agg/control.py):
  *   AR_ELEMS    int32 elements per record (default AR_DEFAULT_ELEMS = 256, i.e. 1 KiB; even)
  *   AR_SLOTS    slots in the pool, shared by every job (count)
  *   AR_PIN_DIR  optional bpffs directory (string literal); when set, maps are pinned there

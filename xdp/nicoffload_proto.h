@@ -1,6 +1,6 @@
 /* nicoffload wire protocol: the ONLY place where kernel and Python agree on layout and constants.
  *
- * Python reads this file (nicoffload/proto.py) under a strict grammar: every line in the
+ * Python reads this file (nicoffload/wire/proto.py) under a strict grammar: every line in the
  * "shared" block is either blank, a comment, or `#define AR_NAME <integer>` (decimal or hex,
  * optionally parenthesised, optionally negative). Anything else there is a build error.
  *

@@ -24,7 +24,7 @@
  * exactly one counter (ring_stats); malformed ones are counted by reason and dropped.
  *
  * Build-time constants (bcc -D): AR_ELEMS, AR_PORT, AR_RING_CAP (records per call at most).
- * Runtime configuration (ring_cfg, written by nicoffload/ring.py): this node's rank, the world,
+ * Runtime configuration (ring_cfg, written by nicoffload/ring/node.py): this node's rank, the world,
  * the job, every node's address.
  */
 #include <uapi/linux/bpf.h>

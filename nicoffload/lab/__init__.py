@@ -12,16 +12,10 @@ Jobs on a testbed
     inputs       sizes, .npy inputs read and checked, seeded gradients
     reference    expected results and error bounds (the one home of both)
     allreduce    ``allreduce`` and ``demo``: arrays through a testbed, checked
+    rings        the ring programs of a testbed's workers, ring jobs
 
-The bench (``nicoffload bench``)
-    plan         configuration, the points of each testbed, rates, shaped bounds (pure)
-    systems      xdp, userspace, ring, gloo, mpi: can it run here, how its ranks start
-    ranks        one rank of a bench run, an adapter per system (``python -m nicoffload.lab.ranks``)
-    tcpring      the TCP Ring AllReduce baseline (``python -m nicoffload.lab.tcpring``)
-    rankprog     the command line tcpring's and udpring's rank programs share
-    sweep        every system over the points of each testbed
-    report       rows, results.json/csv, meta.json, tables, progress
-    plot         the bench's plots
+The bench (``nicoffload bench``): the subpackage :mod:`nicoffload.lab.bench` (plan, systems,
+    ranks, the ring baselines' rank programs, the compute loop, sweep, report, plot)
 
 Other experiments
     soak         N AllReduces under drop and duplication, every result checked (``bench --soak``)

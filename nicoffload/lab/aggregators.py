@@ -44,8 +44,8 @@ class AggregatorProcess:
             raise InputError(f"unknown aggregator {kind!r}: choose {' or '.join(KINDS)}")
 
     def _load_xdp(self, mode: str) -> None:
-        from ..aggregator import AggSpec, Aggregator
-        from ..iface import resolve_mode
+        from nicoffload.agg.control import Aggregator, AggSpec
+        from nicoffload.ebpf.iface import resolve_mode
 
         a, s = self.tb.agg, self.spec
         mode, _why = resolve_mode(mode, a.iface, a.netns)
@@ -112,7 +112,7 @@ def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None 
                     ready: Callable[[], None] = lambda: None) -> dict:
     """Run the user-space aggregator in this process until SIGTERM/SIGINT (or ``duration``
     seconds); ``ready`` is called once it listens. Returns its counters."""
-    from ..userspace import UserspaceAggregator
+    from nicoffload.userspace.aggregator import UserspaceAggregator
 
     agg = UserspaceAggregator(workers, spec.port, spec.slots, spec.elems, spec.job, spec.group, local_ip,
                               list(worker_ips))

@@ -8,7 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from .. import bpf
+from nicoffload.ebpf import loader as bpf
+
 from ..errors import InputError, ProtocolError
 from ..jobspec import DEFAULT, JobSpec
 from . import reference

@@ -6,7 +6,8 @@ import time
 
 import numpy as np
 
-from .. import libbpf
+from nicoffload.ebpf import libbpf
+
 from ..errors import NicoffloadError
 
 

@@ -140,7 +140,7 @@ def make_model(d: int, h: int, c: int, seed: int):
 
 def _offloaded(args, model):
     """With ``--allreduce offload``: the optimizer the aggregator applies."""
-    from ..ddp import OffloadedOptimizer
+    from nicoffload.torch.ddp import OffloadedOptimizer
 
     spec = JobSpec.from_args(args)
     return OffloadedOptimizer(model.parameters(), args.aggregator, group=spec.group, local_ip=args.local_ip,
@@ -194,7 +194,7 @@ def _hook_state(args, model):
     """With ``--allreduce nicoffload``: the nicoffload hook registered on ``model``, its state."""
     if args.allreduce != "nicoffload":
         return None
-    from ..ddp import NicoffloadHookState, nicoffload_hook
+    from nicoffload.torch.ddp import NicoffloadHookState, nicoffload_hook
 
     spec = JobSpec.from_args(args)
     state = NicoffloadHookState(args.aggregator, group=spec.group, local_ip=args.local_ip, port=spec.port,

@@ -188,7 +188,8 @@ class OptimizerAggregator:
     namespace (the CPU-offload baseline)."""
 
     def __init__(self, tb, kind: str, spec: JobSpec, seed: int, data: str, extra: list[str]):
-        from ..ddp import flat_params
+        from nicoffload.torch.ddp import flat_params
+
         from ..optim import OptimizerSpec, share
         from .ddp_rank import build_parser, load_data, make_model
 
@@ -199,13 +200,13 @@ class OptimizerAggregator:
         self.params, self.kind, self.agg, self.ua = init.size, kind, None, None
         ips = [w.ip for w in tb.workers]
         if kind == "xdp":
-            from ..aggregator import AggSpec, Aggregator
+            from nicoffload.agg.control import Aggregator, AggSpec
 
             self.agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=share(init.size, spec.elems),
                                                elems=spec.elems, port=spec.port, optimizer=True))
             self.agg.add_job(spec.job, len(ips), spec.group, ips, optimizer=opt, params=init.size, initial=init)
         else:
-            from ..userspace import UserspaceAggregator
+            from nicoffload.userspace.aggregator import UserspaceAggregator
 
             with tb.in_host(tb.agg):
                 self.ua = UserspaceAggregator(len(ips), port=spec.port, elems=spec.elems, job=spec.job,

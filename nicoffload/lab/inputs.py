@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import proto
+from nicoffload.wire import proto
+
 from ..errors import InputError
 from ..jobspec import DEFAULT
 

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import proto
+from nicoffload.wire import proto
+
 from ..jobspec import DEFAULT, JobSpec
 from . import counters
 from .aggregators import AggregatorProcess, on_testbed
@@ -30,7 +31,7 @@ def worker_rank(rank: int, world: int, aggregator: str | None, x: np.ndarray, sp
     """``reps`` AllReduces of ``x`` as rank ``rank``, each behind a barrier: (the sum, a report
     with each rep's time and the last call's counters). ``spec.mode`` ring: around the ring of
     ``peers`` (the user-space UDP ring with ``ring_userspace``)."""
-    from ..worker import communicator
+    from nicoffload.worker.comm import communicator
 
     kw = {}
     if spec.mode == "ring":

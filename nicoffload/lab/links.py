@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .. import bpf
+from nicoffload.ebpf import loader as bpf
 
 _FEATURES = {"tx-tcp-segmentation": "tso", "tx-udp-segmentation": "udp_gso",
              "tx-generic-segmentation": "gso", "rx-gro": "gro"}

@@ -3,7 +3,7 @@ both, used by ``demo``, ``allreduce``, the bench and the tests.
 
 * Integers: the exact sum, computed in int64. A system summing int32 lanes (nicoffload, or a
   host in int32) must match it modulo 2^32, bit for bit.
-* nicoffload on floats (:func:`quantized`): the exact sum within :func:`nicoffload.quant.error_bound`
+* nicoffload on floats (:func:`quantized`): the exact sum within :func:`nicoffload.wire.quant.error_bound`
   for each block of ``elems`` elements (block exponents are the largest over the ranks, as the
   workers agree on them), plus half an ulp of the result's dtype for the final cast.
 * A host summing floats in their own dtype (TCP ring, gloo, MPI; :func:`host_sum`): within
@@ -18,8 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
+from nicoffload.wire.quant import block_exponents, error_bound
+
 from ..jobspec import DEFAULT
-from ..quant import block_exponents, error_bound
 
 
 @dataclass

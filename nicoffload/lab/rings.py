@@ -14,7 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import bpf, proto
+from nicoffload.ebpf import loader as bpf
+from nicoffload.wire import proto
+
 from ..jobspec import DEFAULT, JobSpec
 from . import counters
 from .jobs import JobResult, run_workers
@@ -41,8 +43,8 @@ class RingPrograms:
     unloads them all (and removes native mode's NAPI programs)."""
 
     def __init__(self, tb, spec: JobSpec = DEFAULT, mode: str = "auto", capacity: int | None = None):
-        from ..iface import resolve_mode
-        from ..ring import RingNode, RingSpec
+        from nicoffload.ebpf.iface import resolve_mode
+        from nicoffload.ring.node import RingNode, RingSpec
 
         self.tb, self.spec = tb, on_testbed(tb, spec)
         self.nodes: list = []
@@ -102,7 +104,7 @@ class RingPrograms:
         for n in self.nodes:
             with contextlib.suppress(Exception):
                 n.close()
-        from ..ring import unload
+        from nicoffload.ring.node import unload
 
         for n in self.nodes:
             with contextlib.suppress(Exception):

@@ -35,8 +35,16 @@ from ..errors import InputError, NicoffloadError
 from ..jobspec import DEFAULT, JobSpec
 from . import reference
 from .inputs import format_size
-from .soakreport import (DTYPES, CallRecord, SoakSummary, distribution, format_summary, percentile, time_table,
-                         worst_call)
+from .soakreport import (
+    DTYPES,
+    CallRecord,
+    SoakSummary,
+    distribution,
+    format_summary,
+    percentile,
+    time_table,
+    worst_call,
+)
 
 __all__ = ["DTYPES", "WATCHDOG_GRACE", "CallRecord", "SoakConfig", "SoakError", "SoakSummary", "call_inputs",
            "check_call", "distribution", "format_summary", "percentile", "run", "time_table", "worst_call"]
@@ -214,7 +222,8 @@ def run(tb, cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> S
     result was right); raises :class:`SoakError` if a rank fails or a call outlives its limit.
     ``progress`` gets a line after every 100th call, the last one and any wrong one. The
     aggregator and the fault injector are gone from the testbed afterwards."""
-    from ..worker import Communicator
+    from nicoffload.worker.comm import Communicator
+
     from .aggregators import AggregatorProcess
     from .links import enable_gro
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aggregator import AggSpec, Aggregator
+from nicoffload.agg.control import Aggregator, AggSpec
+
 from ..errors import InputError
 from ..jobspec import DEFAULT
 from . import reference

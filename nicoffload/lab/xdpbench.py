@@ -7,7 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import libbpf, proto
+from nicoffload.ebpf import libbpf
+from nicoffload.wire import proto
+
 from ..jobspec import DEFAULT
 from .inputs import make_gradients
 from .jobs import run_job, tempdir, testbed
@@ -25,10 +27,9 @@ def test_run_costs(workers: int = 4, elems: int = DEFAULT.elems, rounds: int = 2
     medians are reported less that overhead (a single run of the pass path against its average
     over 100,000 repeats, which the pass path allows: it does not change the frame). float32
     rounds use SUM64, int32 rounds SUM."""
+    from nicoffload.agg.control import Aggregator
     from nicoffload.packets import generators as gen
     from nicoffload.packets import hostile
-
-    from ..aggregator import Aggregator
 
     slots = min(rounds, 4096)
     agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
@@ -100,9 +101,9 @@ def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 
     momentum, Nesterov and weight decay on the block, and the result lanes) against the same
     contribution of a plain SUM64 round, per element; and the earlier contributions, which are
     the same SUM64 additions in both."""
+    from nicoffload.agg.control import Aggregator
     from nicoffload.packets import generators as gen
 
-    from ..aggregator import Aggregator
     from ..optim import OptimizerSpec, share
 
     spec = OptimizerSpec(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=True)
@@ -140,9 +141,10 @@ def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5,
     import threading
     import time
 
-    from ..aggregator import AggSpec, Aggregator
+    from nicoffload.agg.control import Aggregator, AggSpec
+    from nicoffload.worker.comm import Communicator
+
     from ..optim import OptimizerSpec, share
-    from ..worker import Communicator
 
     rng = np.random.default_rng(1)
     grads = [(rng.standard_normal(params) * 1e-2 / workers).astype(np.float32) for _ in range(workers)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import struct
 
-from nicoffload import proto
+from nicoffload.wire import proto
 
 NONE = 0xFFFFFFFF
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import libbpf
-from nicoffload.aggregator import Aggregator
+from nicoffload.agg.control import Aggregator
+from nicoffload.ebpf import libbpf
 from nicoffload.packets import generators as gen
 
 

@@ -4,18 +4,15 @@ Each case: packets in, expected verdicts, expected output packets (byte-exact), 
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+from aggcheck import hdr_of, outcome_total, run_all
 from scapy.layers.inet import IP
 from scapy.layers.l2 import Ether
 
-from nicoffload import proto
-from nicoffload.libbpf import XDP_DROP, XDP_TX
+from nicoffload.ebpf.libbpf import XDP_DROP, XDP_TX
 from nicoffload.packets import generators as gen
-
-from aggcheck import hdr_of, outcome_total, run_all
-
+from nicoffload.wire import proto
 
 # --- the epoch handshake ------------------------------------------------------------------------
 

@@ -3,17 +3,15 @@ foreign and unregistered traffic, record sizes (concurrency: test_concurrency.py
 from __future__ import annotations
 
 import pytest
+from aggcheck import outcome_total, run_all
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from nicoffload import proto
-from nicoffload.libbpf import XDP_DROP, XDP_PASS, XDP_TX
+from nicoffload.ebpf.libbpf import XDP_DROP, XDP_PASS, XDP_TX
 from nicoffload.packets import generators as gen
 from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, split_records
-
-from aggcheck import outcome_total, run_all
-
+from nicoffload.wire import proto
 
 # --- batches: several records in one frame ------------------------------------------------------
 

@@ -31,10 +31,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from nicoffload import libbpf, proto
-from nicoffload.aggregator import Aggregator
-from nicoffload.codec import encode_blocks
+from nicoffload.agg.control import Aggregator
+from nicoffload.ebpf import libbpf
 from nicoffload.packets import generators as gen
+from nicoffload.wire import proto
+from nicoffload.wire.codec import encode_blocks
 
 RANKS = 8           # split over the two processes
 SLOTS = 16          # a generation is 2 * SLOTS rounds, one record each per rank and batch

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import proto
-from nicoffload.aggregator import Aggregator
+from nicoffload.agg.control import Aggregator
+from nicoffload.ebpf.libbpf import XDP_DROP, XDP_TX
 from nicoffload.errors import CapacityError
-from nicoffload.libbpf import XDP_DROP, XDP_TX
 from nicoffload.packets import generators as gen
+from nicoffload.wire import proto
 
 E = 16
 IPS_A = ["10.0.0.1", "10.0.0.2"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import bpf
+from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import NotFoundError, VerifierError
 
 BAD = """

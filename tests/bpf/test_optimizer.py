@@ -7,12 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nicoffload import codec, optim, proto
-from nicoffload.aggregator import Aggregator
+from nicoffload import optim
+from nicoffload.agg.control import Aggregator
+from nicoffload.ebpf.libbpf import XDP_DROP, XDP_TX
 from nicoffload.errors import InputError
-from nicoffload.libbpf import XDP_DROP, XDP_TX
 from nicoffload.optim import OptimizerSpec
 from nicoffload.packets import generators as gen
+from nicoffload.wire import codec, proto
 
 E, W, N = 256, 3, 700          # 3 blocks, 1 exponent round: 4 slots per step
 SPEC = OptimizerSpec(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)

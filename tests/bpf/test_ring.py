@@ -13,12 +13,28 @@ import struct
 import numpy as np
 import pytest
 
-from nicoffload import codec, kernels, libbpf, proto
-from nicoffload import ring_kernels as rk
+from nicoffload.datapath import kernels
+from nicoffload.ebpf import libbpf
 from nicoffload.packets import generators as gen
-from nicoffload.ring import RingNode
-from nicoffload.ring_layout import (EV_DONE, EV_WINDOW, FLAG_RESTART, FLAG_SKIP, OUTCOMES, ST_CALL, ST_EXPECTED,
-                                    ST_OWN_WAKE, STATS, TYPE_GATHER, TYPE_NACK, TYPE_PING, TYPE_PONG, TYPE_REDUCE)
+from nicoffload.ring import kernels as rk
+from nicoffload.ring.layout import (
+    EV_DONE,
+    EV_WINDOW,
+    FLAG_RESTART,
+    FLAG_SKIP,
+    OUTCOMES,
+    ST_CALL,
+    ST_EXPECTED,
+    ST_OWN_WAKE,
+    STATS,
+    TYPE_GATHER,
+    TYPE_NACK,
+    TYPE_PING,
+    TYPE_PONG,
+    TYPE_REDUCE,
+)
+from nicoffload.ring.node import RingNode
+from nicoffload.wire import codec, proto
 
 E = 32  # records small enough that a batch fits the one page BPF_PROG_TEST_RUN gives a frame
 REC = proto.record_size(E)

@@ -13,8 +13,9 @@ from typing import Callable
 
 import numpy as np
 
-from nicoffload import aggregator, bpf
-from nicoffload.aggregator import Aggregator, pin_dir, state_file
+from nicoffload.agg import control as aggregator
+from nicoffload.agg.control import Aggregator, pin_dir, state_file
+from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import NotFoundError
 from nicoffload.lab.jobs import run_workers
 from nicoffload.testbed import state as tbstate

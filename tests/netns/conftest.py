@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture
 def make_testbed(uid):
-    from nicoffload import aggregator
+    from nicoffload.agg import control as aggregator
     from nicoffload.testbed import Testbed, Topology, clean
 
     made = []

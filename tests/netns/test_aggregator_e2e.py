@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nicoffload import bpf, proto
-from nicoffload.aggregator import AggSpec, Aggregator, pin_dir, state_file, unload
+from nicoffload.agg.control import Aggregator, AggSpec, pin_dir, state_file, unload
+from nicoffload.ebpf import loader as bpf
 from nicoffload.lab.aggregators import AggregatorProcess
 from nicoffload.lab.jobs import run_workers
 from nicoffload.lab.links import enable_gro
+from nicoffload.wire import proto
 
 CLI = [sys.executable, "-m", "nicoffload.cli"]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nicoffload.lab import plan, reference, report, systems
+from nicoffload.lab import reference
+from nicoffload.lab.bench import plan, report, systems
 
 REPO = Path(__file__).resolve().parents[2]
 PNGS = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
@@ -106,7 +107,7 @@ def _ring(tb, ranks, x, tmp: Path, tag: str, port: int):
     procs = []
     for i, r in enumerate(ranks):
         np.save(tmp / f"{tag}-in{i}.npy", x[i])
-        argv = [sys.executable, "-m", "nicoffload.lab.tcpring", "--rank", str(i), "--world", str(len(ranks)),
+        argv = [sys.executable, "-m", "nicoffload.lab.bench.tcpring", "--rank", str(i), "--world", str(len(ranks)),
                 "--peers", peers, "--port", str(port), "--input", str(tmp / f"{tag}-in{i}.npy"),
                 "--output", str(tmp / f"{tag}-out{i}.npy"), "--reps", "2", "--timeout", "10", "--json"]
         procs.append(tb.popen(tb.workers[r], argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -17,16 +17,36 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chaoskit import (
+    CLI,
+    MARK,
+    agg_leftovers,
+    agg_load_args,
+    agg_where,
+    assert_no_empty_pin_root,
+    clean_testbed,
+    cli,
+    cmdline,
+    exact_job,
+    holds_program,
+    int_inputs,
+    interrupt_verification,
+    kill_when,
+    leftovers,
+    marked,
+    ok,
+    one_line_error,
+    start_workers,
+    wait_orphans_gone,
+    wait_running,
+)
 
-from nicoffload import aggregator, bpf
-from nicoffload.aggregator import Aggregator, pin_dir, state_file
+from nicoffload.agg import control as aggregator
+from nicoffload.agg.control import Aggregator, pin_dir, state_file
+from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import AlreadyExistsError, NotFoundError, ProtocolError, TimeoutError_
 from nicoffload.lab.links import enable_gro
 from nicoffload.testbed import state as tbstate
-
-from chaoskit import (CLI, MARK, agg_leftovers, agg_load_args, agg_where, assert_no_empty_pin_root, clean_testbed, cli,
-    cmdline, exact_job, holds_program, int_inputs, interrupt_verification, kill_when, leftovers,
-    marked, ok, one_line_error, start_workers, wait_orphans_gone, wait_running)
 
 
 @pytest.fixture

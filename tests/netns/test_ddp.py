@@ -4,7 +4,7 @@ Two runs of the same job (2 ranks, STEPS steps, same seeds): DDP's default gloo 
 the nicoffload hook with the XDP aggregator. Each rank is ``python -m nicoffload.lab.ddp_rank`` inside
 its worker's namespace. Skipped without the torch extra.
 
-Tolerance of the parameter comparison, derived from the quantization bound (nicoffload/quant.py)
+Tolerance of the parameter comparison, derived from the quantization bound (nicoffload/wire/quant.py)
 ------------------------------------------------------------------------------------------
 N ranks, L = ceil(log2 N). At step k let G_k be the largest |gradient| any rank hands the hook
 (before DDP's division by N), P_k the largest |parameter| and M_k the largest momentum entry.

@@ -36,12 +36,13 @@ from collections import Counter
 import numpy as np
 from scapy.layers.l2 import Ether
 
-from nicoffload import libbpf, proto
-from nicoffload.aggregator import AggSpec, Aggregator
+from nicoffload.agg.control import Aggregator, AggSpec
+from nicoffload.ebpf import libbpf
 from nicoffload.lab import reference
-from nicoffload.packets import generators as gen
 from nicoffload.packets import attacks
-from nicoffload.worker import Communicator
+from nicoffload.packets import generators as gen
+from nicoffload.wire import proto
+from nicoffload.worker.comm import Communicator
 
 W = 2                     # ranks of the job; one more host attacks
 JOB = 3

@@ -8,8 +8,8 @@ import threading
 
 import numpy as np
 
-from nicoffload.aggregator import AggSpec, Aggregator
-from nicoffload.worker import Communicator
+from nicoffload.agg.control import Aggregator, AggSpec
+from nicoffload.worker.comm import Communicator
 
 
 def rx_packets(tb, host) -> int:
@@ -100,7 +100,7 @@ def test_the_job_commands(make_testbed):
     import subprocess
     import sys
 
-    from nicoffload.aggregator import state_file, unload
+    from nicoffload.agg.control import state_file, unload
 
     cli = [sys.executable, "-m", "nicoffload.cli"]
     tb = make_testbed(3)

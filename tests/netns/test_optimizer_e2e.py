@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from nicoffload import optim
-from nicoffload.aggregator import AggSpec, Aggregator
+from nicoffload.agg.control import Aggregator, AggSpec
 from nicoffload.optim import OptimizerSpec
-from nicoffload.worker import Communicator
+from nicoffload.worker.comm import Communicator
 
 SPEC = OptimizerSpec(lr=0.1, momentum=0.9, weight_decay=1e-4)
 N, E = 5000, 256
@@ -104,7 +104,7 @@ def test_checkpoint_and_restore_continue_the_same_run(make_testbed, tmp_path):
 
 
 def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed):
-    from nicoffload.userspace import UserspaceAggregator
+    from nicoffload.userspace.aggregator import UserspaceAggregator
 
     tb = make_testbed(2)
     ranks = tb.workers
@@ -130,7 +130,7 @@ def test_the_optimizer_commands(make_testbed, tmp_path):
     import subprocess
     import sys
 
-    from nicoffload.aggregator import unload
+    from nicoffload.agg.control import unload
 
     tb = make_testbed(2)
     ranks = tb.workers

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("torch", reason="the DDP test needs the torch extra: pip install 'nicoffload[torch]'")
 
-from nicoffload import bpf, ring  # noqa: E402
+from nicoffload.ebpf import loader as bpf
 from nicoffload.lab.links import enable_gro  # noqa: E402
+from nicoffload.ring import node as ring  # noqa: E402
 
 RANK = r"""
 import json, sys

@@ -12,15 +12,16 @@ import sys
 
 import numpy as np
 import pytest
+from e2ekit import CLI, save
 
-from nicoffload import bpf, proto, ring
+from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import TimeoutError_
 from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job, run_workers
 from nicoffload.lab.links import enable_gro
 from nicoffload.lab.rings import RingPrograms, run_ring_job
-
-from e2ekit import CLI, save
+from nicoffload.ring import node as ring
+from nicoffload.wire import proto
 
 E = proto.DEFAULT_ELEMS
 
@@ -94,9 +95,9 @@ def test_user_space_ring_over_the_same_protocol(make_testbed, tmp_path):
     for y in results(outs):
         assert want.check(y).within_bound
     assert all(r["stats"]["taken_over"] > 0 for r in res.ranks)  # every hop in user space
-    # and its own rank program (python -m nicoffload.lab.udpring), next to the TCP ring's
+    # and its own rank program (python -m nicoffload.lab.bench.udpring), next to the TCP ring's
     peers = ",".join(w.ip for w in tb.workers)
-    procs = [tb.popen(w, [sys.executable, "-m", "nicoffload.lab.udpring", "--rank", str(w.rank), "--world", "3",
+    procs = [tb.popen(w, [sys.executable, "-m", "nicoffload.lab.bench.udpring", "--rank", str(w.rank), "--world", "3",
                           "--peers", peers, "--port", str(tb.port), "--input", str(ins[w.rank]), "--output",
                           str(outs[w.rank]), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for w in tb.workers]
@@ -206,7 +207,7 @@ def test_ring_cli_load_status_stats_unload_and_testbed_clean(make_testbed, tmp_p
 HOLDER = """
 import sys, time
 from nicoffload.jobspec import JobSpec
-from nicoffload.ring_comm import RingCommunicator
+from nicoffload.ring.comm import RingCommunicator
 c = RingCommunicator.from_spec(0, 2, sys.argv[2].split(","), JobSpec.from_dict(__import__("json").loads(sys.argv[1])))
 print("holding", flush=True)
 time.sleep(120)

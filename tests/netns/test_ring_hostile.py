@@ -13,20 +13,19 @@ import subprocess
 import sys
 
 import numpy as np
+from e2ekit import save
+from test_ring_e2e import E, ints, nothing_left, results, ring_spec
 
-from nicoffload import ring
 from nicoffload.lab.jobs import run_workers
 from nicoffload.lab.links import enable_gro
 from nicoffload.lab.rings import RingPrograms
-
-from e2ekit import save
-from test_ring_e2e import E, ints, nothing_left, results, ring_spec
+from nicoffload.ring import node as ring
 
 FLOOD = r"""
 import json, socket, struct, sys, time
 import numpy as np
-from nicoffload import codec, proto
-from nicoffload.ring_layout import TYPE_REDUCE, TYPE_GATHER, TYPE_NACK, TYPE_PING
+from nicoffload.wire import codec, proto
+from nicoffload.ring.layout import TYPE_REDUCE, TYPE_GATHER, TYPE_NACK, TYPE_PING
 dst, port, job, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 E = proto.DEFAULT_ELEMS
 def recs(rank, job_, call, type_, k=0, n=1):

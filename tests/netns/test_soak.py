@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nicoffload import bpf
+from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import TimeoutError_
 from nicoffload.jobspec import DEFAULT
 from nicoffload.lab import soak

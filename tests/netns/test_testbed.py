@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nicoffload import bpf as nbpf
+from nicoffload.ebpf import loader as nbpf
 from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError
 from nicoffload.testbed import Testbed, Topology
 from nicoffload.testbed import state as st
@@ -209,7 +209,7 @@ def test_cli_up_exec_list_down(cli_names):
 
 
 def test_cli_clean_removes_only_prefixed_objects(cli_names, uid):
-    from nicoffload.aggregator import pin_dir, state_file
+    from nicoffload.agg.control import pin_dir, state_file
     from nicoffload.testbed.netlink import create_netns
 
     a, b = cli_names

@@ -8,8 +8,7 @@ import struct
 import threading
 import time
 
-
-from nicoffload import bpf as nbpf
+from nicoffload.ebpf import loader as nbpf
 from nicoffload.testbed import Link
 
 N = 2000  # packets per fault run

@@ -9,15 +9,14 @@ import time
 
 import numpy as np
 import pytest
+from e2ekit import CLI, save
 
-from nicoffload import proto
 from nicoffload.errors import ProtocolError, TimeoutError_
 from nicoffload.lab import reference
 from nicoffload.lab.aggregators import AggregatorProcess
 from nicoffload.lab.jobs import run_job, run_workers
 from nicoffload.lab.links import enable_gro
-
-from e2ekit import CLI, save
+from nicoffload.wire import proto
 
 E = proto.DEFAULT_ELEMS
 

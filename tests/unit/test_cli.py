@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import cli
+from nicoffload.cli import app as cli
 
 
 def test_every_subcommand_module_registers():
@@ -14,13 +14,13 @@ def test_every_subcommand_module_registers():
 
 
 def test_a_module_that_fails_to_import_fails_loudly(monkeypatch):
-    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "nicoffload.cli_no_such_module"])
-    with pytest.raises(ModuleNotFoundError, match="cli_no_such_module"):
+    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "nicoffload.cli.no_such_module"])
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
         cli.build_parser()
 
 
 def test_the_command_says_the_installation_is_broken(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "nicoffload.cli_no_such_module"])
+    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "nicoffload.cli.no_such_module"])
     assert cli.main(["demo", "--help"]) == 78
     err = capsys.readouterr().err
-    assert "installation is broken" in err and "cli_no_such_module" in err
+    assert "installation is broken" in err and "no_such_module" in err

@@ -8,13 +8,12 @@ import subprocess
 from dataclasses import asdict
 
 import pytest
+from wirecheck import c_compiler
 
-from nicoffload import proto
 from nicoffload.errors import InputError, NotFoundError
 from nicoffload.testbed.fault import FaultConfig, FaultInjector, decide, fault_hash
 from nicoffload.testbed.topology import Topology
-
-from wirecheck import c_compiler
+from nicoffload.wire import proto
 
 SEEDS = (0, 1, 7, 2**63 + 5, 2**64 - 1)
 CASES = [(seed, link, d, n) for seed in SEEDS for link in (0, 1, 63) for d in (0, 1) for n in (0, 1, 999, 2**40)]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import proto
+from nicoffload.agg.jobtable import JobTable
 from nicoffload.errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
-from nicoffload.jobtable import JobTable
+from nicoffload.wire import proto
 
 
 def group(i: int) -> str:

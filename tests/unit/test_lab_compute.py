@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from nicoffload.lab.compute import ComputeLoop
+from nicoffload.lab.bench.compute import ComputeLoop
 
-ORPHAN = "import os; from nicoffload.lab.compute import ComputeLoop; print(ComputeLoop().pid, flush=True); os._exit(0)"
+ORPHAN = "import os; from nicoffload.lab.bench.compute import ComputeLoop; print(ComputeLoop().pid, flush=True); os._exit(0)"
 
 
 def test_the_loop_counts_and_stops():

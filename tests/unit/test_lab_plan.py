@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from nicoffload import proto
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT
-from nicoffload.lab import plan, systems
+from nicoffload.lab.bench import plan, systems
+from nicoffload.lab.bench.plan import BenchConfig, Point
 from nicoffload.lab.inputs import format_size, parse_size
-from nicoffload.lab.plan import BenchConfig, Point
+from nicoffload.wire import proto
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -138,7 +138,7 @@ def test_what_each_systems_ranks_are_handed(tmp_path):
     ranks = systems.rank_specs(tb, "gloo", Path("/p.json"), systems.rank_params(tb, "gloo", cfg), tmp_path, cfg)
     assert [r.label for r in ranks] == ["rank 0", "rank 1", "rank 2"]
     assert all(r.env["MASTER_ADDR"] == "10.9.0.10" and r.env["MASTER_PORT"] == str(ports["gloo"]) for r in ranks)
-    assert ranks[2].argv[-2:] == ["--rank", "2"] and "nicoffload.lab.ranks" in ranks[2].argv
+    assert ranks[2].argv[-2:] == ["--rank", "2"] and "nicoffload.lab.bench.ranks" in ranks[2].argv
 
 
 def test_packet_shapes_follow_the_record_size():
@@ -154,7 +154,7 @@ def test_point_is_a_value():
 
 
 def test_a_point_stops_by_its_rules():
-    from nicoffload.lab.ranks import _go_on
+    from nicoffload.lab.bench.ranks import _go_on
     p = {"reps": 3, "min_time": 0.5, "max_reps": 20, "max_point_s": 5.0}
     assert _go_on(p, 0, 99.0)                     # one rep always, however long the warm-up took
     assert _go_on(p, 2, 4.0) and _go_on(p, 3, 0.1)  # fewer than reps, or under min_time

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nicoffload import quant
 from nicoffload.errors import InputError, NicoffloadError, ProtocolError, TimeoutError_
 from nicoffload.lab import reference
 from nicoffload.lab.launcher import Outcome, error_class, failure
+from nicoffload.wire import quant
 
 E = 16
 

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from nicoffload import proto
-from nicoffload.cli import build_parser
-from nicoffload.cli_bench import _soak_config
+from nicoffload.cli.app import build_parser
+from nicoffload.cli.bench import _soak_config
 from nicoffload.errors import InputError
 from nicoffload.lab import reference, soak
 from nicoffload.lab.soak import CallRecord, SoakConfig, SoakSummary
+from nicoffload.wire import proto
 
 E = proto.DEFAULT_ELEMS
 
@@ -217,7 +217,7 @@ def test_soak_refuses_what_it_cannot_run(argv, says):
 
 
 def test_soak_options_need_soak():
-    from nicoffload.cli_bench import _bench
+    from nicoffload.cli.bench import _bench
     with pytest.raises(InputError, match="--drop, --json go with --soak N"):
         _bench(parse("--drop", "0.1", "--json"))
 
@@ -243,7 +243,7 @@ class FakeComm:
         self.shared["barrier"].wait(1)
 
     def allreduce(self, x, out):
-        from nicoffload.stream import CallStats
+        from nicoffload.worker.stream import CallStats
 
         i, self.calls = self.calls, self.calls + 1
         if i == self.sleep_at:

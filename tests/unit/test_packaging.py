@@ -17,13 +17,22 @@ CHECK = """
 import sys
 from pathlib import Path
 import nicoffload
-from nicoffload import proto
+from nicoffload.wire import proto
 from nicoffload.packets import generators, hostile, layers
 from nicoffload.testbed import topology
-from nicoffload.lab import plan
-from nicoffload.cli import build_parser
+from nicoffload.lab.bench import plan
+from nicoffload.cli.app import build_parser
+from nicoffload.worker import Communicator
+from nicoffload.agg import Aggregator
+from nicoffload.ring import RingCommunicator, RingNode
+from nicoffload.userspace import UserspaceAggregator
+import nicoffload.ebpf.loader, nicoffload.datapath.transport, nicoffload.lab.jobs, nicoffload.cli.agg
 where = Path(sys.argv[1]).resolve()
-for m in (nicoffload, generators, hostile, layers, topology, plan):
+mods = (nicoffload, generators, hostile, layers, topology, plan, nicoffload.ebpf.loader,
+        nicoffload.datapath.transport, nicoffload.lab.jobs, nicoffload.cli.agg, sys.modules[Communicator.__module__],
+        sys.modules[Aggregator.__module__], sys.modules[RingCommunicator.__module__],
+        sys.modules[UserspaceAggregator.__module__])
+for m in mods:
     assert where in Path(m.__file__).resolve().parents, (m.__name__, m.__file__, where)
 x = proto.xdp_dir().resolve()
 assert where in x.parents, (x, where)

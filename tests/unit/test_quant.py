@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nicoffload import quant
 from nicoffload.errors import InputError
+from nicoffload.wire import quant
 
 E = 256
 

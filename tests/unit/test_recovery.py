@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nicoffload import codec, proto
-from nicoffload.records import RankRecords, read_join_reply
-from nicoffload.recovery import MAX_WAIT, RoundTimer, ack_due, missing_ranks
 from nicoffload.packets import generators as gen
+from nicoffload.wire import codec, proto
+from nicoffload.worker.records import RankRecords, read_join_reply
+from nicoffload.worker.recovery import MAX_WAIT, RoundTimer, ack_due, missing_ranks
 
 
 def window(K: int, sent: float = 0.0):

@@ -10,9 +10,10 @@ import socket
 import numpy as np
 import pytest
 
-from nicoffload import codec, kernels, proto
-from nicoffload import ring_kernels as rk
-from nicoffload import ring_layout as L
+from nicoffload.datapath import kernels
+from nicoffload.ring import kernels as rk
+from nicoffload.ring import layout as L
+from nicoffload.wire import codec, proto
 
 E = 8
 REC = proto.record_size(E)
@@ -216,9 +217,9 @@ def test_peer_addresses_are_compared_as_stored_in_a_sockaddr():
 def test_ring_peers_are_dotted_quads_once_each():
     """One check for every list of hosts (a job's workers, a ring's peers): inet_aton's
     shorthands such as 10.1 (= 10.0.0.1) would name another host than the one written."""
+    from nicoffload.agg.jobtable import JobTable
     from nicoffload.errors import InputError
-    from nicoffload.jobtable import JobTable
-    from nicoffload.ring import RingSpec
+    from nicoffload.ring.node import RingSpec
 
     def spec(peers):
         return RingSpec("ns", "eth0", 0, len(peers), peers, 1, 40000, 256, 64, "generic")

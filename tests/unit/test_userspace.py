@@ -3,14 +3,12 @@ against the generators' reference, the Tx-spot rule, retransmissions, pulls, bat
 malformed input, counted as the XDP program counts them."""
 from __future__ import annotations
 
-
 import pytest
+from wirecheck import header_of, udp_of
 
-from nicoffload import proto
 from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
-
-from wirecheck import header_of, udp_of
+from nicoffload.wire import proto
 
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
@@ -28,7 +26,7 @@ class Harness:
     """A user-space aggregator whose sends are captured instead of leaving through its socket."""
 
     def __init__(self, workers=W, slots=S, elems=E, job=1):
-        from nicoffload.userspace import UserspaceAggregator
+        from nicoffload.userspace.aggregator import UserspaceAggregator
 
         # port 0: the constructor binds an ephemeral UDP port, which nothing here sends to
         self.agg = UserspaceAggregator(workers=workers, port=0, slots=slots, elems=elems, job=job,

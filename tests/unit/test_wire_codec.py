@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nicoffload import codec, proto
 from nicoffload.errors import InputError, ProtocolError
 from nicoffload.packets.layers import AllReduce
+from nicoffload.wire import codec, proto
 
 CODES = {name: code for name, _, code in proto.FIELDS}
 #: wire range of each struct code, written out (not derived from numpy or the codec)
@@ -237,7 +237,7 @@ def test_rejects_small_or_readonly_out():
 
 
 def _lines_executed_in_codec(fn) -> int:
-    """Python line events inside nicoffload/codec.py while ``fn`` runs."""
+    """Python line events inside nicoffload/wire/codec.py while ``fn`` runs."""
     n = 0
     target = codec.__file__
 

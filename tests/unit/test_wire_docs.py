@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nicoffload import proto
+from nicoffload.wire import proto
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 HEADER_TEXT = (proto.xdp_dir() / proto.HEADER_NAME).read_text()

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
+from wirecheck import NAMES, header_of, udp_of
 
-from nicoffload import proto
 from nicoffload.errors import InputError
 from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, payload_array, split_records
-
-from wirecheck import NAMES, header_of, udp_of
+from nicoffload.wire import proto
 
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
@@ -100,7 +99,7 @@ def test_helpers():
 
 
 def test_defaults_match_the_control_plane():
-    from nicoffload import aggregator
+    from nicoffload.agg import control as aggregator
 
     params = inspect.signature(aggregator.Aggregator.for_test).parameters
     assert params["agg_ip"].default == g.AGG_IP and params["agg_mac"].default == g.AGG_MAC

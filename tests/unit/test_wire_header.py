@@ -10,11 +10,10 @@ import struct
 import subprocess
 
 import pytest
-
-from nicoffload import codec, proto
-from nicoffload.packets.layers import AllReduce
-
 from wirecheck import c_compiler
+
+from nicoffload.packets.layers import AllReduce
+from nicoffload.wire import codec, proto
 
 TYPES = "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32;\n" \
         "typedef signed short s16; typedef unsigned long long u64;\n"

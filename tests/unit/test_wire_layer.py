@@ -11,7 +11,6 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from nicoffload import proto
 from nicoffload.packets.generators import frame
 from nicoffload.packets.layers import (
     AR_DETAILS,
@@ -24,6 +23,7 @@ from nicoffload.packets.layers import (
     split_records,
     unbind_port,
 )
+from nicoffload.wire import proto
 
 HEADER_TEXT = (proto.xdp_dir() / proto.HEADER_NAME).read_text()
 

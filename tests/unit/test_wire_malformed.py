@@ -2,18 +2,16 @@
 (its valid variants are accepted), and foreign traffic is never taken for ours."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
+from wirecheck import NAMES, header_of, udp_of
 
-from nicoffload import proto
 from nicoffload.errors import InputError
 from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
-
-from wirecheck import NAMES, header_of, udp_of
+from nicoffload.wire import proto
 
 W, S, E = 4, 8, 256
 BAD = {s for s in proto.STATS if s.startswith("bad_")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload import proto
+from nicoffload.wire import proto
 
 
 def block(*lines: str) -> str:

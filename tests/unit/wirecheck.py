@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from nicoffload import proto
+from nicoffload.wire import proto
 
 NAMES = [n for n, _, _ in proto.FIELDS]
 

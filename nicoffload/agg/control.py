@@ -1,0 +1,392 @@
+"""Control plane of the XDP aggregator: compile with the pool's sizes, attach inside a network
+namespace, pin program and maps so they outlive the process, register and remove jobs (each with
+its ranks, addresses, multicast group and share of the slot pool: :mod:`nicoffload.agg.jobtable`),
+read counters and slot state, detach and unpin. A later process reopens the pinned maps through
+bcc's typed tables (:mod:`nicoffload.agg.maps`; no hand-written mirror of kernel structs); the
+jobs and addresses are recorded next to the pins, and changed under a lock, so several
+processes can add and remove jobs of one aggregator."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from nicoffload import optim
+from nicoffload.agg.jobtable import JobEntry, JobTable, default_group
+from nicoffload.agg.maps import AggMaps
+from nicoffload.agg.optimizer import OptimizerControl
+from nicoffload.ebpf import libbpf, loadstate
+from nicoffload.ebpf import loader as bpf
+from nicoffload.ebpf.iface import MODES, iface_addr, resolve_mode
+from nicoffload.errors import AlreadyExistsError, InputError, MapError, NotFoundError
+from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.optim import OptimizerSpec
+from nicoffload.wire import proto
+
+STATE_DIR = Path("/run/nicoffload/aggregators")
+SOURCE = "aggregator.c"
+MAPS_HEADER = "agg_maps.h"
+ENTRY = "ar_aggregate"
+
+
+def callbacks(optimizer: bool) -> tuple[str, ...]:
+    """The bpf_loop callbacks, chained: ar_record's references go to ar_sgd (optimizer loads)."""
+    return ("ar_record", "ar_sgd") if optimizer else ("ar_record",)
+
+
+def pin_dir(netns: str | None, iface: str) -> Path:
+    return bpf.PIN_ROOT / (netns or "root") / iface
+
+
+def state_file(netns: str | None, iface: str) -> Path:
+    return loadstate.state_file(STATE_DIR, netns, iface)
+
+
+@dataclass
+class AggSpec:
+    """What is loaded where, and the job registered at load time (``workers`` 0: none; its share
+    ``job_slots``, None: the whole pool). Saved next to the pins with the registered ``jobs``
+    and the addresses results are sent from, so later processes find them."""
+
+    netns: str | None
+    iface: str
+    workers: int = 0
+    slots: int = DEFAULT.slots
+    elems: int = DEFAULT.elems
+    port: int = DEFAULT.port
+    mode: str = "auto"
+    job: int = DEFAULT.job
+    group: str = DEFAULT.group
+    worker_ips: list[str] = field(default_factory=list)
+    prog_id: int | None = None
+    mode_reason: str = ""
+    job_slots: int | None = None
+    agg_ip: str = ""
+    agg_mac: str = ""
+    jobs: list[dict] = field(default_factory=list)
+    optimizer: bool = False      # room for optimizer state: a master weight and momentum per slot element
+
+    def validate(self) -> None:
+        if not 0 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"--workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
+        JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems).validate()
+        if self.mode not in MODES:
+            raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.workers:
+            JobEntry(self.job, self.workers, self.group, list(self.worker_ips)).validate()
+        if self.optimizer and self.elems > optim.MAX_ELEMS:
+            raise InputError(f"an aggregator with optimizer state takes at most {optim.MAX_ELEMS} elements per "
+                             f"record (--elems), not {self.elems}")
+
+    def defines(self, pinned: bool) -> dict[str, int | str]:
+        d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port,
+                                   "AR_OPT_SLOTS": self.slots if self.optimizer else 1}
+        if pinned:
+            d["AR_PIN_DIR"] = f'"{pin_dir(self.netns, self.iface)}"'
+        return d
+
+
+class Aggregator(OptimizerControl):
+    """A loaded XDP aggregator. Use :meth:`load` (attach + pin), :meth:`open` (find a loaded one)
+    or :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context manager; unload is idempotent."""
+
+    def __init__(self, spec: AggSpec, b, prog: bpf.LoadedProgram | None = None,
+                 attachment: bpf.XdpAttachment | None = None, owner: bool = True):
+        self.spec = spec
+        self.b = b
+        self.maps = AggMaps(b, spec.slots)
+        self.table = JobTable.from_dicts(spec.slots, spec.jobs)
+        self.prog = prog
+        self.attachment = attachment
+        # close() unloads only what this object loaded (not a test program, not an inspection)
+        self._owner = owner
+        self._closed = False
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def load(cls, spec: AggSpec) -> "Aggregator":
+        spec.validate()
+        bpf.require_root("loading the XDP aggregator")
+        bpf.ensure_bpffs()
+        pdir = pin_dir(spec.netns, spec.iface)
+        # checks that name the problem before anything is created
+        spec.agg_ip, spec.agg_mac, mtu = iface_addr(spec.iface, spec.netns)
+        if bpf.xdp_prog_id(spec.iface, spec.netns) is not None:
+            raise AlreadyExistsError(
+                f"{spec.iface} in {spec.netns or 'the root namespace'} already has an XDP program attached; "
+                f"run: nicoffload agg unload --netns {spec.netns} --iface {spec.iface}")
+        if pdir.exists() or state_file(spec.netns, spec.iface).exists():
+            raise AlreadyExistsError(
+                f"an aggregator is already recorded for {spec.iface} in {spec.netns} ({pdir}); "
+                f"run: nicoffload agg unload --netns {spec.netns} --iface {spec.iface}")
+        need_mtu = proto.mtu_for_elems(spec.elems)
+        if mtu < need_mtu:
+            raise InputError(f"{spec.elems} elements per packet need an MTU of {need_mtu}, {spec.iface} has {mtu}")
+        spec.mode, spec.mode_reason = resolve_mode(spec.mode, spec.iface, spec.netns)
+        spec.jobs = []
+        bpf.make_pin_dir(pdir)
+        agg = None
+        try:
+            b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
+            prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
+            agg = cls(spec, b, prog)
+            agg.maps.reset_stats()
+            if spec.workers:
+                agg._admit(spec.job, spec.workers, spec.group, spec.worker_ips, spec.job_slots)
+            agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
+            libbpf.pin(prog.fd, pdir / "prog")
+            spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
+            agg._save_state()
+        except BaseException:
+            if agg is not None and agg.attachment is not None:
+                agg.attachment.detach()
+            bpf.remove_pin_dir(pdir)
+            state_file(spec.netns, spec.iface).unlink(missing_ok=True)
+            raise
+        return agg
+
+    @classmethod
+    def for_test(cls, workers: int, slots: int = 64, elems: int = proto.DEFAULT_ELEMS,
+                 port: int = DEFAULT.port, job: int = DEFAULT.job, group: str = DEFAULT.group,
+                 agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
+                 worker_ips: Sequence[str] = (), defines: dict | None = None,
+                 optimizer: OptimizerSpec | None = None, params: int = 0) -> "Aggregator":
+        """Load (not attach, not pin) for BPF_PROG_TEST_RUN, with one job over the whole pool
+        (``workers`` 0: none; with ``optimizer``: an optimizer job of ``params`` parameters, and
+        room for optimizer state). ``defines``: extra compile-time constants (tests)."""
+        spec = AggSpec(None, "", workers, slots, elems, port, job=job, group=group,
+                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None)
+        spec.validate()
+        b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
+        prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
+        agg = cls(spec, b, prog, owner=False)
+        agg.maps.reset_stats()
+        if workers:
+            agg._admit(job, workers, group, list(worker_ips), None, optimizer, params)
+        return agg
+
+    @classmethod
+    def open(cls, netns: str | None, iface: str) -> "Aggregator":
+        """Find an aggregator loaded by another process and reopen its pinned maps."""
+        bpf.require_root("inspecting the XDP aggregator")
+        try:
+            spec = _read_spec(netns, iface)
+        except NotFoundError:
+            _check_half_loaded(netns, iface)
+            raise
+        pdir = pin_dir(netns, iface)
+        if not (pdir / "ar_stats").exists():
+            raise NotFoundError(f"aggregator state for {iface} in {netns} exists but its pins in {pdir} are gone; "
+                                f"run: nicoffload agg unload --netns {netns} --iface {iface}")
+        text = f'#include <uapi/linux/bpf.h>\n#include "{MAPS_HEADER}"\n'
+        b = bpf.compile_bpf(MAPS_HEADER, spec.defines(pinned=True), text=text)
+        return cls(spec, b, None, bpf.XdpAttachment(iface, netns, spec.mode,
+                                                   attached=bpf.xdp_prog_id(iface, netns) is not None),
+                   owner=False)
+
+    def release(self) -> None:
+        """Leave the aggregator loaded when this object goes away (``agg load`` exits after this)."""
+        self._owner = False
+
+    @property
+    def live(self) -> bool:
+        """Attached and recorded (jobs changed here are saved for later processes)."""
+        return bool(self.spec.iface) and state_file(self.spec.netns, self.spec.iface).exists()
+
+    def _save_state(self) -> None:
+        self.spec.jobs = self.table.to_dicts()
+        loadstate.save(state_file(self.spec.netns, self.spec.iface), asdict(self.spec))
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Change the jobs of a live aggregator under its lock, from the latest saved table."""
+        if not self.live:
+            yield
+            return
+        lock = state_file(self.spec.netns, self.spec.iface).with_suffix(".lock")
+        with open(lock, "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            self.spec.jobs = _read_spec(self.spec.netns, self.spec.iface).jobs
+            self.table = JobTable.from_dicts(self.spec.slots, self.spec.jobs)
+            yield
+            self._save_state()
+
+    # --- jobs ------------------------------------------------------------------------------
+    def add_job(self, job: int, workers: int, group: str | None = None, worker_ips: Sequence[str] = (),
+                slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
+                initial: np.ndarray | None = None) -> JobEntry:
+        """Register a job with its own share of the pool (``slots``; None: the largest free
+        range) and its own multicast group (None: the first one no job uses, see
+        :func:`nicoffload.agg.jobtable.default_group`). Refused with CapacityError when the pool has no room. With an
+        ``optimizer``, the aggregator keeps ``params`` master weights (``initial``, else 0) and
+        the optimizer's state, and answers each step with the updated parameters."""
+        with self._changing():
+            g = group or default_group(job, self.table)
+            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params)
+            if initial is not None:
+                self.set_params(job, initial)
+            return e
+
+    def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None,
+               optimizer: OptimizerSpec | None = None, params: int = 0) -> JobEntry:
+        if optimizer is not None and not self.spec.optimizer:
+            raise InputError("this aggregator was loaded without optimizer state: load it with --optimizer")
+        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems)
+        try:
+            self.maps.clear_slots(e.slots)
+            self.maps.reset_stats([e.index + 1])
+            self.maps.write_hyper(e, self.spec.elems)
+            if optimizer is not None:
+                self.maps.write_state(e, self.spec.elems, np.zeros(params, np.int64))
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
+        except BaseException:
+            self.table.remove(job)
+            self.maps.erase_job(e)
+            raise
+        return e
+
+    def remove_job(self, job: int) -> JobEntry:
+        """Unregister a job: its packets are counted as bad_job from now on; its slots are free."""
+        with self._changing():
+            e = self.table.remove(job)
+            self.maps.erase_job(e)
+            return e
+
+    def reset_jobs(self) -> None:
+        """Write every job's entry anew: every epoch ends, workers must JOIN again (tests)."""
+        for e in self.table.entries.values():
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
+
+    def reset_slots(self) -> None:
+        """Zero every slot. Not needed between runs (epochs keep them apart); for tests."""
+        self.maps.clear_slots(range(self.spec.slots))
+
+    def reset_stats(self) -> None:
+        self.maps.reset_stats()
+
+    # --- inspection ------------------------------------------------------------------------
+    def stats(self, job: int | None = None) -> dict[str, int]:
+        """Counters summed over CPUs: of one job (wire id), or over every row (``job=None``)."""
+        rows = range(proto.MAX_JOBS + 1) if job is None else [self.maps.job_index(job) + 1]
+        return self.maps.stats(rows)
+
+    def unattributed(self) -> dict[str, int]:
+        """Counters of traffic that named no registered job (row 0)."""
+        return self.maps.stats([0])
+
+    def job_state(self, job: int) -> dict:
+        return self.maps.job_state(job)
+
+    def config(self) -> dict:
+        """The load-time job's entry (addresses, ranks, epoch state)."""
+        return self.job_state(self.spec.job)
+
+    def jobs(self) -> list[dict]:
+        """Every registered job: its share, group and addresses, epoch state and counters."""
+        out = []
+        for e in sorted(self.table.entries.values(), key=lambda e: e.slot_base):
+            out.append({**self.job_state(e.job), "stats": self.stats(e.job)})
+        return out
+
+    def slot(self, i: int, with_data: bool = False) -> dict:
+        return self.maps.slot(i, with_data)
+
+    def status(self) -> dict:
+        s = self.spec
+        return {
+            "netns": s.netns, "iface": s.iface, "mode": s.mode, "mode_reason": s.mode_reason,
+            "attached": bool(s.iface) and bpf.xdp_prog_id(s.iface, s.netns) is not None,
+            "prog_id": s.prog_id, "slots": s.slots, "elems": s.elems, "port": s.port,
+            "agg_ip": s.agg_ip, "pins": str(pin_dir(s.netns, s.iface)),
+            "jobs": self.table.to_dicts(), "free_slots": self.table.free_slots(),
+            # the load-time job, as before several jobs could share an aggregator
+            "job": s.job, "workers": s.workers, "group": s.group,
+        }
+
+    # --- test run --------------------------------------------------------------------------
+    def run(self, packet: bytes, repeat: int = 1) -> libbpf.TestRunResult:
+        if self.prog is None:
+            raise MapError("this aggregator was opened for inspection; it has no program to run")
+        return libbpf.test_run(self.prog.fd, packet, repeat=repeat)
+
+    # --- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unload what this object loaded (detach, remove pins and state); release the rest.
+        Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owner:
+            unload(self.spec.netns, self.spec.iface, missing_ok=True)
+        loadstate.release(self.prog, self.b)
+        self.prog = self.b = None
+
+    def __enter__(self) -> "Aggregator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_spec(netns: str | None, iface: str) -> AggSpec:
+    sf = state_file(netns, iface)
+    try:
+        return AggSpec(**json.loads(sf.read_text()))
+    except FileNotFoundError:
+        raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}") from None
+
+
+def _check_half_loaded(netns: str | None, iface: str) -> None:
+    """Nothing is recorded for ``iface``: say so clearly if a load was interrupted there (pins
+    left, or a program attached, but no state file), with the command that cleans it up."""
+    left = []
+    if pin_dir(netns, iface).exists():
+        left.append(f"pins in {pin_dir(netns, iface)}")
+    try:
+        if bpf.xdp_prog_id(iface, netns) is not None:
+            left.append("an XDP program attached")
+    except NotFoundError:
+        pass
+    if left:
+        raise NotFoundError(
+            f"the aggregator on {iface} in {netns or 'the root namespace'} is half loaded ({' and '.join(left)}, "
+            f"but no state file: was 'agg load' interrupted?); run: nicoffload agg unload --netns {netns} "
+            f"--iface {iface}")
+
+
+def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
+    """Detach the aggregator from ``iface`` and remove its pins and state. Returns whether
+    anything was there. Without ``missing_ok``, nothing to unload is a NotFoundError."""
+    bpf.require_root("unloading the XDP aggregator")
+    sf = state_file(netns, iface)
+    pdir = pin_dir(netns, iface)
+    mode = "native"
+    if sf.exists():
+        try:
+            mode = json.loads(sf.read_text()).get("mode", "native")
+        except ValueError:
+            pass
+    found = sf.exists() or pdir.exists() or sf.with_suffix(".tmp").exists()
+    try:
+        detached = bpf.detach_xdp(iface, netns, mode)
+    except NotFoundError:
+        detached = False
+    bpf.remove_pin_dir(pdir)  # and its parents it leaves empty
+    sf.unlink(missing_ok=True)
+    sf.with_suffix(".lock").unlink(missing_ok=True)
+    sf.with_suffix(".tmp").unlink(missing_ok=True)  # a load killed while saving its state
+    if not (found or detached) and not missing_ok:
+        raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
+    return found or detached
+
+
+def loaded(netns_prefix: str = "") -> list[tuple[str | None, str]]:
+    """(netns, iface) of every aggregator recorded on this machine (optionally only those in
+    namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them; also
+    those whose load was killed while it wrote the state file (only its ``.tmp`` is there)."""
+    return loadstate.recorded(STATE_DIR, netns_prefix)

@@ -1,0 +1,162 @@
+"""The aggregator's job table as data: which jobs are registered, with which ranks, addresses,
+multicast group and share of the slot pool, and the rules for admitting a new one. No BPF here:
+:class:`nicoffload.agg.Aggregator` writes what this decides into the kernel's maps.
+
+Rules (each refusal names what to do):
+- at most ``proto.MAX_JOBS`` jobs; job ids are unique;
+- a job's share is a contiguous range of the pool, never overlapping another job's (a job's
+  packets can only touch its own slots: the XDP program adds ``slot_base`` to the record's slot
+  and checks it against ``slot_count``); a new job gets the first free range that fits
+  (first fit); when none fits the job is refused (:class:`CapacityError`) with the largest free
+  range in the message;
+- every job has its own multicast group (results of one job must never reach another's hosts);
+- ranks' source addresses are registered per job; a rank whose address is given can only
+  contribute from that address (the XDP program counts anything else as ``bad_src``).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from nicoffload import optim
+from nicoffload.errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
+from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.optim import OptimizerSpec
+from nicoffload.wire import proto
+from nicoffload.wire.addr import require_ipv4s
+
+
+@dataclass
+class JobEntry:
+    """One registered job: ``index`` is its row of the kernel's job table (its counters are in
+    row ``index + 1`` of the stats map; row 0 counts traffic of no job)."""
+
+    job: int
+    workers: int
+    group: str
+    worker_ips: list[str] = field(default_factory=list)
+    slot_base: int = 0
+    slot_count: int = 0
+    index: int = 0
+    optimizer: dict | None = None   # an OptimizerSpec as a dict: the aggregator applies it (op SGD)
+    params: int = 0                 # parameters of an optimizer job
+
+    def validate(self) -> "JobEntry":
+        if not 1 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"a job has 1..{proto.MAX_WORKERS} workers, not {self.workers}")
+        JobSpec(job=self.job, group=self.group).validate()
+        if self.worker_ips and len(self.worker_ips) != self.workers:
+            raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
+        require_ipv4s(self.worker_ips, "worker address", f"job {self.job}: two ranks registered with the same address")
+        return self
+
+    @property
+    def slots(self) -> range:
+        return range(self.slot_base, self.slot_base + self.slot_count)
+
+    @property
+    def spec(self) -> OptimizerSpec | None:
+        return OptimizerSpec(**self.optimizer) if self.optimizer else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class JobTable:
+    """The registered jobs of one aggregator whose pool has ``pool`` slots."""
+
+    def __init__(self, pool: int, entries: list[JobEntry] | None = None):
+        self.pool = pool
+        self.entries: dict[int, JobEntry] = {e.job: e for e in entries or []}
+
+    @classmethod
+    def from_dicts(cls, pool: int, rows: list[dict]) -> "JobTable":
+        return cls(pool, [JobEntry(**r) for r in rows])
+
+    def to_dicts(self) -> list[dict]:
+        return [e.to_dict() for e in sorted(self.entries.values(), key=lambda e: e.slot_base)]
+
+    def get(self, job: int) -> JobEntry:
+        try:
+            return self.entries[job]
+        except KeyError:
+            known = ", ".join(str(j) for j in sorted(self.entries)) or "none"
+            raise NotFoundError(f"job {job} is not registered on this aggregator (registered: {known})") from None
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """(base, count) of every unused range of the pool, in order."""
+        out, at = [], 0
+        for e in sorted(self.entries.values(), key=lambda e: e.slot_base):
+            if e.slot_base > at:
+                out.append((at, e.slot_base - at))
+            at = max(at, e.slot_base + e.slot_count)
+        if at < self.pool:
+            out.append((at, self.pool - at))
+        return out
+
+    def free_slots(self) -> int:
+        return sum(c for _, c in self.free_ranges())
+
+    def admit(self, job: int, workers: int, group: str, worker_ips: list[str] | tuple = (),
+              slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
+              elems: int = DEFAULT.elems) -> JobEntry:
+        """Register a job: its share is ``slots`` slots (None: the largest free range; an
+        optimizer job gets exactly one slot per block of its ``params`` and its exponent rounds).
+        Raises AlreadyExistsError, InputError or CapacityError, naming the conflict; changes
+        nothing then."""
+        if job in self.entries:
+            raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
+        entry = JobEntry(job, workers, group, list(worker_ips)).validate()
+        if optimizer is not None:
+            optimizer.validate()
+            if params < 1:
+                raise InputError("an optimizer job needs its number of parameters (--params)")
+            if elems > optim.MAX_ELEMS:
+                raise InputError(f"an optimizer job takes at most {optim.MAX_ELEMS} elements per record, "
+                                 f"the aggregator has {elems}")
+            need = optim.share(params, elems)
+            if slots is not None and slots != need:
+                raise InputError(f"an optimizer job of {params} parameters takes exactly {need} slots "
+                                 f"({optim.meta_slots(params, elems)} for exponents, one per block), not {slots}")
+            slots = need
+            entry.optimizer, entry.params = optimizer.to_dict(), params
+        for other in self.entries.values():
+            if other.group == group:
+                raise InputError(f"multicast group {group} is already job {other.job}'s: give each job its own "
+                                 f"group (--group), or its results would reach the other job's hosts")
+        if len(self.entries) >= proto.MAX_JOBS:
+            raise CapacityError(f"the aggregator holds {proto.MAX_JOBS} jobs, its most; remove one first")
+        free = self.free_ranges()
+        largest = max((c for _, c in free), default=0)
+        want = largest if slots is None else slots
+        if want < 1:
+            raise CapacityError(f"no free slots left in the pool of {self.pool}: remove a job, or load the "
+                                f"aggregator with more --slots")
+        fit = next(((b, c) for b, c in free if c >= want), None)
+        if fit is None:
+            raise CapacityError(
+                f"job {job} asks for {want} slots, but the largest free range of the pool holds {largest} "
+                f"({self.free_slots()} of {self.pool} free): ask for fewer (--slots), remove a job, or load the "
+                f"aggregator with more --slots")
+        used = {e.index for e in self.entries.values()}
+        entry.index = min(i for i in range(proto.MAX_JOBS) if i not in used)
+        entry.slot_base, entry.slot_count = fit[0], want
+        self.entries[job] = entry
+        return entry
+
+    def remove(self, job: int) -> JobEntry:
+        entry = self.get(job)
+        del self.entries[job]
+        return entry
+
+
+def default_group(job: int, table: JobTable) -> str:
+    """A multicast group no registered job uses: DEFAULT.group for the first job, then
+    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
+    used = {e.group for e in table.entries.values()}
+    if DEFAULT.group not in used:
+        return DEFAULT.group
+    for x in range(2, 255):
+        g = f"239.77.0.{x}"
+        if g not in used:
+            return g
+    raise InputError(f"no free default multicast group for job {job}: give one with --group")

@@ -1,0 +1,183 @@
+"""Typed access to the XDP aggregator's maps (xdp/agg_maps.h) through bcc's tables: job entries,
+slots and per-job counters, written and read the way the program uses them. Which job goes where
+is decided by :mod:`nicoffload.agg.jobtable`; this module only reads and writes."""
+from __future__ import annotations
+
+import secrets
+import socket
+
+import numpy as np
+
+from nicoffload import optim
+from nicoffload.agg.jobtable import JobEntry
+from nicoffload.errors import InputError, MapError, NotFoundError
+from nicoffload.wire import proto, quant
+from nicoffload.wire.addr import ip_net, ip_str, mac_bytes, multicast_mac
+
+
+class AggMaps:
+    """The maps of one loaded aggregator (``b``: the bcc module that holds them)."""
+
+    def __init__(self, b, pool: int):
+        self.b, self.pool = b, pool
+
+    def _write(self, table, key: int, value) -> None:
+        try:
+            table[table.Key(key)] = value
+        except Exception as e:  # bcc raises plain Exception with errno text
+            name = table.name.decode() if isinstance(table.name, bytes) else table.name
+            raise MapError(f"writing {name}[{key}] failed: {e}") from e
+
+    # --- jobs ------------------------------------------------------------------------------
+    def write_job(self, e: JobEntry, agg_ip: str, agg_mac: str) -> None:
+        """Write the job's entry and index. A fresh entry has no epoch: the job's workers must JOIN
+        (again). Epoch numbers start at a random point, so a worker of an earlier load or an
+        earlier job of these slots cannot hit a current epoch by chance."""
+        jobs, index = self.b["ar_jobs"], self.b["ar_job_index"]
+        v = jobs.Leaf()
+        v.agg_ip = ip_net(agg_ip)
+        v.agg_mac[:] = list(mac_bytes(agg_mac))
+        v.job = e.job
+        v.workers = e.workers
+        v.worker_mask = (1 << e.workers) - 1
+        v.slot_base, v.slot_count = e.slot_base, e.slot_count
+        v.mcast_ip = ip_net(e.group)
+        v.mcast_mac[:] = list(mac_bytes(multicast_mac(e.group)))
+        v.live, v.epoch = 0, secrets.randbits(32)
+        for r, ip in enumerate(e.worker_ips):
+            v.worker_ip[r] = ip_net(ip)
+        v.configured = 1
+        self._write(jobs, e.index, v)
+        self._write(index, e.job, index.Leaf(e.index))
+
+    def erase_job(self, e: JobEntry) -> None:
+        """Unregister: first the index (the job's packets become bad_job), then the entry."""
+        index, jobs = self.b["ar_job_index"], self.b["ar_jobs"]
+        try:
+            del index[index.Key(e.job)]
+        except KeyError:
+            pass
+        self._write(jobs, e.index, jobs.Leaf())
+
+    def job_index(self, job: int) -> int:
+        index = self.b["ar_job_index"]
+        try:
+            return int(index[index.Key(job)].value)
+        except KeyError:
+            raise NotFoundError(f"job {job} is not registered on this aggregator") from None
+
+    def job_state(self, job: int) -> dict:
+        """The job's entry as the program sees it (addresses, ranks, share, epoch state)."""
+        c = self.b["ar_jobs"][self.b["ar_jobs"].Key(self.job_index(job))]
+        n = c.workers
+        return {
+            "job": c.job, "workers": n, "worker_mask": c.worker_mask, "configured": bool(c.configured),
+            "agg_ip": ip_str(c.agg_ip), "group": ip_str(c.mcast_ip),
+            "agg_mac": ":".join(f"{x:02x}" for x in c.agg_mac),
+            "slot_base": c.slot_base, "slots": c.slot_count,
+            "epoch": c.live, "last_epoch": c.epoch, "joined": c.joined,
+            "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
+            "worker_ips": [ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
+        }
+
+    # --- optimizer ---------------------------------------------------------------------------
+    def write_hyper(self, e: JobEntry, elems: int) -> None:
+        """The job's optimizer entry (all zero for a job without one)."""
+        t = self.b["ar_hyper"]
+        v = t.Leaf()
+        spec = e.spec
+        if spec is not None:
+            v.opt = optim.KINDS[spec.kind]
+            v.flags = optim.NESTEROV if spec.nesterov else 0
+            v.meta_slots = optim.meta_slots(e.params, elems)
+            v.bias = 1 << (30 - quant.headroom_bits(e.workers))
+            for k, c in spec.fixed().items():
+                setattr(v, k, c)
+        self._write(t, e.index, v)
+
+    def set_lr(self, e: JobEntry, lr: int) -> None:
+        """Change the learning rate (fixed point) of a job; nothing else of its entry."""
+        t = self.b["ar_hyper"]
+        v = t[t.Key(e.index)]
+        v.lr = lr
+        self._write(t, e.index, v)
+
+    def _opt_table(self, e: JobEntry, elems: int):
+        t = self.b["ar_opt"]
+        if len(t) < self.pool:
+            raise InputError("this aggregator was loaded without optimizer state (agg load --optimizer)")
+        meta = optim.meta_slots(e.params, elems)
+        return t, range(e.slot_base + meta, e.slot_base + e.slot_count)
+
+    def write_state(self, e: JobEntry, elems: int, w: np.ndarray, m: np.ndarray | None = None,
+                    steps: np.ndarray | None = None) -> None:
+        """Master weights (and momentum, and updates applied, per block) in fixed point."""
+        t, slots = self._opt_table(e, elems)
+        nb = len(slots)
+        wp = np.zeros(nb * elems, np.int64)
+        wp[:w.size] = w
+        mp = np.zeros(nb * elems, np.int64)
+        if m is not None:
+            mp[:m.size] = m
+        for b, i in enumerate(slots):
+            v = t.Leaf()
+            v.w[:] = wp[b * elems:(b + 1) * elems].tolist()
+            v.m[:] = mp[b * elems:(b + 1) * elems].tolist()
+            v.steps = int(steps[b]) if steps is not None else 0
+            self._write(t, i, v)
+
+    def read_state(self, e: JobEntry, elems: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(w, m) in fixed point, e.params each, and the updates applied per block."""
+        t, slots = self._opt_table(e, elems)
+        w = np.empty(len(slots) * elems, np.int64)
+        m = np.empty_like(w)
+        steps = np.empty(len(slots), np.int64)
+        for b, i in enumerate(slots):
+            v = t[t.Key(i)]
+            w[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.w)
+            m[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.m)
+            steps[b] = v.steps
+        return w[:e.params], m[:e.params], steps
+
+    # --- slots -----------------------------------------------------------------------------
+    def clear_slots(self, slots: range) -> None:
+        t = self.b["ar_slots"]
+        empty = t.Leaf()
+        for i in slots:
+            self._write(t, i, empty)
+
+    def slot(self, i: int, with_data: bool = False) -> dict:
+        if not 0 <= i < self.pool:
+            raise InputError(f"slot {i} out of range 0..{self.pool - 1}")
+        t = self.b["ar_slots"]
+        v = t[t.Key(i)]
+        sets = []
+        for k in range(2):
+            s = v.set[k]
+            exp = socket.ntohs(s.exp & 0xFFFF)
+            d = {
+                "set": k, "used": bool(s.epoch), "epoch": s.epoch, "round": s.round, "bitmap": s.bitmap,
+                "mask": s.mask, "complete": bool(s.complete), "count": s.count,
+                "exp": exp - 0x10000 if exp >= 0x8000 else exp, "op": proto.OPS.get(s.op, str(s.op)),
+            }
+            if with_data:
+                d["acc"] = np.ctypeslib.as_array(s.acc).view("<i4").copy()
+            sets.append(d)
+        return {"slot": i, "sets": sets}
+
+    # --- counters --------------------------------------------------------------------------
+    def reset_stats(self, rows: range | list[int] | None = None) -> None:
+        """Zero counter rows (row 0: traffic of no job; row i + 1: job table index i); all by default."""
+        t = self.b["ar_stats"]
+        for i in range(proto.MAX_JOBS + 1) if rows is None else rows:
+            self._write(t, i, t.Leaf(*([t.sLeaf()] * t.total_cpu)))
+
+    def stats(self, rows) -> dict[str, int]:
+        """Counters of the given rows, summed over rows and CPUs."""
+        t = self.b["ar_stats"]
+        out = dict.fromkeys(proto.STATS, 0)
+        for row in rows:
+            for cpu in t[t.Key(row)]:
+                for i, name in enumerate(proto.STATS):
+                    out[name] += int(cpu.c[i])
+        return out

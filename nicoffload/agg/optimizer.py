@@ -1,0 +1,74 @@
+"""The control plane of an optimizer job (OptimusNIC): upload and read back its parameters,
+read its optimizer state, change its learning rate between steps, checkpoint and restore it.
+Mixed into :class:`nicoffload.agg.Aggregator` (uses its job table, maps and spec)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nicoffload import optim
+from nicoffload.agg.jobtable import JobEntry
+from nicoffload.errors import InputError
+from nicoffload.optim import OptimizerSpec
+
+
+class OptimizerControl:
+    def _opt_entry(self, job: int) -> JobEntry:
+        e = self.table.get(job)
+        if e.spec is None:
+            raise InputError(f"job {job} has no optimizer")
+        return e
+
+    def set_params(self, job: int, values: np.ndarray, momentum: np.ndarray | None = None) -> None:
+        """Upload a job's parameters (float; master weights in fixed point), momentum 0 unless
+        given: the next update is the job's first (torch's momentum buffer starts empty)."""
+        e = self._opt_entry(job)
+        v = np.asarray(values).reshape(-1)
+        if v.size != e.params:
+            raise InputError(f"job {job} has {e.params} parameters, {v.size} given")
+        m = None if momentum is None else optim.to_fixed(momentum)
+        self.maps.write_state(e, self.spec.elems, optim.to_fixed(v), m)
+
+    def params(self, job: int) -> np.ndarray:
+        """The master weights of an optimizer job, as float64."""
+        e = self._opt_entry(job)
+        return optim.from_fixed(self.maps.read_state(e, self.spec.elems)[0])
+
+    def optimizer_state(self, job: int) -> dict:
+        """Master weights and momentum (fixed point and float), updates per block, hyperparameters."""
+        e = self._opt_entry(job)
+        w, m, steps = self.maps.read_state(e, self.spec.elems)
+        return {"optimizer": e.optimizer, "params": e.params, "w_fixed": w, "m_fixed": m, "steps": steps,
+                "w": optim.from_fixed(w), "m": optim.from_fixed(m), "frac_bits": optim.FRAC}
+
+    def set_lr(self, job: int, lr: float) -> None:
+        """A new learning rate, from the next update on (between steps: a schedule)."""
+        with self._changing():
+            e = self._opt_entry(job)
+            spec = dataclasses.replace(e.spec, lr=lr).validate()
+            e.optimizer = spec.to_dict()
+            self.maps.set_lr(e, spec.fixed()["lr"])
+
+    def save_optimizer(self, job: int, path: Path) -> Path:
+        """Checkpoint: hyperparameters, master weights, momentum and update counts, to .npz."""
+        st = self.optimizer_state(job)
+        path = Path(path)
+        np.savez(path, w=st["w_fixed"], m=st["m_fixed"], steps=st["steps"], frac_bits=optim.FRAC,
+                 elems=self.spec.elems, optimizer=json.dumps(st["optimizer"]))
+        return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
+
+    def load_optimizer(self, job: int, path: Path) -> None:
+        """Restore a checkpoint of :meth:`save_optimizer` into a registered job of the same shape."""
+        e = self._opt_entry(job)
+        with np.load(path) as z:
+            if int(z["frac_bits"]) != optim.FRAC or int(z["elems"]) != self.spec.elems or z["w"].size != e.params:
+                raise InputError(f"{path}: checkpoint of {z['w'].size} parameters, {int(z['elems'])} per record, "
+                                 f"{int(z['frac_bits'])} fractional bits does not fit job {job} ({e.params}, "
+                                 f"{self.spec.elems}, {optim.FRAC})")
+            self.maps.write_state(e, self.spec.elems, z["w"], z["m"], z["steps"])
+            saved = OptimizerSpec(**json.loads(str(z["optimizer"])))
+        self.set_lr(job, saved.lr)
+

@@ -1,0 +1,18 @@
+"""The ``nicoffload`` command: :func:`main` (in :mod:`.app`) assembles the subcommands, each in
+its own module exposing ``register(subparsers)``; they parse arguments and call the layers below.
+
+    app       the root parser, one-line errors with a distinct exit code per error class
+    agg       ``agg load|status|stats|slots|unload|job|bench``: the XDP aggregator
+    aggopt    ``agg opt ...``: an optimizer job's parameters, state, learning rate, checkpoints
+    ring      ``ring load|status|stats|unload``: the ring offload's program on a node
+    xdp       what ``agg`` and ``ring`` share: attach modes, --netns/--iface, the counter printer
+    testbed   ``testbed up|down|list|exec|clean``
+    worker    ``worker``, ``allreduce``, ``demo``, ``aggregator-userspace``
+    train     ``train-demo``: DDP with gloo against nicoffload, the optimizer offload
+    bench     ``bench``: systems side by side, soak, tenants
+"""
+from __future__ import annotations
+
+from nicoffload.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,280 @@
+"""``nicoffload agg``: load, inspect and unload the XDP aggregator on an interface."""
+from __future__ import annotations
+
+import json
+
+from nicoffload.cli import aggopt as cli_aggopt
+from nicoffload.cli.app import add_examples
+from nicoffload.cli.xdp import MODES, action, show_stats, watch_argument, where_arguments
+from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.wire import proto
+
+
+def _job_arguments(q, load: bool = False) -> None:
+    """The options of a job entry (``agg load`` registers one when --workers is given)."""
+    q.add_argument("--workers", type=int, required=not load, default=0,
+                   help=f"ranks in the job (1..{proto.MAX_WORKERS})" + ("; without it no job is registered" if load
+                                                                      else ""))
+    q.add_argument("--job", type=int, default=DEFAULT.job, help=f"job id carried in every packet (default {DEFAULT.job})")
+    q.add_argument("--group", default=None,
+                   help=f"IP multicast group of the job's results (default: {DEFAULT.group}, or the next one no job uses)")
+    q.add_argument("--worker-ip", action="append", default=[], metavar="IP",
+                   help="registered source address of rank 0, 1, ... (repeat; default: unchecked)")
+    q.add_argument("--job-slots" if load else "--slots", dest="job_slots", type=int, default=None,
+                   help="the job's share of the pool (default: the largest free range)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("agg", help="load, inspect and unload the XDP aggregator")
+    add_examples(
+        p,
+        "sudo nicoffload agg load --netns nco-tb-agg --iface eth0 --workers 4",
+        "sudo nicoffload agg status --netns nco-tb-agg --iface eth0 --json",
+        "sudo nicoffload agg stats --netns nco-tb-agg --iface eth0 --watch 1",
+        "sudo nicoffload agg slots --netns nco-tb-agg --iface eth0 --slot 0 --slot 1",
+        "sudo nicoffload agg unload --netns nco-tb-agg --iface eth0",
+    )
+    asub = p.add_subparsers(dest="agg_command", metavar="ACTION")
+    asub.required = True
+
+    def where(q):
+        where_arguments(q, "interface the aggregator runs on")
+
+    q = asub.add_parser("load", help="compile, attach and pin the aggregator (and register a first job)")
+    add_examples(q, "sudo nicoffload agg load --netns nco-tb-agg --iface eth0 --workers 4",
+                 "sudo nicoffload agg load --netns NS --iface eth0 --slots 4096   # jobs come with 'agg job add'",
+                 "sudo nicoffload agg load --netns NS --iface eth0 --workers 8 --slots 2048 --elems 512 --mode generic")
+    where(q)
+    q.add_argument("--slots", type=int, default=DEFAULT.slots,
+                   help=f"aggregation slots in the pool, shared by the jobs (default {DEFAULT.slots})")
+    q.add_argument("--elems", type=int, default=DEFAULT.elems,
+                   help=f"int32 elements per packet (default {DEFAULT.elems} = 1 KiB)")
+    q.add_argument("--mode", choices=MODES, default="auto",
+                   help="XDP attach mode: auto picks the fastest that works on the interface (generic "
+                        "batches on veth, native elsewhere) and says which")
+    q.add_argument("--port", type=int, default=DEFAULT.port, help=f"UDP port (default {DEFAULT.port})")
+    _job_arguments(q, load=True)
+    q.add_argument("--with-optimizer", action="store_true",
+                   help="room for optimizer state (jobs added later may have an optimizer); implied by --optimizer")
+    cli_aggopt.optimizer_arguments(q)
+    q.add_argument("--json", action="store_true", help="print the status as JSON")
+    q.set_defaults(func=_load)
+
+    _register_jobs(asub, where)
+    cli_aggopt.register(asub, where)
+    _register_bench(asub)
+
+    for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
+                          ("stats", _stats, "show the per-reason counters"),
+                          ("slots", _slots, "dump slot state (bitmaps, counts, sets)"),
+                          ("unload", _unload, "detach and remove the pins")):
+        q = action(asub, name, fn, hlp, where)
+        if name == "stats":
+            q.add_argument("--job", type=int, default=None,
+                           help="one job's counters (default: every row, including traffic of no job)")
+            watch_argument(q)
+            add_examples(q, "sudo nicoffload agg stats --netns NS --iface eth0",
+                         "sudo nicoffload agg stats --netns NS --iface eth0 --watch 0.5")
+        elif name == "slots":
+            q.add_argument("--slot", type=int, action="append", default=None, help="slot to show (repeat)")
+            q.add_argument("--busy", action="store_true", help="show only slots that have been used")
+            add_examples(q, "sudo nicoffload agg slots --netns NS --iface eth0 --slot 3",
+                         "sudo nicoffload agg slots --netns NS --iface eth0 --busy --json")
+        else:
+            add_examples(q, f"sudo nicoffload agg {name} --netns NS --iface eth0")
+
+
+def _load(args) -> int:
+    from nicoffload.agg.control import Aggregator, AggSpec
+
+    opt = cli_aggopt.optimizer_from(args)
+    spec = AggSpec(args.netns, args.iface, 0 if opt else args.workers, args.slots, args.elems, args.port, args.mode,
+                   args.job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
+                   optimizer=bool(opt) or args.with_optimizer)
+    agg = Aggregator.load(spec)
+    if opt:  # the first job is an optimizer job
+        try:
+            agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
+                        params=args.params, initial=cli_aggopt.initial_params(args))
+        except BaseException:
+            agg.close()
+            raise
+    st = agg.status()
+    # the program stays attached and pinned after this process exits
+    agg.release()
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}): {st['mode_reason']}; "
+          f"prog id {st['prog_id']}: a pool of {args.slots} slots x {args.elems} int32, port {args.port}; "
+          f"pinned in {st['pins']}")
+    for j in st["jobs"]:
+        print("  " + _describe_job(j))
+    if not st["jobs"]:
+        print("  no job yet: register one with 'nicoffload agg job add'")
+    return 0
+
+
+def _describe_job(j: dict) -> str:
+    base, n = j["slot_base"], j["slot_count"]
+    ips = ", ".join(j["worker_ips"]) if j["worker_ips"] else "sources unchecked"
+    return (f"job {j['job']}: {j['workers']} workers ({ips}), slots {base}..{base + n - 1} of the pool, "
+            f"results to {j['group']}")
+
+
+def _register_jobs(asub, where) -> None:
+    q = asub.add_parser("job", help="register, remove and list the jobs of a loaded aggregator")
+    add_examples(q, "sudo nicoffload agg job add --netns NS --iface eth0 --job 2 --workers 4 --slots 256 "
+                    "--group 239.77.0.2 --worker-ip 10.0.0.1 --worker-ip 10.0.0.2 ...",
+                 "sudo nicoffload agg job list --netns NS --iface eth0",
+                 "sudo nicoffload agg job remove --netns NS --iface eth0 --job 2")
+    jsub = q.add_subparsers(dest="job_command", metavar="ACTION")
+    jsub.required = True
+    a = jsub.add_parser("add", help="register a job with its ranks, addresses, group and share of the pool")
+    where(a)
+    _job_arguments(a)
+    cli_aggopt.optimizer_arguments(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_job_add)
+    r = jsub.add_parser("remove", help="unregister a job (its packets are then counted as no job's)")
+    where(r)
+    r.add_argument("--job", type=int, required=True)
+    r.set_defaults(func=_job_remove)
+    ls = jsub.add_parser("list", help="the registered jobs with their epoch state and counters")
+    where(ls)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_job_list)
+
+
+def _job_add(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
+    e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
+                    optimizer=cli_aggopt.optimizer_from(args), params=args.params,
+                    initial=cli_aggopt.initial_params(args))
+    print(json.dumps(e.to_dict()) if args.json else
+          f"registered on {args.iface}: {_describe_job(agg.job_state(e.job) | e.to_dict())}; "
+          f"{agg.table.free_slots()} of {agg.spec.slots} slots left")
+    return 0
+
+
+def _job_remove(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    e = agg.remove_job(args.job)
+    print(f"job {e.job} removed from {args.iface}; slots {e.slot_base}..{e.slot_base + e.slot_count - 1} are free")
+    return 0
+
+
+def _job_list(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    jobs = agg.jobs()
+    if args.json:
+        print(json.dumps({"jobs": jobs, "free_slots": agg.table.free_slots(), "slots": agg.spec.slots,
+                          "unattributed": agg.unattributed()}))
+        return 0
+    print(f"{'job':>6} {'workers':>7} {'slots':>13} {'group':>15} {'epoch':>10} {'joined':>10} {'completed':>10} "
+          f"{'rx':>10} {'dropped':>8}")
+    for j in jobs:
+        s = j["stats"]
+        span = f"{j['slot_base']}..{j['slot_base'] + j['slots'] - 1}"
+        bad = sum(v for k, v in s.items() if k.startswith("bad_"))
+        print(f"{j['job']:>6} {j['workers']:>7} {span:>13} {j['group']:>15} {j['epoch']:>10} {j['joined']:>#10x} "
+              f"{s['completed']:>10} {s['rx']:>10} {bad:>8}")
+    u = agg.unattributed()
+    print(f"free slots: {agg.table.free_slots()} of {agg.spec.slots}; traffic of no job: {u['rx']} frames, "
+          f"{u['bad_job']} of an unregistered job")
+    return 0
+
+
+def _status(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    st = agg.status()
+    st["stats"] = agg.stats()
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    state = "attached" if st["attached"] else "NOT attached (pins only; run unload)"
+    print(f"{st['iface']} in {st['netns'] or 'root'}: {state}, {st['mode']} XDP, prog id {st['prog_id']}")
+    print(f"  a pool of {st['slots']} slots x {st['elems']} int32 ({st['free_slots']} free), port {st['port']}")
+    for j in st["jobs"]:
+        print("  " + _describe_job(j))
+    s = st["stats"]
+    print(f"  rx {s['rx']}  completed {s['completed']}  retx answered {s['retx_answered']}  "
+          f"dropped (malformed) {sum(v for k, v in s.items() if k.startswith('bad_'))}")
+    return 0
+
+
+def _stats(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    return show_stats(lambda: agg.stats(args.job), args.json, args.watch)
+
+
+def _slots(args) -> int:
+    from nicoffload.agg.control import Aggregator
+
+    agg = Aggregator.open(args.netns, args.iface)
+    ids = args.slot if args.slot else range(agg.spec.slots)
+    rows = [agg.slot(i) for i in ids]
+    if args.busy:
+        rows = [r for r in rows if any(s["used"] for s in r["sets"])]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'slot':>6} {'set':>3} {'epoch':>10} {'round':>10} {'bitmap':>10} {'mask':>10} {'done':>4} "
+          f"{'count':>5} {'exp':>5} {'op':>5}")
+    for r in rows:
+        for s in r["sets"]:
+            if not s["used"] and not args.slot:
+                continue
+            print(f"{r['slot']:>6} {s['set']:>3} {s['epoch']:>10} {s['round']:>10} {s['bitmap']:>#10x} "
+                  f"{s['mask']:>#10x} {'yes' if s['complete'] else 'no':>4} {s['count']:>5} {s['exp']:>5} "
+                  f"{s['op']:>5}")
+    return 0
+
+
+def _unload(args) -> int:
+    from nicoffload.agg.control import unload
+
+    unload(args.netns, args.iface)
+    print(f"aggregator unloaded from {args.iface} ({args.netns or 'root namespace'})")
+    return 0
+
+
+def _register_bench(asub) -> None:
+    q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
+    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live")
+    q.add_argument("--workers", type=int, default=4)
+    JobSpec.add_arguments(q, only=("elems",))
+    q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
+    q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
+    q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizer's update")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab import xdpbench
+
+    bpf.require_root("nicoffload agg bench")
+    elems = JobSpec.from_args(args).elems
+    out = {"workers": args.workers, "elems": elems, "test_run_ns": xdpbench.test_run_costs(args.workers, elems,
+                                                                                            args.rounds)}
+    if args.optimizer:
+        out["optimizer"] = xdpbench.optimizer_costs(args.workers, elems)
+        if not args.no_live:
+            out["optimizer_live"] = xdpbench.optimizer_live_cost(args.workers, elems=elems)
+    if not args.no_live:
+        out["live"] = xdpbench.live_cost(args.workers, elems=elems)
+    print(json.dumps(out) if args.json else xdpbench.describe(out))
+    return 0

@@ -1,0 +1,216 @@
+"""``nicoffload bench``: nicoffload (XDP and user-space aggregators) against a TCP ring, gloo and
+Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots.
+``--soak N`` instead: N consecutive AllReduces with frames dropped and duplicated on every link.
+
+Arguments only; the sweep is :mod:`nicoffload.lab.bench.sweep`, the soak :mod:`nicoffload.lab.soak`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nicoffload.cli.app import add_examples
+from nicoffload.errors import InputError
+from nicoffload.jobspec import DEFAULT
+from nicoffload.lab.bench import plan
+from nicoffload.lab.inputs import format_size
+from nicoffload.lab.soak import DTYPES as SOAK_DTYPES
+from nicoffload.lab.soak import SoakConfig
+
+
+def _list(conv, what):
+    def parse(text: str):
+        try:
+            return plan.parse_list(conv, text)
+        except (ValueError, InputError) as e:
+            raise argparse.ArgumentTypeError(f"bad {what} {text!r}: {e}") from None
+    return parse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="nicoffload vs a TCP ring, gloo and MPI on one testbed, with plots (root)",
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
+    add_examples(p, "sudo nicoffload bench",
+                 "sudo nicoffload bench --quick --out /tmp/bench",
+                 "sudo nicoffload bench --workers 4 --sizes 16MiB --rate unshaped --reps 10",
+                 "sudo nicoffload bench --workers 4 --sizes 64MiB --rate 1gbit --systems xdp,userspace,ring",
+                 "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full",
+                 "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,64KiB,1MiB,64MiB --sparsity 0 --rate 1gbit "
+                 "--systems ring,xdpring,udpring,gloo --compute     # the ring offload against the rings",
+                 "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
+                 "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
+    p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
+                   help="worker counts, one testbed each (default 2,4,8)")
+    p.add_argument("--sizes", type=_list(plan.size, "sizes"), default=None,
+                   help="bytes of float32 gradients per worker (default 4KiB,64KiB,1MiB)")
+    p.add_argument("--sparsity", type=_list(plan.sparsity, "sparsities"), default=None,
+                   help="fractions of 1 KiB blocks that are zero (default 0,0.5,0.75)")
+    p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
+                   help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
+    p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
+                   help="default xdp,userspace,ring,gloo,mpi,xdpring,udpring (ring: the TCP ring; xdpring: the ring "
+                        "offload in every worker's XDP; udpring: the same protocol in user space; unavailable ones "
+                        "are skipped with a reason)")
+    p.add_argument("--reps", type=int, default=None, help="timed AllReduces per point, at least (default 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed AllReduces per point (default 1)")
+    p.add_argument("--min-time", type=float, default=None,
+                   help="keep repeating a point until this many seconds (CPU ticks are 10 ms; default 0.2)")
+    p.add_argument("--max-reps", type=int, default=None, help="reps per point at most (default 200)")
+    p.add_argument("--max-point-time", type=float, default=None,
+                   help="stop repeating a point after this many seconds, even below --reps (default 10)")
+    p.add_argument("--full", action="store_true",
+                   help="every size x sparsity at every worker count (default: all sizes at the lowest "
+                        "sparsity, and all sparsities at the centre worker count and largest size <= 16MiB)")
+    p.add_argument("--out", type=Path, default=plan.BenchConfig.out, help="directory for results and plots")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny sweep for tests: 2 workers, 4KiB and 256KiB, unshaped and 200mbit, 3 reps")
+    p.add_argument("--seed", type=int, default=plan.BenchConfig.seed)
+    p.add_argument("--mpirun", default=plan.BenchConfig.mpirun, help="the mpirun to use (default: from PATH)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds without progress before a rank fails")
+    p.add_argument("--dtype", choices=["float32", "int32"], default=plan.BenchConfig.dtype,
+                   help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
+    p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
+                   help="XDP attach mode of the aggregator and of the ring programs (default auto: generic batches "
+                        "on veth); the ring mode itself is chosen with --systems xdpring,udpring")
+    p.add_argument("--compute", action="store_true",
+                   help="run a compute loop beside every rank: how much of its throughput each system's AllReduces "
+                        "take (compute_drop)")
+    soak = p.add_argument_group("soak (--soak N; --workers, --sizes, --sparsity, --seed, --timeout, --mode apply)")
+    soak.add_argument("--soak", type=int, metavar="N", default=None,
+                      help="instead of the sweep: N consecutive AllReduces on one testbed through the XDP aggregator "
+                           "with frames dropped and duplicated on every link, every result checked; prints the call "
+                           "times' distribution, the worst call and the fault and aggregator counters (defaults: "
+                           f"workers {SOAK_WORKERS}, sizes {','.join(map(format_size, SoakConfig.sizes))}, "
+                           f"sparsity {SoakConfig.sparsity}, timeout {DEFAULT.timeout:g})")
+    soak.add_argument("--drop", type=float, default=None, metavar="P",
+                      help=f"probability a frame is dropped, each way of every link (default {SoakConfig.drop})")
+    soak.add_argument("--dup", type=float, default=None, metavar="P",
+                      help=f"probability a frame is duplicated, each way of every link (default {SoakConfig.dup})")
+    soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
+                      help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
+    soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
+    ten = p.add_argument_group("tenants (--tenants J,..; --workers per job, one --sizes value, --reps apply)")
+    ten.add_argument("--tenants", type=_list(plan.workers, "job counts"), default=None, metavar="J,..",
+                     help="J jobs of the same shape at once on one XDP aggregator, against one alone")
+    p.set_defaults(func=_bench)
+
+
+def _tenants(args) -> int:
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab import tenants
+
+    bpf.require_root("nicoffload bench --tenants (it builds a namespace testbed and loads XDP)")
+    workers = (args.workers or [2])[0]
+    size = (args.sizes or [16 << 20])[0]
+    counts = sorted(set([1, *args.tenants]))
+    print(f"nicoffload bench --tenants: {counts} jobs of {workers} workers, {size >> 10} KiB float32 each, "
+          f"{args.reps or 10} reps", file=sys.stderr, flush=True)
+    rows = tenants.run(counts, workers=workers, nbytes=size, reps=args.reps or 10, seed=args.seed)
+    if not all(r.exact for r in rows):
+        print("nicoffload bench --tenants: a job's result was outside its bound", file=sys.stderr)
+        return 1
+    return 0
+
+
+#: ranks of a soak unless --workers says
+SOAK_WORKERS = 3
+#: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
+SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick",
+              "compute")
+SOAK_ONLY = ("drop", "dup", "dtypes", "json")
+
+
+def _given(args, names) -> list[str]:
+    return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) not in (None, False)]
+
+
+def _dtype(t: str) -> str:
+    if t not in SOAK_DTYPES:
+        raise InputError(f"one of {', '.join(SOAK_DTYPES)}")
+    return t
+
+
+def _bench(args) -> int:
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab.bench import report, sweep
+
+    if args.soak is not None:
+        return _soak(args)
+    if args.tenants is not None:
+        return _tenants(args)
+    if _given(args, SOAK_ONLY):
+        raise InputError(f"{', '.join(_given(args, SOAK_ONLY))} go with --soak N")
+    bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")
+    given = {k: v for k, v in dict(workers=args.workers, sizes=args.sizes, sparsities=args.sparsity,
+                                   rates=args.rate, systems=args.systems, reps=args.reps, warmup=args.warmup,
+                                   min_time=args.min_time, max_reps=args.max_reps, timeout=args.timeout,
+                                   max_point_s=args.max_point_time).items()
+             if v is not None}
+    given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
+                 compute=args.compute)
+    cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
+    print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
+          f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)
+    rows, pngs = sweep.run(cfg, argv=sys.argv)
+    print(report.table(rows))
+    print(report.summary(rows, cfg.out, pngs))
+    errors = [r for r in rows if r["status"] == "error"]
+    if errors:
+        print(f"{len(errors)} point(s) failed; see 'reason' in results.json", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _soak_config(args) -> tuple[int, SoakConfig]:
+    """(workers, the soak's configuration) from the command line, refusing sweep-only options."""
+    given = _given(args, SWEEP_ONLY)
+    if args.dtype != plan.BenchConfig.dtype:
+        given.append("--dtype (use --dtypes)")
+    if given:
+        raise InputError(f"--soak does not take {', '.join(given)}")
+    for what, values in (("--workers", args.workers), ("--sparsity", args.sparsity)):
+        if values is not None and len(values) != 1:
+            raise InputError(f"--soak runs one testbed: give one value of {what}, not {len(values)}")
+    workers = args.workers[0] if args.workers else SOAK_WORKERS
+    spec = DEFAULT if args.timeout is None else DEFAULT.replace(timeout=args.timeout)
+    kw = dict(calls=args.soak, seed=args.seed, spec=spec, mode=args.mode)
+    for name in ("drop", "dup"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.sizes:
+        kw["sizes"] = tuple(args.sizes)
+    if args.dtypes:
+        kw["dtypes"] = tuple(args.dtypes)
+    if args.sparsity:
+        kw["sparsity"] = args.sparsity[0]
+    return workers, SoakConfig(**kw).validate()
+
+
+def _soak(args) -> int:
+    import json
+
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab import soak
+    from nicoffload.lab.jobs import testbed
+
+    workers, cfg = _soak_config(args)
+    bpf.require_root("nicoffload bench --soak (it builds a namespace testbed and loads XDP)")
+    print(f"nicoffload bench --soak: {cfg.calls} AllReduces, {workers} ranks, sizes "
+          f"{','.join(map(format_size, cfg.sizes))}, dtypes {','.join(cfg.dtypes)}, drop {cfg.drop} dup {cfg.dup} "
+          f"on every link, seed {cfg.seed}", file=sys.stderr, flush=True)
+
+    def show(summary) -> None:
+        print(json.dumps(summary.to_dict(), indent=1) if args.json else soak.format_summary(summary), flush=True)
+
+    with testbed(workers, cfg.spec.elems) as tb:
+        try:
+            summary = soak.run(tb, cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except soak.SoakError as e:
+            show(e.summary)
+            raise
+    show(summary)
+    if not summary.exact:
+        print(f"nicoffload bench --soak: {len(summary.failures)} of {summary.count} calls returned a wrong result",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,11 @@
+"""The host's data path, shared by both communicators (the aggregator mode's
+:class:`nicoffload.worker.Communicator` and the ring's :class:`nicoffload.ring.RingCommunicator`).
+
+    kernels    numba kernels (compiled once, cached on disk): block metadata in one pass,
+               quantization straight into the records about to be sent
+    pump       sendmmsg/recvmmsg from compiled code, results decoded straight into the output
+    transport  one UDP socket per rank: UDP_SEGMENT batches out, UDP_GRO batches in, buffers
+               allocated once
+    tensors    what a collective takes and gives: the dtypes it sums, the input as a
+               C-contiguous array with its output, the blocks' exponents (NaN/Inf refused)
+"""

@@ -1,0 +1,254 @@
+"""Fused numeric kernels of the worker's hot path (numba, compiled once and cached on disk).
+
+Each kernel makes one pass over its data and writes straight into the buffer that goes on the
+wire or into the caller's output: no temporaries, no gathers, no Python per block.
+
+    block_meta      per block: exponent of the largest magnitude (float) and whether it is
+                    non-zero; NaN/Inf found on the way
+    encode_*        records (header + payload) of this rank's rounds into the send buffer:
+                    float -> offset-binary fixed point (op SUM64), int32 copied (op SUM), or
+                    metadata words (ops MAX / OR)
+
+Receiving and decoding are in nicoffload.datapath.pump.
+
+The wire layout comes from nicoffload.wire.proto (offsets of the C header); records are
+proto.record_size(elems) bytes; header fields are big endian, payloads little endian.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from nicoffload.wire import proto
+
+_O = proto.FIELD_OFFSETS
+O_TYPE, O_FLAGS, O_SET, O_RANK = _O["type"], _O["flags"], _O["set"], _O["rank"]
+O_JOB, O_EPOCH, O_SLOT, O_ROUND = _O["job"], _O["epoch"], _O["slot"], _O["round"]
+O_MASK, O_ACK, O_COUNT, O_EXP = _O["mask"], _O["ack"], _O["count"], _O["exp"]
+O_OP, O_DETAIL = _O["op"], _O["detail"]
+HDR = proto.HDR_LEN
+T_RESULT, T_STATUS, T_ACK = proto.TYPE_RESULT, proto.TYPE_STATUS, proto.TYPE_ACK
+RANK_AGG = proto.RANK_AGG
+ZERO_EXP = np.iinfo(np.int32).min
+#: shifts whose 2^s and 2^-s are normal float32 numbers: the float32 path is exact there
+F32_SHIFT_LIMIT = 100
+
+
+
+
+
+@njit(cache=True, inline="always")
+def _be16(b, off):
+    return (np.int64(b[off]) << 8) | np.int64(b[off + 1])
+
+
+@njit(cache=True, inline="always")
+def _be32(b, off):
+    return ((np.int64(b[off]) << 24) | (np.int64(b[off + 1]) << 16) | (np.int64(b[off + 2]) << 8)
+            | np.int64(b[off + 3]))
+
+
+@njit(cache=True, inline="always")
+def _put16(b, off, v):
+    b[off] = (v >> 8) & 0xFF
+    b[off + 1] = v & 0xFF
+
+
+@njit(cache=True, inline="always")
+def _put32(b, off, v):
+    b[off] = (v >> 24) & 0xFF
+    b[off + 1] = (v >> 16) & 0xFF
+    b[off + 2] = (v >> 8) & 0xFF
+    b[off + 3] = v & 0xFF
+
+
+# --- per-block metadata ----------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
+    """block_meta_* on the float's bits ``u``: ``emask``/``amask`` the exponent and magnitude
+    masks, ``mbits`` the mantissa bits, ``inf_field`` the exponent field of Inf/NaN, ``bias``
+    what makes frexp's exponent of the field, ``tiny`` the smallest subnormal."""
+    n = u.size
+    for b in range(exps.size):
+        lo = b * elems
+        hi = min(lo + elems, n)
+        s = u[lo:hi]
+        m = emask & 0
+        for i in range(hi - lo):
+            v = s[i] & emask
+            m = v if v > m else m
+        field = np.int32(m >> mbits)
+        if field == inf_field:
+            for i in range(hi - lo):
+                if s[i] & emask == emask:
+                    return lo + i
+        if field == 0:  # zero or subnormal only: the largest mantissa decides
+            mm = amask & 0
+            for i in range(hi - lo):
+                v = s[i] & amask
+                mm = v if v > mm else mm
+            exps[b] = ZERO_EXP if mm == 0 else math.frexp(float(mm) * tiny)[1]
+        else:
+            exps[b] = field - bias
+    return -1
+
+
+@njit(cache=True, boundscheck=False)
+def block_meta_f32(x, elems, exps):
+    """exps[b] = E with max|x| < 2^E in block b (math.frexp's exponent of the largest magnitude),
+    ZERO_EXP for an all-zero block. Returns the index of the first non-finite element, or -1.
+
+    Works on the exponent fields: the largest magnitude has the largest exponent field, and for
+    a normal number frexp's exponent is that field - 126; an all-ones field is Inf or NaN. One
+    32-bit max per element (this vectorises); blocks without a normal number (zero or subnormal
+    only) take an exact slow path."""
+    return _block_meta(x.view(np.int32), elems, exps, np.int32(0x7F800000), np.int32(0x7FFFFFFF), 23, 0xFF, 126,
+                       2.0 ** -149)
+
+
+@njit(cache=True, boundscheck=False)
+def block_meta_f64(x, elems, exps):
+    """As block_meta_f32 for float64 (exponent field 11 bits, frexp's exponent = field - 1022)."""
+    return _block_meta(x.view(np.int64), elems, exps, np.int64(0x7FF0000000000000),
+                       np.int64(0x7FFFFFFFFFFFFFFF), 52, 0x7FF, 1022, 2.0 ** -1074)
+
+
+@njit(cache=True, boundscheck=False)
+def zero_blocks(out, active, elems):
+    """Write zeros over every block of ``out`` (viewed as int32 words, ``elems`` words per block)
+    whose ``active`` flag is 0: blocks zero on every rank get no round."""
+    n = out.size
+    for b in range(active.size):
+        if not active[b]:
+            lo = b * elems
+            s = out[lo:min(lo + elems, n)]
+            for k in range(s.size):
+                s[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def block_nonzero_i32(x, elems, out):
+    """out[b] = 1 if block b of int32 x has a non-zero element, else 0."""
+    n = x.size
+    for b in range(out.size):
+        lo = b * elems
+        hi = min(lo + elems, n)
+        s = x[lo:hi]
+        m = np.int32(0)
+        for i in range(hi - lo):
+            m |= s[i]
+        out[b] = 1 if m != 0 else 0
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
+    """Header of round ``r`` (unwrapped round number of the epoch: slot r mod S, set (r div S)
+    mod 2, wire round r mod 2^32) from the 40-byte template (magic, version, type, flags, rank,
+    job, epoch, ack)."""
+    for k in range(HDR):
+        buf[off + k] = tmpl[k]
+    buf[off + O_SET] = (r // nslots) & 1
+    _put32(buf, off + O_SLOT, r % nslots)
+    _put32(buf, off + O_ROUND, r & 0xFFFFFFFF)
+    _put32(buf, off + O_MASK, mask)
+    _put16(buf, off + O_COUNT, count)
+    _put16(buf, off + O_EXP, exp & 0xFFFF)
+    buf[off + O_OP] = op
+
+
+@njit(cache=True, boundscheck=False)
+def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first, op):
+    """Record first + j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
+    rint(x * 2^shift) + bias as unsigned 32-bit lanes (op SUM64: with |q| <= bias and
+    2 * bias * ranks <= 2^31, the aggregator's 64-bit adds never carry from one lane into the
+    next; op SGD adds the same way and then applies the job's optimizer). Elements beyond the tensor are 0. ``single``: x is float32, scaled in float32 where
+    2^shift is a normal float32 (exact there); float64 input is always scaled in float64.
+    The lanes are computed in int32 arithmetic (wrapping modulo 2^32 gives the unsigned lane's
+    bits) so that the loop vectorises."""
+    n = x.size
+    w = buf.view(np.int32)
+    b32 = np.int32(bias)
+    for j in range(mine.size):
+        i = mine[j]
+        b = blocks[i]
+        off = (first + j) * rec
+        lo = b * elems
+        cnt = min(elems, n - lo)
+        s = shifts[i]
+        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, op)
+        p = off // 4 + HDR // 4
+        o = w[p:p + elems]  # slices, not computed indices: LLVM vectorises these loops
+        xs = x[lo:lo + cnt]
+        if single and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
+            f = np.float32(math.ldexp(1.0, s))
+            for k in range(cnt):
+                o[k] = np.int32(np.rint(np.float32(xs[k]) * f)) + b32
+        else:
+            d = math.ldexp(1.0, s)
+            for k in range(cnt):
+                o[k] = np.int32(np.rint(np.float64(xs[k]) * d)) + b32
+        for k in range(cnt, elems):
+            o[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def encode_int(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, op, first):
+    """As encode_float for int32 data (op SUM) or metadata words (ops MAX / OR), from record
+    ``first`` of ``buf`` on: the payload is copied; elements beyond the array are 0."""
+    n = x.size
+    w = buf.view(np.int32)
+    for j in range(mine.size):
+        i = mine[j]
+        b = blocks[i]
+        off = (first + j) * rec
+        lo = b * elems
+        cnt = min(elems, n - lo)
+        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, 0, op)
+        p = off // 4 + HDR // 4
+        o = w[p:p + elems]
+        xs = x[lo:lo + cnt]
+        for k in range(cnt):
+            o[k] = xs[k]
+        for k in range(cnt, elems):
+            o[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def encode_pulls(buf, rec, tmpl, which, base, nslots, masks):
+    """PULL records (full size, count 0, payload ignored) for rounds base + which[j]."""
+    for j in range(which.size):
+        i = which[j]
+        off = j * rec
+        _header(buf, off, tmpl, base + i, nslots, masks[i], 0, 0, 0)
+
+
+_warm: set = set()
+
+
+def warm_up(elems: int) -> None:
+    """Compile (or load from the on-disk cache) the metadata and encoding kernels for the
+    argument types the worker uses, so that a communicator's first collective does not pay."""
+    if elems in _warm:
+        return
+    rec = proto.record_size(elems)
+    buf = np.zeros(2 * rec, np.uint8)
+    tmpl = np.zeros(HDR, np.uint8)
+    one = np.zeros(1, np.int64)
+    masks = np.ones(1, np.int64)
+    shifts = np.zeros(1, np.int32)
+    for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
+        exps = np.zeros(1, np.int32)
+        (block_meta_f32 if x.dtype == np.float32 else block_meta_f64)(x, elems, exps)
+        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0,
+                     proto.OP_SUM64)
+    block_nonzero_i32(np.zeros(2, np.int32), elems, np.zeros(1, np.uint8))
+    for w in (np.zeros(2, np.int32), np.zeros(2, np.int64)):
+        zero_blocks(w, np.zeros(1, np.bool_), elems)
+    encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
+    encode_pulls(buf, rec, tmpl, one, 0, 1, masks)
+    _warm.add(elems)

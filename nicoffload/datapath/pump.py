@@ -1,0 +1,325 @@
+"""The worker's receive and send pumps (numba, cached on disk): batch system calls made from
+compiled code, and the decoding of every received record straight into the caller's output.
+
+    pump_send       sendmmsg of this rank's records, up to one UDP_SEGMENT batch per datagram
+    pump_recv       recvmmsg of everything queued (with the UDP_GRO segment size), decoded as
+                    it comes
+    decode_results  every record of a batch of datagrams: results dequantized (or copied) into
+                    the output, results of later streams stashed, STATUS records noted,
+                    everything else skipped
+    replay_stash    the stashed results that belong to a new stream
+    advance         the stream's head: the lowest round without a result
+    recv_batch, gro_segment, unfix
+                    one recvmmsg, a datagram's GRO segment size, fixed point into floats:
+                    inlined here and in the ring's kernels (nicoffload.ring.kernels)
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+from numba import njit, types
+
+from nicoffload.datapath.kernels import (
+    F32_SHIFT_LIMIT,
+    HDR,
+    O_ACK,
+    O_COUNT,
+    O_DETAIL,
+    O_EPOCH,
+    O_EXP,
+    O_JOB,
+    O_MASK,
+    O_RANK,
+    O_ROUND,
+    O_SET,
+    O_SLOT,
+    O_TYPE,
+    RANK_AGG,
+    T_ACK,
+    T_RESULT,
+    T_STATUS,
+    _be16,
+    _be32,
+)
+from nicoffload.wire import proto
+
+# libc's batch calls, called from the kernels by symbol name (so the compiled code caches on disk;
+# a ctypes pointer would be baked in); pointers are passed as integers (the x86-64 ABI is the same)
+_recvmmsg = types.ExternalFunction("recvmmsg", types.int32(types.int32, types.intp, types.uint32, types.int32,
+                                                           types.intp))
+_sendmmsg = types.ExternalFunction("sendmmsg", types.int32(types.int32, types.intp, types.uint32, types.int32))
+MSG_DONTWAIT = 0x40
+SOL_UDP, UDP_GRO = 17, 104
+#: bytes of a struct sockaddr_in (the sender's address of a received datagram)
+SOCKADDR_IN = 16
+#: bytes before a control message's data (struct cmsghdr: len, level, type)
+CMSG_HDR = ctypes.sizeof(ctypes.c_size_t) + 8
+
+# decode_results kinds: what a result's payload becomes
+KIND_INT32 = 0    # copied (int32 data, metadata)
+KIND_FLOAT32 = 1  # offset-binary fixed point -> float32
+KIND_FLOAT64 = 2  # offset-binary fixed point -> float64
+KIND_PARAMS32 = 3  # an optimizer's parameters: int32 lane * 2^exp of the record -> float32
+KIND_PARAMS64 = 4  # ... -> float64
+
+# decode_results return codes (besides the count of new results)
+EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
+D_EPOCH, D_WAITING = proto.DETAIL["epoch"], proto.DETAIL["waiting"]
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def unfix(lanes, cnt, nb32, s, kind, out_f32, out_f64, lo):
+    """``cnt`` fixed-point lanes into out_f32 (kind KIND_FLOAT32) or out_f64 from element ``lo``
+    on: (lane - nb32) * 2^-s, nb32 the contributors' offset-binary bias (the int32 difference is
+    exact: |sum| <= 2^30), with one rounding. Shared with the ring's decode."""
+    if kind == KIND_FLOAT32 and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
+        f = np.float32(math.ldexp(1.0, -s))
+        d32 = out_f32[lo:lo + cnt]
+        for k in range(cnt):
+            d32[k] = np.float32(np.int32(lanes[k] - nb32)) * f
+    elif kind == KIND_FLOAT32:
+        d = math.ldexp(1.0, -s)
+        d32 = out_f32[lo:lo + cnt]
+        for k in range(cnt):
+            d32[k] = np.float32(np.float64(np.int32(lanes[k] - nb32)) * d)
+    else:
+        d = math.ldexp(1.0, -s)
+        d64 = out_f64[lo:lo + cnt]
+        for k in range(cnt):
+            d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d
+
+
+@njit(cache=True, boundscheck=False)
+def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, base, nrounds, nslots,
+                   blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly, stash, stash_round,
+                   gate):
+    """Every record of ``nmsg`` received datagrams (message m at buf[m * stride:], ``lens[m]``
+    bytes, records of ``segs[m]`` bytes; 0: one record). A RESULT of this job, epoch and call
+    (round base + i, i < nrounds, on the slot and set that round maps to) that is not yet
+    ``done`` becomes output: int32 copied, or (float kinds) (lane - contributors * bias) * 2^-shift
+    with one rounding. STATUS records for this rank store the contributors of a waiting round in
+    ``status`` or raise an event. Returns (new results, event); their indices are newly[:new].
+    A RESULT of a later round (up to stash_round.size rounds beyond this call: a round this rank
+    does not contribute to can complete before the rank gets there) is kept in ``stash`` at
+    round mod stash_round.size; the stream that owns it replays it (replay_stash).
+    Every RESULT, and the aggregator's answer to an ACK, carries the job's gate; gate[0] keeps the
+    latest (unwrapped, relative to ``base``)."""
+    new = 0
+    event = 0
+    wi = buf.view(np.int32)
+    for m in range(nmsg):
+        seg = segs[m]
+        ln = lens[m]
+        if seg <= 0:
+            seg = ln
+        start = m * stride
+        off = 0
+        while off + HDR <= ln:
+            o = start + off
+            here = off
+            off += seg
+            t = buf[o + O_TYPE]
+            if t != T_RESULT and t != T_STATUS and t != T_ACK:
+                continue
+            if _be32(buf, o + O_JOB) != job or _be32(buf, o + O_EPOCH) != epoch:
+                continue
+            if t != T_STATUS and gate.size:
+                if t == T_ACK and _be16(buf, o + O_RANK) != RANK_AGG:
+                    continue
+                g = _be32(buf, o + O_ACK)
+                d = (g - base) & 0xFFFFFFFF
+                ga = base + (d - 0x100000000 if d >= 0x80000000 else d)
+                if ga > gate[0]:
+                    gate[0] = ga
+                if t == T_ACK:
+                    continue
+            i = (_be32(buf, o + O_ROUND) - base) & 0xFFFFFFFF
+            if i >= nrounds:
+                h = stash_round.size
+                if t == T_RESULT and i < nrounds + h and seg >= rec and here + rec <= ln:
+                    r = base + i
+                    at = (r % h) * rec
+                    for k in range(rec):
+                        stash[at + k] = buf[o + k]
+                    stash_round[r % h] = r
+                continue
+            if t == T_STATUS:
+                if _be16(buf, o + O_RANK) != rank:
+                    continue
+                d = buf[o + O_DETAIL]
+                if d == D_EPOCH:
+                    event = EV_STALE_EPOCH
+                elif d == D_WAITING:
+                    status[i] = _be32(buf, o + O_MASK)
+                continue
+            if done[i] or seg < rec or here + rec > ln:
+                continue
+            r = base + i
+            if _be32(buf, o + O_SLOT) != r % nslots or buf[o + O_SET] != (r // nslots) & 1:
+                continue
+            cnt = _be16(buf, o + O_COUNT)
+            if cnt > elems:
+                continue
+            lo = blocks[i] * elems
+            p = (o + HDR) // 4
+            lanes = wi[p:p + cnt]  # slices, not computed indices: LLVM vectorises these loops
+            if kind == KIND_INT32:
+                dst = out_i[lo:lo + cnt]
+                for k in range(cnt):
+                    dst[k] = lanes[k]
+            elif kind == KIND_PARAMS32 or kind == KIND_PARAMS64:
+                e = _be16(buf, o + O_EXP)
+                d = math.ldexp(1.0, e - 0x10000 if e >= 0x8000 else e)
+                if kind == KIND_PARAMS32:
+                    d32 = out_f32[lo:lo + cnt]
+                    for k in range(cnt):
+                        d32[k] = np.float32(np.float64(lanes[k]) * d)
+                else:
+                    d64 = out_f64[lo:lo + cnt]
+                    for k in range(cnt):
+                        d64[k] = np.float64(lanes[k]) * d
+            else:
+                mask = _be32(buf, o + O_MASK)
+                c = 0
+                while mask:
+                    mask &= mask - 1
+                    c += 1
+                # lane - contributors * bias in int32 arithmetic: exact, |sum| <= 2^30
+                unfix(lanes, cnt, np.int32(np.int64(c) * bias), shifts[i], kind, out_f32, out_f64, lo)
+            done[i] = 1
+            newly[new] = i
+            new += 1
+    return new, event
+
+
+# --- batch system calls ---------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def recv_batch(fd, msgs, nmsgs, clen, namelen, cspace):
+    """One recvmmsg of up to ``nmsgs`` datagrams, never blocking (their control and address
+    lengths reset first). Returns how many came (<= 0: none). Shared with the ring's receive."""
+    for m in range(nmsgs):
+        clen[m] = cspace
+        namelen[m] = SOCKADDR_IN
+    return _recvmmsg(fd, msgs, nmsgs, MSG_DONTWAIT, 0)
+
+
+@njit(cache=True, inline="always")
+def gro_segment(clen, cm_level, cm_type, cm_data, m):
+    """The UDP_GRO segment size datagram ``m`` came with (0: none, a single datagram)."""
+    ok = clen[m] >= CMSG_HDR + 4 and cm_level[m] == SOL_UDP and cm_type[m] == UDP_GRO
+    return cm_data[m] if ok else 0
+
+
+@njit(cache=True, boundscheck=False)
+def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size):
+    """Send records [first, first + count) of the buffer at ``addr`` with sendmmsg: datagrams of
+    up to ``per`` records (one UDP_SEGMENT batch each), up to ``nmsgs`` datagrams per call.
+    Returns how many records went out (fewer when the socket pushed back: the caller waits)."""
+    sent = 0
+    while sent < count:
+        left = count - sent
+        k = min(nmsgs, (left + per - 1) // per)
+        for m in range(k):
+            r = min(per, left - m * per)
+            iov_base[m] = addr + (first + sent + m * per) * size
+            iov_len[m] = r * size
+        got = _sendmmsg(fd, msgs, k, 0)
+        if got <= 0:
+            return sent
+        for m in range(got):
+            sent += min(per, count - sent)
+    return sent
+
+
+@njit(cache=True, boundscheck=False)
+def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace, namelen, src_addr, src_port,
+              peer, foreign, buf, stride, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias, kind,
+              out_i, out_f32, out_f64, done, status, newly, stash, stash_round, gate):
+    """Receive everything queued (recvmmsg, never blocking) and decode every record as it comes
+    (decode_results). Returns (datagrams, new results, event); the new rounds are newly[:new].
+    With ``peer`` set (address, port as stored in a sockaddr_in; 0: anyone), datagrams from any
+    other sender are skipped and counted in ``foreign[0]``."""
+    total = 0
+    new = 0
+    event = 0
+    while True:
+        n = recv_batch(fd, msgs, nmsgs, clen, namelen, cspace)
+        if n <= 0:
+            break
+        for m in range(n):
+            segs[m] = gro_segment(clen, cm_level, cm_type, cm_data, m)
+            if peer[0] and (src_addr[m] != peer[0] or src_port[m] != peer[1]):
+                lens[m] = 0  # not from the aggregator: decode_results skips it
+                foreign[0] += 1
+        got, ev = decode_results(buf, stride, lens, segs, n, rec, elems, job, epoch, rank, base, nrounds,
+                                 nslots, blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status,
+                                 newly[new:], stash, stash_round, gate)
+        new += got
+        if ev:
+            event = ev
+        total += n
+        if n < nmsgs:
+            break
+    return total, new, event
+
+
+@njit(cache=True, boundscheck=False)
+def replay_stash(stash, stash_round, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias,
+                 kind, out_i, out_f32, out_f64, done, status, newly, lens, segs, gate):
+    """Decode the stashed results that belong to rounds base .. base + nrounds - 1 (and forget
+    them). ``lens`` and ``segs``: scratch of stash_round.size entries. Returns the new results."""
+    h = stash_round.size
+    any_ = False
+    for m in range(h):
+        r = stash_round[m]
+        if base <= r < base + nrounds:
+            lens[m] = rec
+            stash_round[m] = -1
+            any_ = True
+        else:
+            lens[m] = 0
+        segs[m] = 0
+    if not any_:
+        return 0
+    new, _ev = decode_results(stash, rec, lens, segs, h, rec, elems, job, epoch, rank, base, nrounds, nslots,
+                              blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly,
+                              stash[:0], stash_round[:0], gate)
+    return new
+
+
+@njit(cache=True, boundscheck=False)
+def advance(done, head, hi):
+    """The lowest round at or after ``head`` without a result (``hi`` if all up to it have one)."""
+    while head < hi and done[head]:
+        head += 1
+    return head
+
+
+_warm: set = set()
+
+
+def warm_up(elems: int) -> None:
+    """Compile (or load from the on-disk cache) the decoding kernels for the argument types the
+    worker uses, so that a communicator's first collective does not pay for it."""
+    if elems in _warm:
+        return
+    rec = proto.record_size(elems)
+    buf = np.zeros(2 * rec, np.uint8)
+    one = np.zeros(1, np.int64)
+    shifts = np.zeros(1, np.int32)
+    lens = np.zeros(1, np.uint32)
+    segs = np.zeros(1, np.int64)
+    stash, stash_round = np.zeros(rec, np.uint8), np.full(1, -1, np.int64)
+    for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64, KIND_PARAMS32, KIND_PARAMS64):
+        args = (rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind, np.zeros(1, np.int32), np.zeros(1, np.float32),
+                np.zeros(1, np.float64), np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
+        gate = np.zeros(1, np.int64)
+        decode_results(buf, rec, lens, segs, 1, *args, stash, stash_round, gate)
+        replay_stash(stash, stash_round, *args, lens.astype(np.uint32), segs, gate)
+    advance(np.zeros(1, np.uint8), 0, 1)
+    _warm.add(elems)

@@ -1,0 +1,76 @@
+"""What the control plane needs to know about an interface inside a namespace: its addresses
+and MTU, its driver, and the XDP attach mode that suits it."""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import socket
+
+from nicoffload.ebpf.loader import ifindex
+from nicoffload.ebpf.loader import netns as enter_netns
+from nicoffload.errors import NotFoundError
+
+#: attach modes: auto picks the fastest that works on the interface (see resolve_mode)
+MODES = ("auto", "generic", "native")
+
+
+def resolve_mode(mode: str, iface: str, netns: str | None) -> tuple[str, str]:
+    """(native|generic, why). Generic (skb) XDP sees a worker's UDP_SEGMENT send or a UDP GRO
+    batch whole, so one program run aggregates up to 61 records and the result goes back as one
+    frame; native XDP sees single datagrams. On veth generic is the fastest (measured: see the
+    README); on other drivers native is the default (batches there need UDP GRO forwarding on
+    the NIC, which generic mode with `ethtool -K IF rx-udp-gro-forwarding on` can use)."""
+    if mode != "auto":
+        return mode, f"{mode} XDP, as asked"
+    driver = iface_driver(iface, netns)
+    if driver == "veth":
+        return "generic", "generic XDP (batches): veth hands UDP_SEGMENT sends to generic XDP whole"
+    return "native", f"native XDP (per datagram): driver {driver or 'unknown'}; try --mode generic with " \
+                     f"rx-udp-gro-forwarding for batches"
+
+
+def iface_addr(iface: str, netns: str | None) -> tuple[str, str, int]:
+    """(ipv4, mac, mtu) of an interface inside a namespace."""
+    from pyroute2 import IPRoute
+
+    with enter_netns(netns):
+        idx = ifindex(iface, netns)
+        with IPRoute() as ipr:
+            link = ipr.get_links(idx)[0]
+            addrs = ipr.get_addr(index=idx, family=socket.AF_INET)
+    if not addrs:
+        raise NotFoundError(f"interface {iface!r} has no IPv4 address; the aggregator sends results from it")
+    return addrs[0].get_attr("IFA_ADDRESS"), link.get_attr("IFLA_ADDRESS"), link.get_attr("IFLA_MTU")
+
+
+_SIOCETHTOOL = 0x8946
+_ETHTOOL_GDRVINFO = 3
+
+
+class _Drvinfo(ctypes.Structure):
+    _fields_ = [("cmd", ctypes.c_uint32), ("driver", ctypes.c_char * 32), ("version", ctypes.c_char * 32),
+                ("fw_version", ctypes.c_char * 32), ("bus_info", ctypes.c_char * 32),
+                ("erom_version", ctypes.c_char * 32), ("reserved2", ctypes.c_char * 12),
+                ("n_priv_flags", ctypes.c_uint32), ("n_stats", ctypes.c_uint32), ("testinfo_len", ctypes.c_uint32),
+                ("eedump_len", ctypes.c_uint32), ("regdump_len", ctypes.c_uint32)]
+
+
+class _Ifreq(ctypes.Structure):
+    _fields_ = [("ifr_name", ctypes.c_char * 16), ("ifr_data", ctypes.c_void_p), ("pad", ctypes.c_char * 16)]
+
+
+def iface_driver(ifname: str, ns: str | None) -> str:
+    """The driver of an interface (ethtool's GDRVINFO), e.g. "veth"; "" if it does not say."""
+    with enter_netns(ns):
+        ifindex(ifname, ns)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        info = _Drvinfo(cmd=_ETHTOOL_GDRVINFO)
+        req = bytearray(_Ifreq(ifr_name=ifname.encode(), ifr_data=ctypes.addressof(info)))
+        try:
+            fcntl.ioctl(s.fileno(), _SIOCETHTOOL, req)  # the kernel fills `info` through ifr_data
+        except OSError:
+            return ""
+        return info.driver.decode(errors="replace")
+    finally:
+        s.close()

@@ -1,0 +1,44 @@
+"""What a control plane (:mod:`nicoffload.agg.control`, :mod:`nicoffload.ring`) keeps of a program
+it loaded on an interface: the state file that records it for other processes (one JSON file per
+namespace and interface, written atomically through a ``.tmp``), the list of what is recorded
+(also loads killed while they wrote theirs: only the ``.tmp`` is there), and releasing the loaded
+program and its bcc module."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def state_file(state_dir: Path, netns: str | None, iface: str) -> Path:
+    return state_dir / f"{netns or 'root'}__{iface}.json"
+
+
+def save(sf: Path, record: dict) -> None:
+    """Write ``record`` to the state file ``sf`` (a reader sees the old file or the new one)."""
+    sf.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sf.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(sf)
+
+
+def recorded(state_dir: Path, netns_prefix: str = "") -> list[tuple[str | None, str]]:
+    """(netns, iface) of every state file in ``state_dir`` (optionally only in namespaces whose
+    name starts with ``netns_prefix``; None: the root namespace)."""
+    if not state_dir.is_dir():
+        return []
+    stems = {f.stem for pat in ("*__*.json", "*__*.tmp") for f in state_dir.glob(pat)}
+    out = []
+    for stem in sorted(stems):
+        ns, _, iface = stem.partition("__")
+        if ns.startswith(netns_prefix):
+            out.append((None if ns == "root" else ns, iface))
+    return out
+
+
+def release(prog, b) -> None:
+    """Close a loaded program's fd and clean up the bcc module it came from (either may be None);
+    the caller drops its references."""
+    if prog is not None:
+        prog.close()
+    if b is not None:
+        b.cleanup()

@@ -1,0 +1,197 @@
+"""What a ``nicoffload bench`` sweep runs: its configuration, the points of each testbed, the
+rates, and the bounds a shaped link puts on an AllReduce. Pure: no root, no sockets.
+
+Shaped sweeps: every worker link at R, the aggregator's at N x R. An AllReduce of M bytes cannot
+finish sooner than M/R through an aggregator (``bound_agg_s``), nor sooner than 2(N-1)M/(NR)
+through a ring or any host-only algorithm (``bound_ring_s``). Bounds count payload bytes only
+(headers are overhead) and are for dense data: sparse inputs let nicoffload beat M/R.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nicoffload.errors import InputError
+from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.lab.inputs import parse_size
+from nicoffload.wire import proto
+
+SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring")
+#: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
+AGG_SYSTEMS = ("xdp", "userspace")
+#: nicoffload's ring mode: the ring offload in XDP and the user-space UDP ring (fixed point; ring bound)
+RING_SYSTEMS = ("xdpring", "udpring")
+#: systems whose results go through nicoffload's fixed point (checked against its bound)
+QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS
+#: the largest size the sparsity and worker axes are measured at
+REFERENCE_MAX = 16 << 20
+#: seconds of reps per point at least when a compute loop runs beside the ranks
+COMPUTE_MIN_TIME = 1.0
+
+
+@dataclass
+class BenchConfig:
+    workers: list[int] = field(default_factory=lambda: [2, 4, 8])
+    sizes: list[int] = field(default_factory=lambda: [4 << 10, 64 << 10, 1 << 20])
+    sparsities: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.75])
+    rates: list[str] = field(default_factory=lambda: ["unshaped", "1gbit"])
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    reps: int = 5               # at least this many timed reps per point
+    warmup: int = 1
+    min_time: float = 0.2       # ... and at least this many seconds of them (CPU tick resolution)
+    max_reps: int = 200
+    max_point_s: float = 10.0   # stop a point after this long once it has one rep
+    full: bool = False          # the whole cross product instead of the axes around a centre
+    out: Path = Path("bench-out")
+    seed: int = 0
+    mpirun: str = "mpirun"
+    timeout: float = 20.0       # a rank (of any system) without progress for this long fails
+    start_timeout: float = 180.0
+    spec: JobSpec = DEFAULT     # the nicoffload job (slots, record size) of xdp and userspace
+    mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
+    dtype: str = "float32"      # of the gradients: float32 (quantized to int32) or int32 (exact)
+    compute: bool = False       # a compute loop beside every rank: how much of it each AllReduce takes
+
+    QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
+                 reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)
+
+    @classmethod
+    def quick(cls, **kw) -> "BenchConfig":
+        """A tiny sweep for tests; ``kw`` overrides."""
+        return cls(**{**copy.deepcopy(cls.QUICK), **kw})
+
+    def validate(self) -> "BenchConfig":
+        """Raise InputError on a setting no sweep can run; settle max_reps >= reps; return self."""
+        if self.reps < 1 or self.max_reps < 1:
+            raise InputError(f"--{'reps' if self.reps < 1 else 'max-reps'} must be at least 1")
+        if self.warmup < 0 or self.min_time < 0 or self.max_point_s <= 0:
+            raise InputError("--warmup and --min-time cannot be negative, --max-point-time must be positive")
+        for what, values, known in (("systems", self.systems, SYSTEMS), ("workers", self.workers, None)):
+            if not values:
+                raise InputError(f"no {what} to run")
+            if known and set(values) - set(known):
+                raise InputError(f"unknown {what}: {', '.join(sorted(set(values) - set(known)))}")
+        self.systems = [s for s in SYSTEMS if s in self.systems]
+        self.max_reps = max(self.max_reps, self.reps)
+        if self.compute:  # the compute loop's rate needs a second or so of each to be worth reading
+            self.min_time = max(self.min_time, COMPUTE_MIN_TIME)
+        return self
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(out=str(self.out), spec=self.spec.to_dict())
+        return d
+
+
+@dataclass(frozen=True)
+class Point:
+    index: int
+    bytes: int
+    sparsity: float
+
+
+def centre_workers(workers: list[int]) -> int:
+    """The worker count the sparsity axis is measured at: 4 if swept, else the middle one."""
+    ws = sorted(workers)
+    return 4 if 4 in ws else ws[len(ws) // 2]
+
+
+def reference_size(sizes: list[int]) -> int:
+    """The size the sparsity and worker axes are measured at: the largest up to 16 MiB."""
+    small = [s for s in sizes if s <= REFERENCE_MAX]
+    return max(small) if small else min(sizes)
+
+
+def plan_points(cfg: BenchConfig, workers: int) -> list[Point]:
+    """Points of one testbed. Default: every size at the lowest sparsity, and at the centre worker
+    count every sparsity at the reference size (the axes the plots need). ``full``: the cross product."""
+    base = min(cfg.sparsities)
+    if cfg.full:
+        pts = [(b, s) for b in cfg.sizes for s in cfg.sparsities]
+    else:
+        pts = [(b, base) for b in cfg.sizes]
+        if workers == centre_workers(cfg.workers):
+            ref = reference_size(cfg.sizes)
+            pts += [(ref, s) for s in cfg.sparsities if s != base]
+    out: list[Point] = []
+    for b, s in dict.fromkeys(pts):
+        out.append(Point(len(out), b, s))
+    return out
+
+
+def sweep_plan(cfg: BenchConfig) -> list[tuple[str, int, list[Point]]]:
+    """Every testbed of the sweep, in the order it runs: (rate, workers, its points)."""
+    return [(rate, n, plan_points(cfg, n)) for rate in cfg.rates for n in cfg.workers]
+
+
+# --- rates and bounds -----------------------------------------------------------------------
+def rate_bps(rate: str) -> int | None:
+    """Bits per second of a rate (``1gbit``, ``200mbit``, ...); None for ``unshaped``."""
+    from nicoffload.testbed.topology import parse_rate
+
+    return parse_rate(rate)
+
+
+def rate_label(rate: str) -> str:
+    """The canonical spelling of a rate (how rows and plots name it)."""
+    from nicoffload.testbed.topology import format_rate
+
+    return format_rate(rate_bps(rate))
+
+
+def bounds(nbytes: int, workers: int, rbps: int | None) -> tuple[float | None, float | None]:
+    """(aggregator bound M/R, ring bound 2(N-1)M/(NR)) in seconds; None when unshaped."""
+    if not rbps:
+        return None, None
+    t = nbytes * 8 / rbps
+    return t, (2 * (workers - 1) * t / workers if workers > 1 else 0.0)
+
+
+def tbf_burst_bytes(rbps: int) -> int:
+    """The shaper's bucket: a transfer smaller than this passes at full speed (see testbed.netlink)."""
+    from nicoffload.testbed.netlink import tbf_burst
+
+    return tbf_burst(rbps, 1500)
+
+
+# --- command-line values --------------------------------------------------------------------
+def parse_list(conv, text: str) -> list:
+    """``a,b,c`` with each item converted by ``conv`` (which raises ValueError or InputError)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise InputError("empty list")
+    return [conv(t) for t in items]
+
+
+def size(t: str) -> int:
+    n = parse_size(t)
+    if n < 4:
+        raise InputError("at least 4 bytes (one float32)")
+    return n
+
+
+def sparsity(t: str) -> float:
+    v = float(t)
+    if not 0.0 <= v <= 1.0:
+        raise InputError("a fraction in [0, 1]")
+    return v
+
+
+def workers(t: str) -> int:
+    v = int(t)
+    if not 1 <= v <= proto.MAX_WORKERS:
+        raise InputError(f"1..{proto.MAX_WORKERS}")
+    return v
+
+
+def rate(t: str) -> str:
+    rate_bps(t)  # raises InputError with the accepted forms
+    return t
+
+
+def system(t: str) -> str:
+    if t not in SYSTEMS:
+        raise InputError(f"choose from {','.join(SYSTEMS)}")
+    return t

@@ -1,0 +1,191 @@
+"""The systems ``nicoffload bench`` compares: what each is, whether it can run on this machine,
+how its rank processes start on a testbed, and how its data crosses the links.
+
+========== =====================================================================================
+xdp        nicoffload workers, the XDP aggregator on the aggregator's NIC (UDP, int32 fixed
+           point, all-zero blocks skipped)
+userspace  nicoffload workers, the user-space aggregator process (same protocol)
+ring       nicoffload.lab.bench.tcpring: Ring AllReduce (reduce-scatter + all-gather) over a TCP ring
+           between the workers, float32 summed in float32 with numpy
+gloo       torch.distributed ``all_reduce`` with the gloo backend (TCP), if torch imports
+mpi        Open MPI ``MPI_Allreduce`` through mpi4py, BTL ``tcp,self`` (the shared-memory BTL
+           is excluded: every namespace shares one machine's memory and would bypass the
+           network), if mpirun and mpi4py exist
+xdpring    nicoffload's ring mode with the ring offload (DirectReduce): every worker's XDP adds
+           its staged record into the passing packet and sends it on (UDP, int32 fixed point)
+udpring    the same ring protocol with every hop in user space (the user-space UDP ring)
+========== =====================================================================================
+
+Ranks: one process per worker namespace running :mod:`nicoffload.lab.bench.ranks`; for mpi,
+``mpirun`` in worker 0's namespace launching the other ranks through an rsh agent that enters
+their namespaces.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from nicoffload.datapath.transport import MAX_GSO_SEGS
+from nicoffload.jobspec import JobSpec
+from nicoffload.lab.aggregators import on_testbed
+from nicoffload.lab.bench.plan import AGG_SYSTEMS, RING_SYSTEMS, BenchConfig
+from nicoffload.lab.launcher import RankSpec, program
+from nicoffload.lab.rings import capacity_for
+from nicoffload.lab.rings import on_testbed as ring_on_testbed
+from nicoffload.wire import proto
+
+DESCRIPTION = {
+    "xdp": "nicoffload workers + XDP aggregator (UDP, int32 fixed point, zero blocks skipped)",
+    "userspace": "nicoffload workers + user-space aggregator (same protocol)",
+    "ring": "Ring AllReduce over a TCP ring (reduce-scatter + all-gather), float32 summed in float32",
+    "gloo": "torch.distributed all_reduce, gloo backend (TCP)",
+    "mpi": "Open MPI MPI_Allreduce via mpi4py, btl tcp,self (no shared memory)",
+    "xdpring": "nicoffload ring offload: every worker's XDP adds and forwards (UDP, int32 fixed point)",
+    "udpring": "nicoffload user-space UDP ring (the same protocol, every hop in the worker process)",
+}
+PORT_OFFSET = {"ring": 21, "gloo": 22}  # above the testbed's nicoffload port
+RANKS = "nicoffload.lab.bench.ranks"
+
+
+# --- can it run here? -----------------------------------------------------------------------
+def _python_check(code: str, timeout: float = 120.0) -> tuple[bool, str]:
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"'{code}' took longer than {timeout:.0f}s"
+    if r.returncode != 0:
+        return False, (r.stderr.strip().splitlines() or ["failed"])[-1]
+    return True, r.stdout.strip()
+
+
+def _probe_gloo() -> tuple[str | None, str]:
+    ok, msg = _python_check("import torch, torch.distributed as d; "
+                            "print(torch.__version__ if d.is_available() and d.is_gloo_available() else 'NOGLOO')")
+    if not ok:
+        if "No module named 'torch'" in msg:
+            return "torch is not installed (pip install torch==2.13.0)", ""
+        return f"torch does not import: {msg}", ""
+    if msg.endswith("NOGLOO"):
+        return "this torch build has no gloo backend", msg
+    return None, f"torch {msg.splitlines()[-1]}"
+
+
+def _probe_mpi(mpirun: str) -> tuple[str | None, str]:
+    if not shutil.which(mpirun):
+        return f"mpirun not found ({mpirun}); apt-get install openmpi-bin python3-mpi4py", ""
+    ok, msg = _python_check("import mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0])", 60)
+    if not ok:
+        return f"mpi4py is not importable ({msg}); apt-get install python3-mpi4py", ""
+    return None, msg
+
+
+def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
+    """(reason the system cannot run or None, version/description)."""
+    if system in ("xdp", "xdpring"):
+        try:
+            from nicoffload.ebpf import loader as bpf
+
+            bpf.import_bcc()
+        except Exception as e:
+            return f"bcc is not importable ({e}); run scripts/setup.sh", ""
+        return None, "bcc"
+    if system in ("userspace", "ring", "udpring"):
+        return None, "nicoffload"
+    if system == "gloo":
+        return _probe_gloo()
+    if system == "mpi":
+        return _probe_mpi(mpirun)
+    return f"unknown system {system!r}", ""
+
+
+# --- how its ranks start --------------------------------------------------------------------
+def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
+    """What a rank of ``system`` needs beyond the plan: the nicoffload job, or its TCP port."""
+    if system in AGG_SYSTEMS:
+        spec = on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
+        return {"aggregator": tb.agg.ip, "spec": spec.to_dict()}
+    if system in RING_SYSTEMS:
+        spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
+        return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",
+                "capacity": ring_capacity(cfg)}
+    if system in PORT_OFFSET:
+        return {"port": tb.port + PORT_OFFSET[system]}
+    return {}
+
+
+def ring_capacity(cfg: BenchConfig) -> int:
+    """Records per call of the ring programs (and the user-space ring's buffers): one pass for
+    the largest size of the sweep."""
+    return capacity_for(max(cfg.sizes), cfg.spec.elems)
+
+
+def job_spec(params: dict) -> JobSpec:
+    """The JobSpec :func:`rank_params` handed a rank."""
+    return JobSpec.from_dict(params["spec"])
+
+
+def _mpi_agent(path: Path, tb) -> Path:
+    """The rsh agent mpirun uses to start its daemons: 'ssh HOST CMD' becomes 'run CMD in
+    HOST's network namespace' (hosts are the workers' addresses)."""
+    cases = "\n".join(f'  {w.ip}) ns={w.netns} ;;' for w in tb.workers)
+    path.write_text(
+        "#!/bin/sh\n# nicoffload bench: mpirun's rsh agent, entering the host's network namespace\n"
+        'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+        'host="$1"; shift\ncase "$host" in\n' + cases + "\n"
+        '  *) echo "nicoffload mpi agent: unknown host $host" >&2; exit 1 ;;\nesac\n'
+        'exec ip netns exec "$ns" /bin/sh -c "$*"\n')
+    path.chmod(0o755)
+    return path
+
+
+def _mpirun(tb, cfg: BenchConfig, work: Path) -> list[str]:
+    n, ifc = len(tb.workers), tb.workers[0].iface
+    argv = [shutil.which(cfg.mpirun) or cfg.mpirun, "--allow-run-as-root", "-np", str(n),
+            "--host", ",".join(f"{w.ip}:1" for w in tb.workers), "--bind-to", "none",
+            "--mca", "plm_rsh_agent", str(_mpi_agent(work / "mpi-agent.sh", tb)), "--mca", "plm_rsh_no_tree_spawn", "1",
+            # ob1 + tcp only: pml ucx, btl vader, coll sm/han and osc ucx/sm would move data through
+            # shared memory (every namespace shares the machine's memory), bypassing the network
+            "--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "coll", "^sm,han",
+            "--mca", "osc", "^ucx,sm", "--mca", "btl_tcp_if_include", ifc, "--mca", "oob_tcp_if_include", ifc]
+    return argv + (["--mca", "mpi_yield_when_idle", "1"] if n > 2 else [])
+
+
+def rank_specs(tb, system: str, plan_path: Path, params: dict, work: Path, cfg: BenchConfig) -> list[RankSpec]:
+    """The processes of one (testbed, system): one rank per worker host, or mpirun."""
+    base = program(RANKS) + ["--system", system, "--plan", str(plan_path)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if system == "mpi":
+        return [RankSpec("mpirun", tb.workers[0], _mpirun(tb, cfg, work) + base, env)]
+    specs = []
+    for w in tb.workers:
+        e = dict(env)
+        if system == "gloo":
+            e.update(GLOO_SOCKET_IFNAME=w.iface, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(params["port"]))
+        specs.append(RankSpec(f"rank {w.rank}", w, base + ["--rank", str(w.rank)], e))
+    return specs
+
+
+# --- how its data crosses the links ---------------------------------------------------------
+def packet_shape(system: str, mode: str | None, spec: JobSpec) -> dict:
+    """The aggregator's (or the ring programs') XDP mode and the packets of a system, for the rows."""
+    if system in RING_SYSTEMS:
+        rec = proto.record_size(spec.elems)
+        per = min(MAX_GSO_SEGS, proto.max_records(spec.elems))
+        xdp = system == "xdpring"
+        seen = {"generic": "seen whole by generic XDP on every hop", "native": "one datagram per XDP run"}.get(
+            mode, "") if xdp else "received with UDP_GRO"
+        return {"mode": mode if xdp else "userspace",
+                "shape": f"UDP_SEGMENT batches of <= {per} x {rec} B records around the ring, {seen}"}
+    if system not in AGG_SYSTEMS:
+        return {"mode": "-", "shape": {"ring": "TCP streams", "gloo": "TCP streams (gloo)",
+                                       "mpi": "TCP streams (Open MPI btl tcp)"}.get(system, "-")}
+    rec = proto.record_size(spec.elems)
+    per = min(MAX_GSO_SEGS, proto.max_records(spec.elems))
+    mode = mode or "userspace"
+    batch = {"generic": f"UDP_SEGMENT batches of <= {per} x {rec} B records, seen whole by generic XDP",
+             "native": f"{rec} B datagrams (the veth peer segments batches before native XDP)",
+             "userspace": f"UDP_SEGMENT batches of <= {per} x {rec} B records, received with UDP_GRO"}[mode]
+    return {"mode": mode, "shape": batch}

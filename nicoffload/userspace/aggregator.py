@@ -1,0 +1,360 @@
+"""The user-space aggregator: the same protocol and slot algorithm as xdp/aggregator.c, in numpy.
+The baseline the XDP path is measured against, and the fallback where XDP cannot be loaded.
+
+A datagram holds one or more records (a worker's UDP_SEGMENT batch arrives whole with UDP_GRO).
+Results go out once per round to the job's multicast group; retransmissions, pulls and the
+epoch handshake are answered by unicast to the sender's address and port.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nicoffload import optim
+from nicoffload.datapath.transport import Transport
+from nicoffload.errors import InputError
+from nicoffload.jobspec import DEFAULT
+from nicoffload.optim import OptimizerSpec
+from nicoffload.userspace.epochs import EpochState, serial_after
+from nicoffload.wire import codec, proto
+
+
+@dataclass
+class _Set:
+    epoch: int = 0
+    round: int = 0
+    bitmap: int = 0
+    mask: int = 0
+    op: int = 0
+    exp: int = 0
+    count: int = 0
+    complete: bool = False
+
+
+@dataclass
+class UserspaceAggregator(EpochState):
+    workers: int
+    port: int = DEFAULT.port
+    slots: int = DEFAULT.slots
+    elems: int = DEFAULT.elems
+    job: int = DEFAULT.job
+    group: str = DEFAULT.group
+    local_ip: str | None = None
+    worker_ips: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=lambda: {k: 0 for k in proto.STATS})
+    #: an optimizer job (the CPU-offload baseline of the XDP aggregator's): the optimizer, and
+    #: the initial parameters (their count fixes the share: slots = optim.share(len, elems))
+    optimizer: OptimizerSpec | None = None
+    params: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.elems < 2 or self.elems % 2:
+            raise InputError(f"elems must be even and at least 2 (SUM64 and OR work on pairs of int32), "
+                             f"not {self.elems}")
+        if not 1 <= self.workers <= proto.MAX_WORKERS:
+            raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
+        self._opt = None
+        if self.optimizer is not None:
+            if self.params is None:
+                raise InputError("an optimizer job needs its initial parameters")
+            self._opt = optim.JobModel(self.optimizer, np.asarray(self.params).reshape(-1), self.workers, self.elems)
+            self._meta = optim.meta_slots(self._opt.n, self.elems)
+            self._hyper = self.optimizer.fixed()
+            self.slots = optim.share(self._opt.n, self.elems)
+        self._rsize = proto.record_size(self.elems)
+        self._t = Transport(self.port, None, self.local_ip, self._rsize)
+        s = self._t.sock
+        if self.local_ip:
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.local_ip))
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
+        self._acc = np.zeros((self.slots, 2, self.elems), dtype=np.int32)
+        self._sets = [[_Set(), _Set()] for _ in range(self.slots)]
+        self._mask_all = (1 << self.workers) - 1
+        self._ips = [socket.inet_aton(ip) for ip in self.worker_ips]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hdt = codec.header_dtype()
+        self._init_epochs()
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "UserspaceAggregator":
+        self._thread = threading.Thread(target=self.serve, name="nicoffload-userspace-agg", daemon=True)
+        self._thread.start()
+        return self
+
+    def request_stop(self) -> None:
+        """Make serve() return soon (safe from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self._t.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._t.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def serve(self, until: float | None = None) -> None:
+        buf = bytearray(1 << 17)
+        view = memoryview(buf)
+        while not self._stop.is_set():
+            if until is not None and time.monotonic() > until:
+                return
+            if not self._t.wait(0.1):
+                continue
+            while True:
+                n, _seg, addr = self._t.recv_into(buf)
+                if not n:
+                    break
+                self.handle_datagram(view[:n], addr)
+
+    # --- one datagram (mirrors ar_aggregate) -------------------------------------------------
+    def _reject(self, reason: str) -> None:
+        self.stats["records"] += 1
+        self.stats[reason] += 1
+
+    def handle_datagram(self, dgram: memoryview, addr) -> None:
+        st = self.stats
+        st["rx"] += 1
+        n = dgram.nbytes
+        if n < proto.HDR_LEN:
+            return self._reject("bad_truncated")
+        h = np.frombuffer(dgram[:proto.HDR_LEN], dtype=self._hdt)[0]
+        if int(h["magic"]) != proto.MAGIC:
+            return self._reject("bad_magic")
+        if int(h["version"]) != proto.VERSION:
+            return self._reject("bad_version")
+        if int(h["job"]) != self.job:
+            return self._reject("bad_job")
+        rank = int(h["rank"])
+        if rank >= self.workers:
+            return self._reject("bad_rank")
+        if self._ips and socket.inet_aton(addr[0]) != self._ips[rank]:
+            return self._reject("bad_src")
+        flags = int(h["flags"])
+        if flags & ~proto.FLAGS_KNOWN:
+            return self._reject("bad_flags")
+        t = int(h["type"])
+        if t == proto.TYPE_JOIN:
+            if n != proto.HDR_LEN + proto.JOIN_PAYLOAD:
+                return self._reject("bad_len")
+            st["records"] += 1
+            return self._join(bytearray(dgram), h, rank, addr)
+        if t == proto.TYPE_ACK:
+            if n != proto.HDR_LEN:
+                return self._reject("bad_len")
+            if not self.live or int(h["epoch"]) != self.live:
+                return self._reject("stale_epoch")
+            st["records"] += 1
+            st["ack"] += 1
+            self._ack(rank, int(h["ack"]))
+            if int(h["flags"]) & proto.FLAG_RETX:  # asks for the gate
+                out = bytearray(dgram)
+                r = np.frombuffer(out, dtype=self._hdt, count=1)[0]
+                r["rank"], r["flags"], r["ack"] = proto.RANK_AGG, 0, self._job_gate()
+                self._send(out, addr[0], addr[1])
+            return
+        if t != proto.TYPE_CONTRIB:
+            return self._reject("bad_type")
+        if n % self._rsize or n // self._rsize > proto.max_records(self.elems):
+            return self._reject("bad_len")
+        if self.live and int(h["epoch"]) == self.live:
+            self._ack(rank, int(h["ack"]))
+        out = bytearray(dgram)
+        recs = np.frombuffer(out, dtype=codec.datagram_dtype(self.elems))
+        mcast = answer = False
+        self._gate = self._job_gate()
+        for i in range(len(recs)):
+            o = self._record(recs[i], recs, i, rank, flags_first=flags)
+            mcast |= o == "mcast"
+            answer |= o == "answer"
+        if not (mcast or answer):
+            return
+        # as the XDP program: the answers move to the front and the datagram ends after them
+        kept = recs[recs["type"] != proto.TYPE_NOP].tobytes()
+        if mcast:
+            st["result_sent"] += 1
+            self._send(kept, self.group, addr[1])
+        else:
+            self._send(kept, addr[0], addr[1])
+
+    def _record(self, r, recs, i, rank: int, flags_first: int) -> str | None:
+        """One CONTRIB record; rewrites it in place (RESULT, STATUS or NOP). Returns "mcast" when
+        it completed a round, "answer" when it answers the sender, None otherwise."""
+        st = self.stats
+        st["records"] += 1
+        bad = self._check(r, rank)
+        if bad:
+            r["type"] = proto.TYPE_NOP
+            st[bad] += 1
+            return None
+        flags = int(r["flags"])
+        if not self.live or int(r["epoch"]) != self.live:
+            st["stale_epoch"] += 1
+            if flags & (proto.FLAG_RETX | proto.FLAG_PULL):
+                self._status(r, 0, "epoch")
+                return "answer"
+            r["type"] = proto.TYPE_NOP
+            return None
+        slot, v = int(r["slot"]), int(r["set"])
+        s = self._sets[slot][v]
+        acc = self._acc[slot, v]
+        rnd = int(r["round"])
+        bit = 1 << rank
+        same = s.epoch == self.live and s.round == rnd
+        p = recs["payload"][i]
+        if flags & proto.FLAG_PULL:
+            if same and s.complete:
+                p[:] = acc
+                self._result(r, s)
+                st["pull_answered"] += 1
+                return "answer"
+            gone = not same and s.epoch == self.live and serial_after(s.round, rnd)
+            self._status(r, 0 if gone or not same else s.bitmap, "gone" if gone else "waiting")
+            st["status_sent"] += 1
+            return "answer"
+        if same and s.bitmap & bit:
+            if not flags & proto.FLAG_RETX:
+                st["dup_dropped"] += 1
+                r["type"] = proto.TYPE_NOP
+                return None
+            if s.complete:
+                p[:] = acc
+                self._result(r, s)
+                st["retx_answered"] += 1
+                return "answer"
+            self._status(r, s.bitmap, "waiting")
+            st["status_sent"] += 1
+            return "answer"
+        mask, cnt, op, exp = int(r["mask"]), int(r["count"]), int(r["op"]), int(r["exp"])
+        if not same:
+            if s.epoch == self.live:
+                if not serial_after(rnd, s.round):
+                    if flags & proto.FLAG_RETX:
+                        self._status(r, 0, "gone")
+                        st["status_sent"] += 1
+                        return "answer"
+                    st["stale_round"] += 1
+                    r["type"] = proto.TYPE_NOP
+                    return None
+                if not all(serial_after(self.acks[q], s.round) for q in range(self.workers)):
+                    st["early"] += 1
+                    r["type"] = proto.TYPE_NOP
+                    return None
+            s.epoch, s.round, s.bitmap, s.mask, s.count, s.exp, s.op, s.complete = (
+                self.live, rnd, bit, mask, cnt, exp, op, False)
+            acc[:] = p
+        else:
+            if s.mask != mask or s.op != op or s.exp != exp or s.count != cnt:
+                st["mismatch"] += 1
+                r["type"] = proto.TYPE_NOP
+                return None
+            s.bitmap |= bit
+            self._combine(op, acc, p)
+        st["aggregated"] += 1
+        if s.bitmap != s.mask:
+            r["type"] = proto.TYPE_NOP
+            return None
+        if s.op == proto.OP_SGD:
+            self._update(slot, s, acc)
+        s.complete = True
+        st["completed"] += 1
+        p[:] = acc
+        self._result(r, s)
+        return "mcast"
+
+    def _update(self, slot: int, s: _Set, acc: np.ndarray) -> None:
+        """The round's sum is the averaged gradient of block slot - meta: apply the optimizer and
+        make the result the updated parameters (optim.sgd_update, bit for bit the XDP program's)."""
+        m = self._opt
+        res, e = optim.sgd_update(m.states[slot - self._meta], acc.view(np.uint32), self.workers * m.bias, s.exp,
+                                  self._hyper, m.spec.nesterov, s.count)
+        acc[:] = res
+        s.exp = e
+        self.stats["updated"] += 1
+
+    @property
+    def master_weights(self) -> np.ndarray:
+        """The optimizer job's parameters (float64)."""
+        return optim.from_fixed(self._opt.w)
+
+    def _check(self, r, rank: int) -> str | None:
+        if int(r["magic"]) != proto.MAGIC:
+            return "bad_magic"
+        if int(r["version"]) != proto.VERSION:
+            return "bad_version"
+        if int(r["type"]) != proto.TYPE_CONTRIB:
+            return "bad_type"
+        flags = int(r["flags"])
+        if flags & ~proto.FLAGS_KNOWN:
+            return "bad_flags"
+        if int(r["job"]) != self.job or int(r["rank"]) != rank:
+            return "bad_mixed"
+        if int(r["slot"]) >= self.slots:
+            return "bad_slot"
+        if int(r["set"]) > 1:
+            return "bad_set"
+        op = int(r["op"])
+        if op >= proto.OP_COUNT:
+            return "bad_op"
+        mask = int(r["mask"])
+        if not mask or mask & ~self._mask_all:
+            return "bad_mask"
+        cnt = int(r["count"])
+        if flags & proto.FLAG_PULL:
+            return "bad_len" if cnt else None
+        if not mask & (1 << rank):
+            return "bad_mask"
+        # as the XDP program: an optimizer job's exponent rounds (MAX) come first, SGD on the rest
+        if self._opt is not None:
+            if op != (proto.OP_MAX if int(r["slot"]) < self._meta else proto.OP_SGD):
+                return "bad_op"
+        elif op == proto.OP_SGD:
+            return "bad_op"
+        if op == proto.OP_SGD and mask != self._mask_all:
+            return "bad_mask"
+        if not 1 <= cnt <= self.elems:
+            return "bad_len"
+        return None
+
+    @staticmethod
+    def _combine(op: int, acc: np.ndarray, p: np.ndarray) -> None:
+        if op == proto.OP_SUM:
+            acc += p  # int32 wraps modulo 2^32, like the XDP program
+        elif op == proto.OP_SUM64 or op == proto.OP_SGD:
+            w = acc.view("<u8")
+            w += p.view("<u8")
+        elif op == proto.OP_MAX:
+            np.maximum(acc, p, out=acc)
+        else:
+            np.bitwise_or(acc, p, out=acc)
+
+    def _result(self, r, s: _Set) -> None:
+        r["type"], r["flags"], r["rank"], r["mask"], r["ack"] = proto.TYPE_RESULT, 0, proto.RANK_AGG, s.bitmap, self._gate
+        r["count"], r["exp"], r["op"], r["detail"] = s.count, s.exp, s.op, 0
+
+    @staticmethod
+    def _status(r, bitmap: int, detail: str) -> None:
+        r["type"], r["flags"], r["mask"], r["ack"], r["count"] = proto.TYPE_STATUS, 0, bitmap, 0, 0
+        r["detail"] = proto.DETAIL[detail]
+
+    def _send(self, data: bytes | bytearray, dst: str, port: int) -> None:
+        try:
+            if len(data) > self._rsize and len(data) % self._rsize == 0:
+                self._t.send_records(np.frombuffer(data, np.uint8), 0, len(data) // self._rsize, (dst, port))
+            else:
+                self._t.send_one(data, (dst, port))
+        except OSError:
+            self.stats["tx_failed"] += 1

@@ -1,0 +1,23 @@
+"""The worker library: what a rank links to sum its tensors with the others'.
+
+    from nicoffload.worker import Communicator
+    with Communicator(rank, world, aggregator="10.200.7.1", group="239.77.7.1", local_ip=ip) as c:
+        total = c.allreduce(grad)
+
+    comm       :class:`Communicator` (the aggregator mode: JOIN, the metadata round, the data
+               rounds) and :func:`communicator`, the factory that also builds the ring's
+               communicator (``mode="ring"``)
+    stream     :class:`~nicoffload.worker.stream.RoundStream`: rounds through the slot pool,
+               window, results, loss recovery, timeouts naming the silent ranks
+    recovery   the decisions of loss recovery (RTO, fast retransmission, pulls, giving up), pure
+    records    the records a rank sends besides its data (JOIN, ACK, pulls) and JOIN answers
+
+Below it: the host data path (:mod:`nicoffload.datapath`) and the wire (:mod:`nicoffload.wire`).
+"""
+from __future__ import annotations
+
+from nicoffload._exports import lazy_exports
+
+_NAMES = {"Communicator": "comm", "communicator": "comm", "CallStats": "comm", "DTYPES": "comm"}
+__all__ = list(_NAMES)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

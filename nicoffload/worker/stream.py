@@ -1,0 +1,348 @@
+"""The stream of rounds one rank runs through the aggregator's slot pool: joining the job,
+sending records inside the window, collecting results, recovering losses.
+
+Rounds are numbered over the epoch: round i uses slot i mod S, set (i div S) mod 2; a round enters
+the window only when the round S before it has its result (window <= S), and each record carries
+this rank's head (every round below it has its result) so the aggregator reuses a set only when
+every rank holds its previous result; a rank that contributes to nothing for a while says so with
+an ACK. Results carry the job's gate (the lowest head of all ranks): no round at or beyond
+gate + 2S is sent, and results that arrive before their stream are stashed and replayed. Lost
+records are retransmitted (rounds this rank contributes to) or pulled (the others); when and
+which is decided by :class:`nicoffload.worker.recovery.RoundTimer`. After ``timeout`` seconds without
+progress the call fails naming the ranks the aggregator has not heard from.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.datapath import kernels, pump
+from nicoffload.datapath.transport import SLOT_BYTES, Transport
+from nicoffload.errors import InputError, ProtocolError, TimeoutError_
+from nicoffload.wire import proto, quant
+from nicoffload.worker.records import RankRecords, ack_column, flags_column, read_join_reply
+from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
+
+
+@dataclass
+class CallStats:
+    packets_sent: int = 0       # records sent (data, metadata, retransmissions, pulls)
+    bytes_sent: int = 0
+    retransmissions: int = 0
+    pulls: int = 0
+    acks: int = 0
+    results: int = 0            # data rounds that produced output
+    rounds: int = 0             # every round of the call (metadata included)
+    meta_rounds: int = 0
+    blocks_skipped: int = 0     # blocks zero on every rank: no round at all
+    own_blocks: int = 0         # blocks this rank sent data for
+    seconds: float = 0.0
+    timeouts: int = 0
+    loops: int = 0              # iterations of the send/receive loop
+    syscalls: int = 0
+    foreign: int = 0            # datagrams from someone other than the aggregator, skipped
+
+    def add(self, other: "CallStats") -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+class Buffers:
+    """Per-communicator memory, grown on demand and reused across calls."""
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype) -> np.ndarray:
+        a = self.arrays.get(name)
+        if a is None or a.size < n or a.dtype != dtype:
+            a = np.empty(max(n, 1), dtype=dtype)
+            self.arrays[name] = a
+        return a[:n]
+
+
+class RoundStream:
+    """One rank's transport, epoch, window and recovery state. The communicator reserves rounds
+    (:meth:`reserve`) and runs them (:meth:`run`)."""
+
+    #: rounds completed past an outstanding one before it is retransmitted early
+    GAP = 128
+
+    def __init__(self, rank: int, world: int, aggregator: str, *, group: str, local_ip: str | None, job: int,
+                 port: int, local_port: int | None, slots: int, window: int, elems: int, timeout: float, rto: float,
+                 max_rto: float,
+                 buffers: Buffers):
+        self.rank, self.world, self.aggregator, self.job, self.port = rank, world, aggregator, job, port
+        self.slots, self.window, self.elems, self.timeout = slots, window, elems, timeout
+        self.rto, self.max_rto = rto, max_rto
+        self.last = CallStats()
+        self._rec = proto.record_size(elems)
+        self._t = Transport(port if local_port is None else local_port, group, local_ip, self._rec)
+        self._t.expect_from((aggregator, port))
+        self._round = 0        # next round of the epoch (unwrapped)
+        self._epoch = 0        # 0 until joined
+        self._all = (1 << world) - 1
+        self._bias = 1 << (30 - quant.headroom_bits(world))
+        self._buf = buffers
+        self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
+        self._acked = 0        # the last head this rank reported (unwrapped)
+        self._records = RankRecords(rank, job, world)
+        # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
+        h = 2 * slots
+        self._stash = np.zeros(h * self._rec, np.uint8)
+        self._stash_round = np.full(h, -1, np.int64)
+        self._stash_lens = np.zeros(h, np.uint32)
+        self._stash_segs = np.zeros(h, np.int64)
+        # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent
+        self._gate = np.zeros(1, np.int64)
+        # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
+        self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
+        kernels.warm_up(elems)
+        pump.warm_up(elems)
+        self._warm_pumps()
+
+    def _warm_pumps(self) -> None:
+        """Compile (or load) the system-call kernels for this transport's buffers."""
+        one = np.zeros(1, np.int64)
+        pump.pump_recv(*self._t.recv_args(), self._rec, self.elems, self.job, 0, self.rank, 0, 0, 1, one,
+                       np.zeros(1, np.int32), 1, pump.KIND_INT32, np.zeros(1, np.int32),
+                       np.zeros(1, np.float32), np.zeros(1, np.float64), np.zeros(1, np.uint8),
+                       np.zeros(1, np.int64), np.zeros(1, np.int64), self._stash, self._stash_round, self._gate)
+        t = self._t
+        pump.pump_send(t.fd, t.tx_msgs_addr, t._tx_base, t._tx_len, 1, 0, 0, 0, t.per_datagram, self._rec)
+
+    def close(self) -> None:
+        self._t.close()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def record_size(self) -> int:
+        return self._rec
+
+    @property
+    def syscalls(self) -> int:
+        return self._t.syscalls
+
+    @property
+    def foreign(self) -> int:
+        """Datagrams received from someone other than the aggregator, and skipped."""
+        return self._t.foreign
+
+    @property
+    def bias(self) -> int:
+        """The offset of the offset-binary fixed point of this job's world size."""
+        return self._bias
+
+    def template(self, type_: int, flags: int = 0) -> np.ndarray:
+        return self._records.template(type_, flags, self._epoch)
+
+    def reserve(self, k: int) -> int:
+        """The next ``k`` rounds of the epoch; returns the first."""
+        base = self._round
+        self._round += k
+        return base
+
+    # --- joining ----------------------------------------------------------------------------
+    def join(self) -> int:
+        """Join the job: returns once every rank of it has joined this run (the aggregator then
+        hands out the run's epoch). Called by the first collective; calling it again is free."""
+        if self._epoch:
+            return self._epoch
+        rec = self._records.join(self.nonce)
+        dest = (self.aggregator, self.port)
+        buf = bytearray(SLOT_BYTES)
+        deadline = time.monotonic() + self.timeout
+        rto, joined = self.rto, -1
+        while True:
+            self._t.send_one(rec, dest)
+            # from the second send on, ask for the forming epoch's state (who has joined)
+            rec[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
+            until = min(deadline, time.monotonic() + rto)
+            while time.monotonic() < until:
+                if not self._t.wait(until - time.monotonic()):
+                    continue
+                while True:
+                    n, _seg, _addr = self._t.recv_into(buf)
+                    if not n:
+                        break
+                    kind, value = read_join_reply(buf, n, self.rank, self.job, self.nonce)
+                    if kind == "joined":
+                        self._epoch = value
+                        self._round = self._acked = 0
+                        self._gate[0] = 0
+                        return self._epoch
+                    if kind == "world":
+                        raise InputError(
+                            f"rank {self.rank}: job {self.job} on the aggregator has {value} ranks, but this "
+                            f"worker was started with world {self.world}")
+                    if kind == "superseded":
+                        raise ProtocolError(
+                            f"rank {self.rank}: a newer process has joined job {self.job} as rank {self.rank}; "
+                            f"this one gives way")
+                    if kind == "joining":
+                        joined = value
+            if time.monotonic() >= deadline:
+                self._join_timeout(joined)
+            rto = min(rto * 2, self.max_rto)
+
+    def _join_timeout(self, joined: int) -> None:
+        where = f"aggregator {self.aggregator}:{self.port}"
+        if joined >= 0:
+            have = [r for r in range(self.world) if joined >> r & 1]
+            missing = [r for r in range(self.world) if not joined >> r & 1]
+            raise TimeoutError_(
+                f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s; the {where} "
+                f"has heard from rank(s) {', '.join(map(str, have))}: no JOIN from rank(s) "
+                f"{', '.join(map(str, missing))}")
+        raise TimeoutError_(
+            f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s: the {where} did "
+            f"not answer; is the aggregator loaded with job {self.job} for {self.world} workers?")
+
+    # --- the stream of rounds ---------------------------------------------------------------
+    #: records encoded ahead of the sends at a time: the kernel copies them while they are in cache
+    ENCODE_CHUNK = 256
+
+    def run(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res,
+                encode=None) -> None:
+        """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
+        (``mine``: indices of its rounds, its records in that order in ``send``, written by
+        ``encode(j0, j1)`` just before they go out; None: already written), collect every
+        round's result into ``res``, recover losses; return when every round has its result."""
+        t, rec, S = self._t, self._rec, self.slots
+        st = self.last
+        dest = (self.aggregator, self.port)
+        done = self._buf.get("done", K, np.uint8)
+        done[:] = 0
+        sent_at = self._buf.get("sent_at", K, np.float64)
+        status = self._buf.get("status", K, np.int64)
+        status[:] = -1
+        newly = self._buf.get("newly", K, np.int64)
+        pos = self._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
+        pos[:] = -1
+        pos[mine] = np.arange(len(mine))
+        recs = send[:len(mine) * rec].reshape(-1, rec)
+        ack_col, flags_col = ack_column(recs), flags_column(recs)
+        out_i = res.view(np.int32) if kind == pump.KIND_INT32 else np.empty(0, np.int32)
+        out_f32 = res if res.dtype == np.float32 else np.empty(0, np.float32)
+        out_f64 = res if res.dtype == np.float64 else np.empty(0, np.float64)
+        dense = len(mine) == K
+        rx_args = t.recv_args()
+        stash = (self._stash, self._stash_round)
+        gate = self._gate
+        ndone = pump.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
+                                     shifts, self._bias, kind, out_i, out_f32, out_f64, done, status, newly,
+                                     self._stash_lens, self._stash_segs, gate)
+
+        head = pump.advance(done, 0, K)  # lowest round without a result (the stash may have some)
+        hi = 0        # rounds [0, hi) have entered the window
+        j_sent = 0    # this rank's records [0, j_sent) have been sent
+        j_enc = 0 if encode is not None else len(mine)  # ... and [0, j_enc) are written
+        timer = self._timer
+        timer.start(time.monotonic())
+
+        def resend(rounds: np.ndarray) -> None:
+            self._resend(rounds, pos, flags_col, ack_col, send, base + head, base, masks, dest)
+
+        while ndone < K:
+            st.loops += 1
+            # the window: S rounds past the head, and never a round whose set still holds a result
+            # some rank has not acknowledged (the aggregator would drop it as early)
+            lim = min(K, head + self.window, int(gate[0]) + 2 * S - base)
+            if hi < lim:
+                j_end = int(np.searchsorted(mine, lim)) if not dense else lim
+                if j_end > j_sent:
+                    while j_enc < j_end:
+                        j1 = min(len(mine), j_enc + self.ENCODE_CHUNK)
+                        encode(j_enc, j1)
+                        j_enc = j1
+                    ack_col[j_sent:j_end] = (base + head) & 0xFFFFFFFF
+                    t.send_records(send, j_sent, j_end - j_sent, dest)
+                    st.packets_sent += j_end - j_sent
+                    self._acked = max(self._acked, base + head)
+                    j_sent = j_end
+                sent_at[hi:lim] = time.monotonic()
+                hi = lim
+            n, new, event = pump.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
+                                              blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
+                                              status, newly, *stash, gate)
+            now = time.monotonic()
+            if event == pump.EV_STALE_EPOCH:
+                raise ProtocolError(
+                    f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
+                    f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
+                    f"the aggregator was reloaded; this run's results are gone")
+            if new:
+                ndone += new
+                timer.on_results(int(newly[new - 1]), hi, sent_at, now)
+                head = pump.advance(done, head, K)
+                if ack_due(base + head, self._acked, S, dense):
+                    t.send_one(self._records.ack(self._epoch, base + head), dest)
+                    self._acked = base + head
+                    st.acks += 1
+                if head < hi:
+                    resend(timer.fast_retransmit(done, head, hi, sent_at, now))
+                continue
+            # No progress (datagrams that brought nothing new do not count): the timers decide.
+            if timer.expired(now):
+                self._fail(hi, done, status, masks)
+            if timer.ask_gate(head, hi, K, now):
+                # everything sent has its result and the gate holds the window: ask for the gate
+                # (and tell this rank's head), instead of waiting for a result that cannot come
+                t.send_one(self._records.ack(self._epoch, base + head, ask=True), dest)
+                self._acked = max(self._acked, base + head)
+                st.acks += 1
+            late = timer.timed_out(done, head, hi, sent_at, now)
+            if len(late):
+                resend(late)
+                st.timeouts += 1
+                continue
+            if not n:
+                t.wait(timer.wait(head, hi, sent_at, now))
+        st.rounds += K
+
+    def _resend(self, rounds: np.ndarray, pos, flags_col, ack_col, send, head_abs: int, base: int, masks,
+                dest) -> None:
+        """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the
+        Tx spot if the round is complete) and pull the others' results."""
+        if not len(rounds):
+            return
+        st, rec = self.last, self._rec
+        p = pos[rounds]
+        own = p[p >= 0]
+        if len(own):
+            flags_col[own] |= proto.FLAG_RETX
+            ack_col[own] = head_abs & 0xFFFFFFFF
+            scratch = self._buf.get("retx", len(own) * rec, np.uint8)
+            scratch.reshape(-1, rec)[:] = send.reshape(-1, rec)[own]
+            self._t.send_records(scratch, 0, len(own), dest)
+            st.retransmissions += len(own)
+            st.packets_sent += len(own)
+        others = rounds[p < 0]
+        if len(others):
+            buf = self._buf.get("pull", len(others) * rec, np.uint8)
+            buf[:] = 0
+            kernels.encode_pulls(buf, rec, self._records.pull(self._epoch, head_abs), others, base, self.slots, masks)
+            self._t.send_records(buf, 0, len(others), dest)
+            st.pulls += len(others)
+            st.packets_sent += len(others)
+
+    def _fail(self, hi, done, status, masks) -> None:
+        pending = np.flatnonzero(done[:hi] == 0)
+        heard = status[pending]
+        where = f"aggregator {self.aggregator}:{self.port}"
+        if (heard >= 0).any():
+            ranks = missing_ranks(self.world, masks[pending], heard)
+            raise TimeoutError_(
+                f"rank {self.rank}: allreduce timed out after {self.timeout:g}s without progress; "
+                f"{len(pending)} round(s) incomplete at the {where}: no contribution from rank(s) "
+                f"{', '.join(map(str, ranks)) or '(none: results lost)'}")
+        raise TimeoutError_(
+            f"rank {self.rank}: allreduce timed out after {self.timeout:g}s: the {where} did not answer "
+            f"({len(pending)} round(s) outstanding); is the aggregator loaded and the job configured "
+            f"for {self.world} workers?")
