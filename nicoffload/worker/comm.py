@@ -62,6 +62,7 @@ class Communicator:
     max_rto: float = 0.5
     sparse: bool = DEFAULT.sparse
     local_port: int | None = DEFAULT.local_port  # bound and sent from (None: port); results return to it
+    silence: float | None = None   # seconds without any answer from the aggregator that mean it is gone
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -86,7 +87,8 @@ class Communicator:
         self._s = RoundStream(self.rank, self.world, self.aggregator, group=self.group, local_ip=self.local_ip,
                               job=self.job, port=self.port, local_port=self.local_port, slots=self.slots,
                               window=self.window, elems=self.elems,
-                              timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf)
+                              timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf,
+                              silence=self.silence)
         self._rec = self._s.record_size
 
     def close(self) -> None:
@@ -114,9 +116,13 @@ class Communicator:
         return self._s.join()
 
     # --- public -----------------------------------------------------------------------------
-    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum") -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
-        float32/float64: through int32 fixed point (error bound in nicoffload.wire.quant)."""
+        float32/float64: through int32 fixed point (error bound in nicoffload.wire.quant).
+        ``op="max"`` / ``"min"``: the elementwise maximum / minimum of int32 or float32 arrays,
+        exact (the aggregator's MAX op on order-preserving int32 keys)."""
+        if op != "sum":
+            return self._extreme(array, out, op)
         x, out = call_arrays(array, out)
         t0 = time.perf_counter()
         st = self.last = self._s.last = CallStats()
@@ -193,6 +199,60 @@ class Communicator:
         st.foreign = self._s.foreign - foreign0
         self.stats.add(st)
         return out
+
+    def _extreme(self, array: np.ndarray, out: np.ndarray | None, op: str) -> np.ndarray:
+        """MAX or MIN over the ranks, exact: each element becomes an int32 key whose signed order
+        is the values' (a float's bits with the magnitude bits of negatives flipped; MIN inverts
+        every key), the aggregator takes the MAX of the keys (dense: every rank, every block), and
+        the key of the result maps back to its value. A NaN whose sign bit is clear is larger
+        than +inf here, one whose sign bit is set smaller than -inf."""
+        if op not in ("max", "min"):
+            raise InputError(f"op must be sum, max or min, not {op!r}")
+        x, out = call_arrays(array, out, (np.dtype(np.int32), np.dtype(np.float32)),
+                             f"allreduce op={op} takes int32 or float32 arrays")
+        t0 = time.perf_counter()
+        st = self.last = self._s.last = CallStats()
+        n, E = x.size, self.elems
+        if n == 0:
+            return out
+        bits = x.reshape(-1).view(np.int32)
+        keys = self._buf.get("xkeys", n, np.int32)
+        if x.dtype == np.float32:
+            np.bitwise_xor(bits, (bits >> 31) & np.int32(0x7FFFFFFF), out=keys)
+        else:
+            keys[:] = bits
+        if op == "min":
+            np.invert(keys, out=keys)
+        nb = -(-n // E)
+        self.join()
+        blocks = np.arange(nb, dtype=np.int64)
+        masks = np.full(nb, np.int64(self._all), dtype=np.int64)
+        base = self._s.reserve(nb)
+        send = self._buf.get("send", nb * self._rec, np.uint8)
+        tmpl = self._s.template(proto.TYPE_CONTRIB)
+
+        def encode(j0: int, j1: int) -> None:
+            kernels.encode_int(send, self._rec, E, tmpl, keys, blocks[j0:j1], base, self.slots, blocks, masks,
+                               proto.OP_MAX, j0)
+
+        res = self._buf.get("xres", n, np.int32)
+        self._s.run(base, nb, blocks, masks, blocks, self._buf.get("noshift", nb, np.int32), send, pump.KIND_INT32,
+                    res, encode)
+        if op == "min":
+            np.invert(res, out=res)
+        if x.dtype == np.float32:
+            res ^= (res >> 31) & np.int32(0x7FFFFFFF)
+        out.reshape(-1).view(np.int32)[:] = res
+        st.results = nb
+        st.own_blocks = nb
+        st.seconds = time.perf_counter() - t0
+        self.stats.add(st)
+        return out
+
+    def abort(self, error: BaseException) -> None:
+        """Make the call in flight (from any thread) and every later one raise ``error`` (within
+        about half a second: the stream looks at it whenever it waits)."""
+        self._s.abort(error)
 
     def _block_exps(self, flat: np.ndarray, nb: int) -> np.ndarray:
         return block_exponents(flat, self.elems, self._buf.get("exps", nb, np.int32), self.rank)

@@ -74,9 +74,12 @@ class RoundStream:
     def __init__(self, rank: int, world: int, aggregator: str, *, group: str, local_ip: str | None, job: int,
                  port: int, local_port: int | None, slots: int, window: int, elems: int, timeout: float, rto: float,
                  max_rto: float,
-                 buffers: Buffers):
+                 buffers: Buffers, silence: float | None = None):
         self.rank, self.world, self.aggregator, self.job, self.port = rank, world, aggregator, job, port
         self.slots, self.window, self.elems, self.timeout = slots, window, elems, timeout
+        # a live aggregator answers every retransmission (a STATUS at least): this long without a
+        # word from it while asking means it is gone (None: only the progress timeout applies)
+        self.silence = silence
         self.rto, self.max_rto = rto, max_rto
         self.last = CallStats()
         self._rec = proto.record_size(elems)
@@ -100,9 +103,19 @@ class RoundStream:
         self._gate = np.zeros(1, np.int64)
         # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
+        # set from another thread (abort): the call in flight and every later one raise it
+        self._abort: BaseException | None = None
         kernels.warm_up(elems)
         pump.warm_up(elems)
         self._warm_pumps()
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the call in flight and every later one with ``error`` (any thread may call it)."""
+        self._abort = error
+
+    def _check_abort(self) -> None:
+        if self._abort is not None:
+            raise self._abort
 
     def _warm_pumps(self) -> None:
         """Compile (or load) the system-call kernels for this transport's buffers."""
@@ -152,6 +165,7 @@ class RoundStream:
     def join(self) -> int:
         """Join the job: returns once every rank of it has joined this run (the aggregator then
         hands out the run's epoch). Called by the first collective; calling it again is free."""
+        self._check_abort()
         if self._epoch:
             return self._epoch
         rec = self._records.join(self.nonce)
@@ -159,6 +173,7 @@ class RoundStream:
         buf = bytearray(SLOT_BYTES)
         deadline = time.monotonic() + self.timeout
         rto, joined = self.rto, -1
+        heard_at = time.monotonic()
         while True:
             self._t.send_one(rec, dest)
             # from the second send on, ask for the forming epoch's state (who has joined)
@@ -171,6 +186,7 @@ class RoundStream:
                     n, _seg, _addr = self._t.recv_into(buf)
                     if not n:
                         break
+                    heard_at = time.monotonic()
                     kind, value = read_join_reply(buf, n, self.rank, self.job, self.nonce)
                     if kind == "joined":
                         self._epoch = value
@@ -187,9 +203,18 @@ class RoundStream:
                             f"this one gives way")
                     if kind == "joining":
                         joined = value
+            self._check_abort()
             if time.monotonic() >= deadline:
                 self._join_timeout(joined)
+            self._check_silence(heard_at, "joining")
             rto = min(rto * 2, self.max_rto)
+
+    def _check_silence(self, heard_at: float, doing: str) -> None:
+        if self.silence is not None and time.monotonic() - heard_at > self.silence:
+            raise TimeoutError_(
+                f"rank {self.rank}: {doing} job {self.job}: the aggregator {self.aggregator}:{self.port} has not "
+                f"answered anything for {self.silence:g}s while asked again and again: it is gone (unloaded, its "
+                f"host down, or the network between cut)")
 
     def _join_timeout(self, joined: int) -> None:
         where = f"aggregator {self.aggregator}:{self.port}"
@@ -245,6 +270,7 @@ class RoundStream:
         j_enc = 0 if encode is not None else len(mine)  # ... and [0, j_enc) are written
         timer = self._timer
         timer.start(time.monotonic())
+        heard_at = time.monotonic()
 
         def resend(rounds: np.ndarray) -> None:
             self._resend(rounds, pos, flags_col, ack_col, send, base + head, base, masks, dest)
@@ -268,10 +294,13 @@ class RoundStream:
                     j_sent = j_end
                 sent_at[hi:lim] = time.monotonic()
                 hi = lim
+            foreign0 = self._t.foreign
             n, new, event = pump.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
                                               blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
                                               status, newly, *stash, gate)
             now = time.monotonic()
+            if n > self._t.foreign - foreign0:
+                heard_at = now
             if event == pump.EV_STALE_EPOCH:
                 raise ProtocolError(
                     f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
@@ -289,6 +318,8 @@ class RoundStream:
                     resend(timer.fast_retransmit(done, head, hi, sent_at, now))
                 continue
             # No progress (datagrams that brought nothing new do not count): the timers decide.
+            self._check_abort()
+            self._check_silence(heard_at, "running")
             if timer.expired(now):
                 self._fail(hi, done, status, masks)
             if timer.ask_gate(head, hi, K, now):
