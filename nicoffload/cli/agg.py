@@ -6,6 +6,7 @@ import json
 from nicoffload.cli import aggopt as cli_aggopt
 from nicoffload.cli.app import add_examples
 from nicoffload.cli.xdp import MODES, action, show_stats, watch_argument, where_arguments
+from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto
 
@@ -15,7 +16,8 @@ def _job_arguments(q, load: bool = False) -> None:
     q.add_argument("--workers", type=int, required=not load, default=0,
                    help=f"ranks in the job (1..{proto.MAX_WORKERS})" + ("; without it no job is registered" if load
                                                                       else ""))
-    q.add_argument("--job", type=int, default=DEFAULT.job, help=f"job id carried in every packet (default {DEFAULT.job})")
+    q.add_argument("--job", type=int, default=None,
+                   help=f"job id carried in every packet (default {DEFAULT.job}; with --service: the lowest free one)")
     q.add_argument("--group", default=None,
                    help=f"IP multicast group of the job's results (default: {DEFAULT.group}, or the next one no job uses)")
     q.add_argument("--worker-ip", action="append", default=[], metavar="IP",
@@ -60,21 +62,28 @@ def register(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the status as JSON")
     q.set_defaults(func=_load)
 
-    _register_jobs(asub, where)
+    def where_or_service(q):
+        where_arguments(q, "interface the aggregator runs on (or --service)")
+        q._option_string_actions["--iface"].required = False
+        service_arguments(q)
+
+    _register_jobs(asub, where_or_service)
     cli_aggopt.register(asub, where)
     _register_bench(asub)
+    _register_serve(asub)
 
     for name, fn, hlp in (("status", _status, "show what is loaded and its configuration"),
-                          ("stats", _stats, "show the per-reason counters"),
+                          ("stats", _stats, "show the per-reason counters (of a local aggregator or a service)"),
                           ("slots", _slots, "dump slot state (bitmaps, counts, sets)"),
                           ("unload", _unload, "detach and remove the pins")):
-        q = action(asub, name, fn, hlp, where)
+        q = action(asub, name, fn, hlp, where_or_service if name == "stats" else where)
         if name == "stats":
             q.add_argument("--job", type=int, default=None,
                            help="one job's counters (default: every row, including traffic of no job)")
             watch_argument(q)
             add_examples(q, "sudo nicoffload agg stats --netns NS --iface eth0",
-                         "sudo nicoffload agg stats --netns NS --iface eth0 --watch 0.5")
+                         "sudo nicoffload agg stats --netns NS --iface eth0 --watch 0.5",
+                         "nicoffload agg stats --service http://10.0.0.100:7470 --token-file token --job 2")
         elif name == "slots":
             q.add_argument("--slot", type=int, action="append", default=None, help="slot to show (repeat)")
             q.add_argument("--busy", action="store_true", help="show only slots that have been used")
@@ -88,13 +97,14 @@ def _load(args) -> int:
     from nicoffload.agg.control import Aggregator, AggSpec
 
     opt = cli_aggopt.optimizer_from(args)
+    job = DEFAULT.job if args.job is None else args.job
     spec = AggSpec(args.netns, args.iface, 0 if opt else args.workers, args.slots, args.elems, args.port, args.mode,
-                   args.job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
+                   job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
                    optimizer=bool(opt) or args.with_optimizer)
     agg = Aggregator.load(spec)
     if opt:  # the first job is an optimizer job
         try:
-            agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
+            agg.add_job(job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
                         params=args.params, initial=cli_aggopt.initial_params(args))
         except BaseException:
             agg.close()
@@ -126,6 +136,8 @@ def _register_jobs(asub, where) -> None:
     q = asub.add_parser("job", help="register, remove and list the jobs of a loaded aggregator")
     add_examples(q, "sudo nicoffload agg job add --netns NS --iface eth0 --job 2 --workers 4 --slots 256 "
                     "--group 239.77.0.2 --worker-ip 10.0.0.1 --worker-ip 10.0.0.2 ...",
+                 "nicoffload agg job add --service http://10.0.0.100:7470 --token-file token --workers 4",
+                 "nicoffload agg job list --service http://10.0.0.100:7470 --token-file token",
                  "sudo nicoffload agg job list --netns NS --iface eth0",
                  "sudo nicoffload agg job remove --netns NS --iface eth0 --job 2")
     jsub = q.add_subparsers(dest="job_command", metavar="ACTION")
@@ -134,6 +146,8 @@ def _register_jobs(asub, where) -> None:
     where(a)
     _job_arguments(a)
     cli_aggopt.optimizer_arguments(a)
+    a.add_argument("--lease", type=float, default=0.0, metavar="SECONDS",
+                   help="with --service: the job's lease (0, the default: none, the job stays until removed)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_job_add)
     r = jsub.add_parser("remove", help="unregister a job (its packets are then counted as no job's)")
@@ -146,9 +160,30 @@ def _register_jobs(asub, where) -> None:
     ls.set_defaults(func=_job_list)
 
 
+def service_arguments(q) -> None:
+    q.add_argument("--service", default=None, metavar="URL",
+                   help="talk to an aggregator service (nicoffload agg serve) instead of a local aggregator")
+    q.add_argument("--token-file", default=None, metavar="FILE", help="the service's bearer token")
+
+
+def _client(args):
+    """The service's client when --service is given; else None (and --iface is then needed)."""
+    if args.service:
+        from nicoffload.service.client import ServiceClient
+
+        return ServiceClient.from_files(args.service, args.token_file)
+    if not args.iface:
+        raise InputError("give the aggregator's --iface (and --netns), or --service URL --token-file FILE")
+    return None
+
+
 def _job_add(args) -> int:
     from nicoffload.agg.control import Aggregator
 
+    client = _client(args)
+    if client is not None:
+        return _job_add_service(args, client)
+    args.job = DEFAULT.job if args.job is None else args.job
     agg = Aggregator.open(args.netns, args.iface)
     # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
     e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
@@ -160,9 +195,38 @@ def _job_add(args) -> int:
     return 0
 
 
+def _job_add_service(args, client) -> int:
+    import getpass
+    import socket
+
+    from nicoffload.service.api import JobRequest
+
+    opt = cli_aggopt.optimizer_from(args)
+    req = JobRequest(world=args.workers, workers=list(args.worker_ip), job=args.job, slots=args.job_slots,
+                     group=args.group, lease_s=args.lease, optimizer=opt, params=args.params if opt else 0,
+                     owner=f"nicoffload agg job add ({getpass.getuser()}@{socket.gethostname()})")
+    g = client.create_job(req)
+    initial = cli_aggopt.initial_params(args)
+    if initial is not None:
+        client.set_params(g.job, initial)
+    if args.json:
+        print(json.dumps(g.to_json()))
+        return 0
+    lease = f"lease {g.lease_s:g}s (renew: POST /v1/jobs/{g.job}/lease)" if g.lease_s else "no lease"
+    span = f"{g.slot_base}..{g.slot_base + g.slots - 1}"
+    print(f"registered at {client.url}: job {g.job}: {g.world} workers, slots {span}, results to {g.group}; ranks send to {g.aggregator}:{g.port} from port {g.local_port}; {lease}")
+    return 0
+
+
 def _job_remove(args) -> int:
     from nicoffload.agg.control import Aggregator
 
+    client = _client(args)
+    if client is not None:
+        d = client.remove_job(args.job)
+        print(f"job {d['job']} removed from {client.url}; slots {d['slot_base']}..{d['slot_base'] + d['slots'] - 1} "
+              f"are free")
+        return 0
     agg = Aggregator.open(args.netns, args.iface)
     e = agg.remove_job(args.job)
     print(f"job {e.job} removed from {args.iface}; slots {e.slot_base}..{e.slot_base + e.slot_count - 1} are free")
@@ -172,11 +236,15 @@ def _job_remove(args) -> int:
 def _job_list(args) -> int:
     from nicoffload.agg.control import Aggregator
 
-    agg = Aggregator.open(args.netns, args.iface)
-    jobs = agg.jobs()
+    client = _client(args)
+    if client is not None:
+        d = client.jobs()
+        jobs, free, slots, u = d["jobs"], d["free_slots"], d["slots"], d["unattributed"]
+    else:
+        agg = Aggregator.open(args.netns, args.iface)
+        jobs, free, slots, u = agg.jobs(), agg.table.free_slots(), agg.spec.slots, agg.unattributed()
     if args.json:
-        print(json.dumps({"jobs": jobs, "free_slots": agg.table.free_slots(), "slots": agg.spec.slots,
-                          "unattributed": agg.unattributed()}))
+        print(json.dumps({"jobs": jobs, "free_slots": free, "slots": slots, "unattributed": u}))
         return 0
     print(f"{'job':>6} {'workers':>7} {'slots':>13} {'group':>15} {'epoch':>10} {'joined':>10} {'completed':>10} "
           f"{'rx':>10} {'dropped':>8}")
@@ -186,9 +254,9 @@ def _job_list(args) -> int:
         bad = sum(v for k, v in s.items() if k.startswith("bad_"))
         print(f"{j['job']:>6} {j['workers']:>7} {span:>13} {j['group']:>15} {j['epoch']:>10} {j['joined']:>#10x} "
               f"{s['completed']:>10} {s['rx']:>10} {bad:>8}")
-    u = agg.unattributed()
-    print(f"free slots: {agg.table.free_slots()} of {agg.spec.slots}; traffic of no job: {u['rx']} frames, "
-          f"{u['bad_job']} of an unregistered job")
+        if j.get("lease_remaining_s") is not None:
+            print(f"{'':>6} lease {j['lease_s']:g}s, {j['lease_remaining_s']:.0f}s left; owner {j['owner']}")
+    print(f"free slots: {free} of {slots}; traffic of no job: {u['rx']} frames, {u['bad_job']} of an unregistered job")
     return 0
 
 
@@ -215,6 +283,9 @@ def _status(args) -> int:
 def _stats(args) -> int:
     from nicoffload.agg.control import Aggregator
 
+    client = _client(args)
+    if client is not None:
+        return show_stats(lambda: client.stats(args.job), args.json, args.watch)
     agg = Aggregator.open(args.netns, args.iface)
     return show_stats(lambda: agg.stats(args.job), args.json, args.watch)
 
@@ -278,3 +349,45 @@ def _bench(args) -> int:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))
     return 0
+
+
+def _register_serve(asub) -> None:
+    q = asub.add_parser("serve", help="run the aggregator as a service: jobs over an HTTP API, leases, metrics",
+                        description="Load the XDP aggregator on --iface as a shared pool (or take over the one an "
+                                    "earlier service left there) and serve its jobs over an authenticated HTTP API "
+                                    "until SIGTERM/SIGINT; then unload and leave nothing (docs/service.md).")
+    add_examples(q, "sudo nicoffload agg serve --iface eth0 --listen 10.0.0.100:7470 "
+                    "--token-file /etc/nicoffload/token",
+                 "sudo nicoffload agg serve --netns nco-tb-agg --iface eth0 --listen 10.199.0.100:7470 "
+                 "--token-file token --slots 8192",
+                 "curl -H \"Authorization: Bearer $(cat token)\" http://10.0.0.100:7470/v1/jobs")
+    where_arguments(q, "interface the aggregator runs on")
+    q.add_argument("--listen", required=True, metavar="ADDR:PORT",
+                   help="where the HTTP API listens (inside --netns when given)")
+    q.add_argument("--token-file", required=True, metavar="FILE",
+                   help="the bearer token every control request must carry (one word, 16+ characters)")
+    q.add_argument("--slots", type=int, default=4096, help="slots of the shared pool (default 4096)")
+    q.add_argument("--job-slots", type=int, default=DEFAULT.slots,
+                   help=f"a job's share unless it asks for one (default {DEFAULT.slots}; less if less is free)")
+    q.add_argument("--elems", type=int, default=DEFAULT.elems,
+                   help=f"int32 elements per packet (default {DEFAULT.elems})")
+    q.add_argument("--port", type=int, default=DEFAULT.port, help=f"the aggregator's UDP port (default {DEFAULT.port})")
+    q.add_argument("--mode", choices=MODES, default="auto", help="XDP attach mode")
+    q.add_argument("--lease", type=float, default=30.0, metavar="SECONDS",
+                   help="a job whose owner neither renews nor sends for this long is removed (default 30)")
+    q.add_argument("--no-optimizer", action="store_true",
+                   help="no room for optimizer state (jobs cannot carry an optimizer)")
+    q.add_argument("--keep-loaded", action="store_true",
+                   help="on SIGTERM/SIGINT leave the aggregator and its jobs pinned for the next service")
+    q.add_argument("--verbose", action="store_true")
+    q.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from nicoffload.service.run import ServeOptions, configure_logging, serve
+
+    configure_logging(args.verbose)
+    o = ServeOptions(iface=args.iface, netns=args.netns, listen=args.listen, token_file=args.token_file,
+                     slots=args.slots, job_slots=args.job_slots, elems=args.elems, port=args.port, mode=args.mode,
+                     lease_s=args.lease, optimizer=not args.no_optimizer, keep_loaded=args.keep_loaded)
+    return serve(o, ready=lambda url: print(f"nicoffload agg serve: ready at {url}", flush=True))

@@ -1,0 +1,8 @@
+"""Training on a testbed: PyTorch ranks, the aggregator as a service, torchrun.
+
+    ddp_rank   one DDP (or FSDP2) training rank (``python -m nicoffload.lab.train.ddp_rank``): gloo,
+               the nicoffload DDP hook, the optimizer in the aggregator, or the backend "nicoffload"
+    ddp_train  N ranks on a testbed, gloo against nicoffload, summarized and plotted (``train-demo``)
+    torchrun   ``nicoffload agg serve`` on a testbed's aggregator host, and one torchrun per worker host
+    torchcost  the backend's cost over its communicator, interleaved in one job (``bench --torch-overhead``)
+"""

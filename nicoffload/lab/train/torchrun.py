@@ -1,0 +1,141 @@
+"""Training scripts under torchrun on a testbed, with the aggregator as a service.
+
+    ServiceProcess   ``nicoffload agg serve`` on the testbed's aggregator host (started from the
+                     root namespace with --netns, as a user would), its URL and token; stopped with
+                     SIGTERM (unloads) or killed (leaves the aggregator pinned for the next one)
+    torchrun_specs   one ``torchrun --nnodes N --nproc-per-node 1 --node-rank R`` per worker host,
+                     the master on worker 0, the NICOFFLOAD_* environment set
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from nicoffload.errors import SetupError, TimeoutError_
+from nicoffload.lab.launcher import CLI, RankSpec
+
+#: the port the testbed's service listens on (inside the aggregator's namespace)
+SERVICE_PORT = 7470
+
+
+def write_token(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    p = folder / "nicoffload.token"
+    p.write_text(secrets.token_urlsafe(24) + "\n")
+    p.chmod(0o600)
+    return p
+
+
+def free_port(tb, host) -> int:
+    """A TCP port nobody listens on in ``host``'s namespace (for torchrun's master)."""
+    with tb.in_host(host):
+        s = socket.socket()
+    try:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+class ServiceProcess:
+    """``nicoffload agg serve`` for the testbed's aggregator, in the foreground of a child."""
+
+    def __init__(self, tb, token_file: Path, *, port: int = SERVICE_PORT, slots: int = 4096,
+                 lease: float = 30.0, extra: list[str] | None = None, ready_timeout: float = 60.0):
+        self.tb, self.token_file, self.port = tb, Path(token_file), port
+        self.url = f"http://{tb.agg.ip}:{port}"
+        self.argv = [*CLI, "agg", "serve", "--netns", tb.agg.netns, "--iface", tb.agg.iface,
+                     "--listen", f"{tb.agg.ip}:{port}", "--token-file", str(token_file), "--port", str(tb.port),
+                     "--slots", str(slots), "--lease", str(lease), *(extra or [])]
+        self.ready_timeout = ready_timeout
+        self.log: list[str] = []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServiceProcess":
+        from nicoffload.testbed.signals import terminated_with
+
+        self.log = []
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=terminated_with(os.getpid()))
+        ready = threading.Event()
+
+        def read(p=self.proc):
+            for line in p.stdout:
+                self.log.append(line.rstrip("\n"))
+                if "ready at" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(self.ready_timeout) or self.proc.poll() is not None:
+            self.kill()
+            tail = " | ".join(self.log[-3:]) or "no output"
+            raise SetupError(f"nicoffload agg serve did not come up within {self.ready_timeout:g}s: {tail}")
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM: the service unloads the aggregator and leaves nothing; its exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise TimeoutError_(f"nicoffload agg serve did not stop within {timeout:g}s of SIGTERM") from None
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: the aggregator stays pinned with its jobs (a crashed service)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def env(self) -> dict[str, str]:
+        return {"NICOFFLOAD_SERVICE": self.url, "NICOFFLOAD_TOKEN_FILE": str(self.token_file)}
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def torchrun_specs(tb, script: str | Path, args: list[str] | None = None, env: dict[str, str] | None = None,
+                   master_port: int | None = None, workers=None) -> list[RankSpec]:
+    """One torchrun per worker host of ``tb`` (``workers``: a subset, in rank order)."""
+    hosts = list(workers if workers is not None else tb.workers)
+    port = master_port or free_port(tb, hosts[0])
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), **(env or {}))
+    specs = []
+    for r, w in enumerate(hosts):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+                "--node-rank", str(r), "--master-addr", hosts[0].ip, "--master-port", str(port),
+                "--max-restarts", "0", str(script), *(args or [])]
+        specs.append(RankSpec(f"node {r}", w, argv, dict(base, GLOO_SOCKET_IFNAME=w.iface)))
+    return specs
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    """Poll ``predicate()`` until it returns something true; TimeoutError_ naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(every)
+    raise TimeoutError_(f"{what} did not happen within {timeout:g}s")

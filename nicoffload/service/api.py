@@ -1,0 +1,171 @@
+"""The service's requests and answers as data: what a job request may hold, checked field by
+field with a one-line reason for the first bad one (the HTTP layer turns it into a 400), and the
+job description every rank builds its communicator from. Pure: no sockets, no maps."""
+from __future__ import annotations
+
+import ipaddress
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from nicoffload.errors import InputError
+from nicoffload.optim import KINDS, OptimizerSpec
+from nicoffload.wire import proto
+
+#: the API's version, the first part of every path
+PREFIX = "/v1"
+#: the largest JSON body a control request may carry (bytes)
+MAX_JSON = 64 * 1024
+#: the largest parameter upload (bytes): 32 Mi float64 parameters
+MAX_PARAMS_BYTES = 256 * 1024 * 1024
+#: a lease shorter than this would expire between two renewals of a busy owner (seconds)
+MIN_LEASE = 2.0
+MAX_LEASE = 7 * 24 * 3600.0
+#: how results reach the ranks
+DELIVERIES = ("multicast",)
+
+_FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery"}
+_OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov"}
+
+
+def _int(d: dict, name: str, lo: int, hi: int, default=None) -> int | None:
+    v = d.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(f"{name} must be an integer, not {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise InputError(f"{name} must be {lo}..{hi}, not {v}")
+    return v
+
+
+def _number(d: dict, name: str, lo: float, hi: float, default=None) -> float | None:
+    v = d.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InputError(f"{name} must be a finite number, not {v!r}")
+    if not lo <= v <= hi:
+        raise InputError(f"{name} must be {lo:g}..{hi:g}, not {v:g}")
+    return float(v)
+
+
+@dataclass
+class JobRequest:
+    """A job a client asks the service for (``POST /v1/jobs``)."""
+
+    world: int
+    workers: list[str] = field(default_factory=list)  # each rank's source address, by rank ([]: unchecked)
+    job: int | None = None          # a job id of its own (default: the service picks the lowest free one)
+    slots: int | None = None        # its share of the pool (default: the service's per-job default)
+    group: str | None = None        # its multicast group (default: the first one no job uses)
+    lease_s: float | None = None    # seconds the job lives without renewal and without traffic (0: no lease)
+    owner: str = ""                 # who asked (free text, shown in listings and logs)
+    optimizer: OptimizerSpec | None = None
+    params: int = 0                 # the optimizer's parameter count
+    delivery: str = "multicast"
+
+    @classmethod
+    def from_json(cls, d) -> "JobRequest":
+        if not isinstance(d, dict):
+            raise InputError("the body must be a JSON object")
+        unknown = sorted(set(d) - _FIELDS)
+        if unknown:
+            raise InputError(f"unknown field(s) {', '.join(unknown)}; a job request takes {', '.join(sorted(_FIELDS))}")
+        if "world" not in d:
+            raise InputError("world (the job's number of ranks) is required")
+        world = _int(d, "world", 1, proto.MAX_WORKERS)
+        workers = d.get("workers", [])
+        if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
+            raise InputError("workers must be a list of IPv4 addresses (strings), one per rank")
+        if workers and len(workers) != world:
+            raise InputError(f"workers lists {len(workers)} address(es) for a world of {world}")
+        for w in workers:
+            try:
+                ipaddress.IPv4Address(w)
+            except ValueError:
+                raise InputError(f"workers: {w!r} is not an IPv4 address") from None
+        group = d.get("group")
+        if group is not None:
+            try:
+                ok = isinstance(group, str) and ipaddress.IPv4Address(group).is_multicast
+            except ValueError:
+                ok = False
+            if not ok:
+                raise InputError(f"group {group!r} is not an IPv4 multicast address")
+        lease = _number(d, "lease_s", 0, MAX_LEASE)
+        if lease is not None and 0 < lease < MIN_LEASE:
+            raise InputError(f"lease_s must be 0 (no lease) or at least {MIN_LEASE:g} s, not {lease:g}")
+        owner = d.get("owner", "")
+        if not isinstance(owner, str) or len(owner) > 200 or not owner.isprintable():
+            raise InputError("owner must be printable text of at most 200 characters")
+        delivery = d.get("delivery", "multicast")
+        if delivery not in DELIVERIES:
+            raise InputError(f"delivery {delivery!r} is not one this service offers: {', '.join(DELIVERIES)}")
+        opt = None
+        if d.get("optimizer") is not None:
+            o = d["optimizer"]
+            if not isinstance(o, dict) or set(o) - _OPT_FIELDS:
+                raise InputError(f"optimizer must be an object with fields among {', '.join(sorted(_OPT_FIELDS))}")
+            if o.get("kind", "sgd") not in KINDS:
+                raise InputError(f"optimizer kind {o.get('kind')!r} is not one the aggregator has: {', '.join(KINDS)}")
+            for k in ("lr", "momentum", "dampening", "weight_decay"):
+                _number(o, k, 0.0, 1.0)
+            if not isinstance(o.get("nesterov", False), bool):
+                raise InputError("optimizer.nesterov must be true or false")
+            opt = OptimizerSpec(**o).validate()
+        params = _int(d, "params", 0, 1 << 28, 0)
+        if opt is not None and params < 1:
+            raise InputError("an optimizer job needs params (its parameter count)")
+        if opt is None and params:
+            raise InputError("params is only for an optimizer job")
+        return cls(world=world, workers=list(workers), job=_int(d, "job", 1, 0xFFFFFFFF),
+                   slots=_int(d, "slots", 1, 1 << 20), group=group, lease_s=lease, owner=owner, optimizer=opt,
+                   params=params, delivery=delivery)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["optimizer"] = self.optimizer.to_dict() if self.optimizer else None
+        return {k: v for k, v in d.items() if v is not None and v != [] and not (k == "params" and not v)}
+
+
+@dataclass(frozen=True)
+class JobGrant:
+    """What the service answers a job request with: everything a rank needs to build its
+    communicator (:meth:`nicoffload.worker.Communicator.from_spec` with :meth:`spec`)."""
+
+    job: int
+    world: int
+    aggregator: str        # the aggregator's address (where contributions go)
+    port: int              # the aggregator's UDP port
+    local_port: int        # the port every rank binds and sends from (results come back to it)
+    group: str
+    slot_base: int
+    slots: int
+    elems: int
+    lease_s: float
+    delivery: str = "multicast"
+    owner: str = ""
+    optimizer: dict | None = None
+    params: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "JobGrant":
+        if not isinstance(d, dict):
+            raise InputError("the service's answer is not a JSON object")
+        fs = fields(cls)
+        names = {f.name for f in fs}
+        missing = sorted(f.name for f in fs if f.name not in d and f.default is MISSING and
+                         f.default_factory is MISSING)
+        if missing:
+            raise InputError(f"the service's answer lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def spec(self, timeout: float):
+        """The :class:`~nicoffload.jobspec.JobSpec` of this job for its ranks."""
+        from nicoffload.jobspec import JobSpec
+
+        return JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems,
+                       timeout=timeout, local_port=self.local_port).validate()

@@ -1,0 +1,103 @@
+"""Leases: a job the service admitted lives while its owner renews it or its ranks send traffic.
+A crashed training run stops both, and after ``lease_s`` seconds of neither the service removes
+the job and frees its slots, so a dead run never leaks the pool. The book is kept in a JSON file
+beside the aggregator's state, so a restarted service knows which jobs it leased (each gets a
+full lease again from the restart: the outage is not the owner's fault)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Lease:
+    job: int
+    lease_s: float        # 0: none (the job stays until removed)
+    owner: str
+    created: float        # wall clock, for people
+    renewed: float = 0.0  # monotonic: the owner's last renewal
+    traffic: int = -1     # the job's frame counter when last seen
+    active: float = 0.0   # monotonic: when that counter last moved
+
+    def idle(self, now: float) -> float:
+        """Seconds since the owner renewed or the ranks sent anything, whichever is later."""
+        return now - max(self.renewed, self.active)
+
+    def remaining(self, now: float) -> float | None:
+        return None if not self.lease_s else max(0.0, self.lease_s - self.idle(now))
+
+    def public(self, now: float) -> dict:
+        return {"lease_s": self.lease_s, "owner": self.owner, "created": self.created,
+                "lease_remaining_s": self.remaining(now)}
+
+
+class LeaseBook:
+    """The leases of the jobs of one service, by job id; saved after every change."""
+
+    def __init__(self, path: Path | None, clock=time.monotonic):
+        self.path = path
+        self.clock = clock
+        self.leases: dict[int, Lease] = {}
+        self.expired_total = 0
+
+    def add(self, job: int, lease_s: float, owner: str) -> Lease:
+        now = self.clock()
+        le = self.leases[job] = Lease(job, lease_s, owner, time.time(), renewed=now, active=now)
+        self.save()
+        return le
+
+    def remove(self, job: int) -> None:
+        if self.leases.pop(job, None) is not None:
+            self.save()
+
+    def renew(self, job: int) -> Lease | None:
+        le = self.leases.get(job)
+        if le is not None:
+            le.renewed = self.clock()
+        return le
+
+    def observe(self, job: int, traffic: int) -> None:
+        """The job's frame counter as read now: traffic keeps a lease alive like a renewal."""
+        le = self.leases.get(job)
+        if le is not None and traffic != le.traffic:
+            le.traffic, le.active = traffic, self.clock()
+
+    def expired(self) -> list[int]:
+        now = self.clock()
+        return sorted(j for j, le in self.leases.items() if le.lease_s and le.idle(now) > le.lease_s)
+
+    # --- persistence --------------------------------------------------------------------------
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        rows = [{k: v for k, v in asdict(le).items() if k in ("job", "lease_s", "owner", "created")}
+                for le in self.leases.values()]
+        tmp.write_text(json.dumps({"leases": rows}))
+        os.replace(tmp, self.path)
+
+    def load(self, jobs: set[int]) -> list[int]:
+        """Take back the leases saved by an earlier service for the ``jobs`` still registered;
+        each starts a full lease now. Returns the jobs taken back."""
+        if self.path is None or not self.path.exists():
+            return []
+        try:
+            rows = json.loads(self.path.read_text()).get("leases", [])
+        except (OSError, ValueError):
+            return []
+        now = self.clock()
+        for r in rows:
+            if r.get("job") in jobs:
+                self.leases[r["job"]] = Lease(r["job"], float(r.get("lease_s", 0)), str(r.get("owner", "")),
+                                              float(r.get("created", 0)), renewed=now, active=now)
+        self.save()
+        return sorted(self.leases)
+
+    def discard_file(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path.with_suffix(".tmp").unlink(missing_ok=True)

@@ -1,0 +1,149 @@
+"""``nicoffload agg serve`` from the outside, as a client on the network sees it: the token on
+every control request (401 and nothing changed without it), 4xx with a reason for bad requests,
+jobs admitted, listed, renewed and removed, leases that free a dead job's slots, Prometheus
+metrics, the CLI's ``--service``, and nothing left after SIGTERM."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from nicoffload.errors import CapacityError, InputError, PrivilegeError
+from nicoffload.lab.train.torchrun import ServiceProcess, wait_for, write_token
+from nicoffload.service.api import JobRequest
+from nicoffload.service.client import ServiceClient
+from nicoffload.worker import Communicator
+
+
+def raw(tb, method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    """One HTTP request from worker 0's namespace: (status, JSON body)."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    with tb.in_host(tb.workers[0]):
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+
+def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path):
+    tb = make_testbed(2)
+    token_file = write_token(tmp_path)
+    token = token_file.read_text().strip()
+    svc = ServiceProcess(tb, token_file, lease=3.0, slots=2048).start()
+    try:
+        url = svc.url + "/v1/jobs"
+        c = ServiceClient(svc.url, token)
+
+        def call(fn):
+            with tb.in_host(tb.workers[0]):
+                return fn(c)
+
+        job = {"world": 2, "workers": [w.ip for w in tb.workers], "owner": "test"}
+        body = json.dumps(job).encode()
+        js = {"Content-Type": "application/json"}
+        # no token, a wrong one, another scheme: 401 with a reason, and nothing changes
+        for h in ({}, {"Authorization": "Bearer " + "x" * len(token)}, {"Authorization": f"Basic {token}"}):
+            status, d = raw(tb, "POST", url, body, {**js, **h})
+            assert status == 401 and d["error"], (h, status, d)
+        assert raw(tb, "DELETE", url + "/1", None, {"Authorization": "Bearer nope"})[0] == 401
+        auth = {"Authorization": f"Bearer {token}"}
+        assert raw(tb, "GET", url, None, auth)[1]["jobs"] == []
+        # malformed requests: 4xx with a one-line reason, nothing admitted
+        for b, h, want in ((b'{"world": 2', js, 400), (b'[1, 2]', js, 400), (b'{"world": 99}', js, 400),
+                           (b'{"world": 2, "workers": ["10.0.0.1"]}', js, 400),
+                           (b'{"world": 2, "lease_s": 0.5}', js, 400), (b'{"world": 2, "evil": 1}', js, 400),
+                           (body, {"Content-Type": "text/plain"}, 415), (b"x" * 70000, js, 413)):
+            status, d = raw(tb, "POST", url, b, {**h, **auth})
+            assert status == want and "\n" not in d["error"], (b[:40], status, d)
+        assert raw(tb, "GET", url + "/abc", None, auth)[0] == 400
+        assert raw(tb, "GET", url + "/77", None, auth)[0] == 404
+        assert raw(tb, "DELETE", url + "/77", None, auth)[0] == 404
+        assert call(lambda c: c.jobs())["jobs"] == []
+        # a job: admitted, usable at once, listed with its lease
+        g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers], owner="t")))
+        assert g.slots == 1024 and g.aggregator == tb.agg.ip and g.port == tb.port
+        xs = [np.arange(5000, dtype=np.int32) * (r + 1) for r in range(2)]
+        comms = []
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(Communicator.from_spec(r, 2, g.aggregator, g.spec(10.0), local_ip=w.ip))
+        import threading
+
+        outs = [None, None]
+        ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, comms[r].allreduce(xs[r]))) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        for cm in comms:
+            cm.close()
+        assert all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
+        listed = call(lambda c: c.jobs())["jobs"]
+        assert [j["job"] for j in listed] == [g.job] and listed[0]["owner"] == "t"
+        assert listed[0]["stats"]["completed"] > 0
+        # the optimizer's parameters and learning rate through the API
+        from nicoffload.optim import OptimizerSpec
+
+        o = call(lambda c: c.create_job(JobRequest(world=2, optimizer=OptimizerSpec(lr=0.1), params=600, lease_s=0)))
+        p0 = np.linspace(-1, 1, 600)
+        call(lambda c: c.set_params(o.job, p0))
+        back = call(lambda c: c.params(o.job))
+        assert np.abs(back - p0).max() < 1e-8
+        assert call(lambda c: c.set_lr(o.job, 0.01))["lr"] == 0.01
+        with pytest.raises(InputError):
+            call(lambda c: c.set_params(o.job, np.zeros(5)))
+        # the pool fills: a refusal naming the room left (409 -> CapacityError)
+        with pytest.raises(CapacityError, match="slots"):
+            call(lambda c: c.create_job(JobRequest(world=2, slots=4000)))
+        # metrics: per-job counters as labels, the pool, the jobs, the uptime; no token needed
+        text = call(lambda c: c.metrics())
+        assert f'nicoffload_completions_total{{job="{g.job}"}}' in text
+        assert 'nicoffload_dropped_total{job="none",reason="bad_magic"}' in text
+        assert "nicoffload_pool_slots" in text and "nicoffload_jobs 2.0" in text
+        # the CLI talks to the service too
+        cli = [sys.executable, "-m", "nicoffload.cli", "agg"]
+        where = ["--service", svc.url, "--token-file", str(token_file)]
+        r = tb.run(tb.workers[0], [*cli, "job", "list", *where], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "lease" in r.stdout, r.stderr
+        r = tb.run(tb.workers[0], [*cli, "job", "remove", "--job", str(o.job), *where], capture_output=True,
+                   text=True, timeout=60)
+        assert r.returncode == 0 and "removed" in r.stdout, r.stderr
+        bad = tmp_path / "bad"
+        bad.write_text("wrong-token-wrong-token\n")
+        r = tb.run(tb.workers[0], [*cli, "job", "list", "--service", svc.url, "--token-file", str(bad)],
+                   capture_output=True, text=True, timeout=60)
+        assert r.returncode == PrivilegeError.exit_code and "refused the token (401)" in r.stderr, r.stderr
+        # the job goes silent and nobody renews it: after its lease (3 s) its slots are free
+        wait_for(lambda: call(lambda c: c.jobs())["jobs"] == [], 20, "the silent job's removal")
+        assert any(f"job {g.job} expired" in line for line in svc.log)
+        assert "nicoffload_leases_expired_total 1.0" in call(lambda c: c.metrics())
+    finally:
+        rc = svc.stop()
+    assert rc == 0 and any("nothing left" in line for line in svc.log), svc.log[-5:]
+    from nicoffload.agg import control
+
+    assert control.loaded(tb.agg.netns) == []
+
+
+def test_serve_refuses_what_it_cannot_do_in_one_line(make_testbed, tmp_path):
+    tb = make_testbed(1)
+    cli = [sys.executable, "-m", "nicoffload.cli", "agg", "serve", "--netns", tb.agg.netns, "--iface", "eth0"]
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    for extra, words in ((["--listen", f"{tb.agg.ip}:7470", "--token-file", str(tmp_path / "none")], "does not exist"),
+                         (["--listen", f"{tb.agg.ip}:7470", "--token-file", str(short)], "at least 16"),
+                         (["--listen", "nonsense", "--token-file", str(write_token(tmp_path))], "ADDR:PORT"),
+                         (["--listen", "10.99.99.99:7470", "--token-file", str(write_token(tmp_path))],
+                          "cannot listen")):
+        r = subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and words in r.stderr, (extra, r.stderr)
+        assert len([ln for ln in r.stderr.splitlines() if ln.startswith("nicoffload: error")]) == 1
+    from nicoffload.agg import control
+
+    assert control.loaded(tb.agg.netns) == []  # the refused listen unloaded what it had loaded

@@ -1,0 +1,152 @@
+"""The service's pure parts: job requests checked field by field, leases against a clock, the
+backend's configuration from the environment, and the HTTP layer's token and limits on a
+stand-in service (aiohttp's test client; the real aggregator is tests/netns/test_service.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nicoffload.errors import InputError, NotFoundError, SetupError
+from nicoffload.service.api import MAX_JSON, JobGrant, JobRequest
+from nicoffload.service.leases import LeaseBook
+from nicoffload.torch.config import BackendConfig
+
+
+def test_a_good_request_and_its_defaults():
+    r = JobRequest.from_json({"world": 3, "workers": ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "owner": "me"})
+    assert (r.world, r.job, r.slots, r.lease_s, r.delivery) == (3, None, None, None, "multicast")
+    assert JobRequest.from_json(r.to_json()) == r
+
+
+@pytest.mark.parametrize("body, words", [
+    ([], "JSON object"), ({}, "world"), ({"world": 0}, "world must be"), ({"world": 33}, "world must be"),
+    ({"world": True}, "integer"), ({"world": 2, "workers": ["10.0.0.1"]}, "1 address"),
+    ({"world": 1, "workers": ["10.0.0"]}, "IPv4"), ({"world": 1, "group": "10.0.0.1"}, "multicast"),
+    ({"world": 1, "lease_s": 1}, "lease_s"), ({"world": 1, "lease_s": float("nan")}, "finite"),
+    ({"world": 1, "owner": "a\nb"}, "printable"), ({"world": 1, "delivery": "carrier pigeon"}, "delivery"),
+    ({"world": 1, "optimizer": {"kind": "adam"}}, "kind"), ({"world": 1, "optimizer": {"lr": 2}}, "lr"),
+    ({"world": 1, "optimizer": {"lr": 0.1}}, "params"), ({"world": 1, "params": 5}, "only for an optimizer"),
+    ({"world": 1, "slots": 0}, "slots"), ({"world": 1, "job": -1}, "job"), ({"world": 1, "x": 1}, "unknown"),
+])
+def test_bad_requests_are_refused_naming_the_field(body, words):
+    with pytest.raises(InputError, match=words):
+        JobRequest.from_json(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer",
+                                        "params", "delivery", "zz"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 33), st.floats(), st.text(max_size=5),
+                                 st.lists(st.text(max_size=8), max_size=3), st.dictionaries(st.text(max_size=3),
+                                                                                            st.integers(), max_size=2))))
+def test_any_json_is_a_request_or_an_input_error(body):
+    try:
+        JobRequest.from_json(body)
+    except InputError as e:
+        assert "\n" not in str(e)
+
+
+def test_a_grant_carries_what_a_rank_needs():
+    g = JobGrant(job=3, world=2, aggregator="10.0.0.100", port=4791, local_port=4794, group="239.77.0.3",
+                 slot_base=1024, slots=512, elems=256, lease_s=30.0)
+    assert JobGrant.from_json(json.loads(json.dumps(g.to_json()))) == g
+    s = g.spec(7.0)
+    assert (s.job, s.port, s.local_port, s.group, s.slots, s.timeout) == (3, 4791, 4794, "239.77.0.3", 512, 7.0)
+    with pytest.raises(InputError, match="lacks"):
+        JobGrant.from_json({"job": 1})
+
+
+def test_leases_expire_only_without_renewals_and_without_traffic(tmp_path):
+    now = [100.0]
+    book = LeaseBook(tmp_path / "leases.json", clock=lambda: now[0])
+    book.add(1, 10.0, "a")
+    book.add(2, 0.0, "forever")
+    now[0] += 8
+    book.renew(1)
+    now[0] += 8
+    assert book.expired() == []            # renewed 8 s ago
+    book.observe(1, 500)                   # traffic moved: alive
+    now[0] += 9
+    book.observe(1, 500)                   # no more traffic
+    assert book.expired() == []
+    now[0] += 2
+    assert book.expired() == [1]           # neither for 11 s > 10
+    # a restarted service takes the leases back, each with a full lease from now
+    again = LeaseBook(tmp_path / "leases.json", clock=lambda: now[0])
+    assert again.load({1, 2, 3}) == [1, 2] and again.expired() == []
+    assert again.leases[2].remaining(now[0]) is None
+
+
+def test_the_backend_reads_its_environment():
+    c = BackendConfig.from_env({"NICOFFLOAD_SERVICE": "http://10.0.0.1:7470", "NICOFFLOAD_TOKEN_FILE": "/t",
+                                "NICOFFLOAD_TIMEOUT": "12.5", "NICOFFLOAD_LEASE": "0"})
+    assert (c.mode, c.service, c.token_file, c.timeout, c.lease_s, c.liveness) == \
+        ("aggregator", "http://10.0.0.1:7470", "/t", 12.5, 0.0, 10.0)
+    assert BackendConfig.from_env({"NICOFFLOAD_MODE": "ring"}).mode == "ring"
+    with pytest.raises(SetupError, match="NICOFFLOAD_SERVICE"):
+        BackendConfig.from_env({})
+    with pytest.raises(InputError, match="NICOFFLOAD_MODE"):
+        BackendConfig.from_env({"NICOFFLOAD_MODE": "star"})
+    with pytest.raises(InputError, match="NICOFFLOAD_TIMEOUT"):
+        BackendConfig.from_env({"NICOFFLOAD_SERVICE": "http://h:1", "NICOFFLOAD_TIMEOUT": "soon"})
+
+
+class FakeService:
+    """What the HTTP layer calls, without an aggregator."""
+
+    started = 0.0
+
+    def __init__(self):
+        self.jobs_made = []
+
+    def create_job(self, req):
+        self.jobs_made.append(req)
+        return JobGrant(job=len(self.jobs_made), world=req.world, aggregator="10.0.0.1", port=1, local_port=2,
+                        group="239.77.0.1", slot_base=0, slots=8, elems=256, lease_s=30)
+
+    def jobs(self):
+        return {"jobs": [], "slots": 8, "free_slots": 8, "unattributed": {}}
+
+    def remove_job(self, job):
+        raise NotFoundError(f"job {job} is not registered")
+
+    def snapshot(self):
+        return {"jobs": [], "unattributed": {}, "slots": 8, "free_slots": 8, "uptime_s": 1.0, "leases_expired": 0}
+
+
+def test_the_http_layer_token_and_limits():
+    pytest.importorskip("aiohttp")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from nicoffload.service.http import make_app
+
+    fake = FakeService()
+    token = b"0123456789abcdef-token"
+
+    async def go():
+        app = make_app(fake, token, ThreadPoolExecutor(1))
+        async with TestClient(TestServer(app)) as cl:
+            ok = {"Authorization": "Bearer " + token.decode()}
+            r = await cl.post("/v1/jobs", json={"world": 2})
+            assert r.status == 401 and "bearer" in (await r.json())["error"]
+            r = await cl.post("/v1/jobs", json={"world": 2}, headers={"Authorization": "Bearer 0123456789abcdef-tokeN"})
+            assert r.status == 401
+            assert fake.jobs_made == []
+            r = await cl.post("/v1/jobs", json={"world": 2}, headers=ok)
+            assert r.status == 201 and (await r.json())["job"] == 1
+            r = await cl.post("/v1/jobs", data=b"{" * (MAX_JSON + 1),
+                              headers={**ok, "Content-Type": "application/json"})
+            assert r.status == 413
+            r = await cl.delete("/v1/jobs/5", headers=ok)
+            assert r.status == 404 and "job 5" in (await r.json())["error"]
+            r = await cl.get("/v1/nothing-here", headers=ok)
+            assert r.status == 404 and "error" in await r.json()
+            r = await cl.get("/metrics")
+            assert r.status == 200 and "nicoffload_jobs 0.0" in await r.text()
+
+    asyncio.run(go())
