@@ -1,8 +1,26 @@
-"""The PyTorch integration (needs the ``torch`` extra).
+"""The PyTorch integration (needs the ``torch`` extra). Importing it registers the
+torch.distributed backend ``"nicoffload"``:
 
-    ddp   a DistributedDataParallel communication hook that sums every gradient bucket through
-          nicoffload (:func:`~nicoffload.torch.ddp.register`), and
-          :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the aggregator
+    import nicoffload.torch
+    dist.init_process_group("nicoffload")      # under torchrun; configured from NICOFFLOAD_* (config)
 
-``nicoffload.ddp`` is the same module under its documented name.
+    backend     :class:`~nicoffload.torch.backend.ProcessGroupNicoffload`: all-reduces (and
+                reduce-scatters, barriers) through the offload, every other collective through an
+                internal gloo group on the same store; work completed from a background thread
+    rendezvous  how a group's ranks meet in torchrun's store: addresses, the job rank 0 gets from
+                the service, heartbeats, leaving
+    config      the ``NICOFFLOAD_*`` environment
+    ddp         the DDP communication hook (:func:`~nicoffload.torch.ddp.register`) and
+                :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the
+                aggregator (also set up through the backend's service)
+
+``nicoffload.ddp`` is the ``ddp`` module under its documented name.
 """
+from __future__ import annotations
+
+from nicoffload.torch import backend
+from nicoffload.torch.backend import ProcessGroupNicoffload
+
+backend.register()
+
+__all__ = ["ProcessGroupNicoffload"]

@@ -237,16 +237,30 @@ class OffloadedOptimizer:
     aggregator's job must hold the same initial parameters (``agg job add --optimizer ...
     --params N --init``, or :meth:`nicoffload.agg.Aggregator.add_job`) in the order of
     ``params``. Use it instead of a torch optimizer, on a model that is not wrapped in DDP (the
-    aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's."""
+    aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's.
+
+    Under the ``"nicoffload"`` torch.distributed backend nothing else is needed:
+    ``OffloadedOptimizer(model.parameters(), optimizer=dict(lr=0.05, momentum=0.9))`` asks the
+    backend's aggregator service for an optimizer job holding rank 0's parameters."""
 
     def __init__(self, params, aggregator: str | None = None, *, group: str = DEFAULT.group,
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout, rank: int | None = None,
-                 world: int | None = None, communicator: Communicator | None = None):
+                 world: int | None = None, communicator: Communicator | None = None, optimizer=None,
+                 process_group=None):
         from nicoffload import optim
 
         self.params = [p for p in params]
         self.n = sum(p.numel() for p in self.params)
+        pg = process_group
+        if pg is None and communicator is None and aggregator is None and dist.is_available() \
+                and dist.is_initialized():
+            pg = dist.distributed_c10d._get_default_group()
+        if communicator is None and aggregator is None and pg is not None and hasattr(pg, "optimizer_job"):
+            # under the "nicoffload" backend: the service sets the job up, with rank 0's parameters
+            spec = optimizer if isinstance(optimizer, optim.OptimizerSpec) else \
+                optim.OptimizerSpec(**(optimizer or {})).validate()
+            communicator = pg.optimizer_job(flat_params(self.params), spec)
         if communicator is None:
             if aggregator is None:
                 raise NicoffloadError("OffloadedOptimizer needs the aggregator's address (or a Communicator)")

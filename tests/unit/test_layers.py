@@ -17,7 +17,7 @@ LAYER = {
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
     "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker",
-    "torch": "torch", "ddp": "torch",
+    "service": "service", "torch": "torch", "ddp": "torch", "_torch_plugin": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli",
 }
@@ -32,13 +32,17 @@ ALLOWED = {
     "ring": {"base", "datapath", "ring"},
     "userspace": {"base", "datapath", "userspace"},
     "worker": {"base", "datapath", "ring", "worker"},
-    # integrations
-    "torch": {"base", "datapath", "worker", "ring", "torch"},
+    # integrations: the aggregator service (over the XDP control plane), the torch backend (a
+    # client of the service, over both communicators)
+    "service": {"base", "agg", "service"},
+    "torch": {"base", "datapath", "worker", "ring", "service", "torch"},
     # beside the core: packet generators and the testbed
     "packets": {"base", "packets"},
     "testbed": {"base", "testbed"},
-    "lab": {"base", "datapath", "agg", "ring", "userspace", "worker", "torch", "packets", "testbed", "lab"},
-    "cli": {"base", "datapath", "agg", "ring", "userspace", "worker", "torch", "packets", "testbed", "lab", "cli"},
+    "lab": {"base", "datapath", "agg", "ring", "userspace", "worker", "service", "torch", "packets", "testbed",
+            "lab"},
+    "cli": {"base", "datapath", "agg", "ring", "userspace", "worker", "service", "torch", "packets", "testbed",
+            "lab", "cli"},
 }
 
 

@@ -84,3 +84,12 @@ def test_a_non_editable_install_holds_everything(tmp_path):
     assert not (target / "packets").exists() and not (target / "testbed").exists(), \
         "top-level packages named packets/testbed would clash with other projects"
     assert "ok" in _run_check(target, target)
+
+
+def test_every_subpackage_is_installed():
+    """A subpackage missing from pyproject's list would be missing from a non-editable install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nicoffload").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"

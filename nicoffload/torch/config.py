@@ -1,0 +1,90 @@
+"""The backend's configuration, from the environment torchrun already sets plus a few
+``NICOFFLOAD_*`` variables (one line each in the README):
+
+    NICOFFLOAD_SERVICE=http://HOST:PORT   the aggregator service (aggregator mode)
+    NICOFFLOAD_TOKEN_FILE=PATH            the service's bearer token
+    NICOFFLOAD_MODE=aggregator|ring       ring: the ring offload, peers from the rendezvous, no service
+    NICOFFLOAD_LOCAL_IP=ADDR              this rank's address (default: the one that routes to the
+                                          service, or to MASTER_ADDR in ring mode)
+    NICOFFLOAD_TIMEOUT=SECONDS            how long a collective waits without progress (default: the
+                                          process group's timeout)
+    NICOFFLOAD_LIVENESS=SECONDS           a rank whose heartbeat stopped this long is gone: the others
+                                          fail naming it (default 10)
+    NICOFFLOAD_LEASE=SECONDS              the job's lease at the service (default: the service's)
+    NICOFFLOAD_LANES=16|32                reserved for 16-bit lanes; 32 today
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from nicoffload.errors import InputError, SetupError
+
+MODES = ("aggregator", "ring")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    mode: str = "aggregator"
+    service: str | None = None
+    token_file: str | None = None
+    local_ip: str | None = None
+    timeout: float | None = None
+    liveness: float = 10.0
+    lease_s: float | None = None
+
+    @classmethod
+    def from_env(cls, env=None) -> "BackendConfig":
+        env = os.environ if env is None else env
+        mode = env.get("NICOFFLOAD_MODE", "aggregator").strip() or "aggregator"
+        if mode not in MODES:
+            raise InputError(f"NICOFFLOAD_MODE must be aggregator or ring, not {mode!r}")
+        service = env.get("NICOFFLOAD_SERVICE") or None
+        if mode == "aggregator" and not service:
+            raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
+                             "http://HOST:PORT (and NICOFFLOAD_TOKEN_FILE), or NICOFFLOAD_MODE=ring")
+        return cls(mode=mode, service=service, token_file=env.get("NICOFFLOAD_TOKEN_FILE") or None,
+                   local_ip=env.get("NICOFFLOAD_LOCAL_IP") or None,
+                   timeout=_seconds(env, "NICOFFLOAD_TIMEOUT"),
+                   liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
+                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True))
+
+    def route_target(self) -> str:
+        """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""
+        if self.mode == "aggregator":
+            return urlsplit(self.service).hostname or ""
+        master = os.environ.get("MASTER_ADDR")
+        if not master:
+            raise SetupError("NICOFFLOAD_MODE=ring needs MASTER_ADDR (torchrun sets it) or NICOFFLOAD_LOCAL_IP")
+        return master
+
+    def resolve_local_ip(self) -> str:
+        if self.local_ip:
+            return self.local_ip
+        return local_ip_towards(self.route_target())
+
+
+def _seconds(env, name: str, zero_ok: bool = False) -> float | None:
+    text = env.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise InputError(f"{name} must be a number of seconds, not {text!r}") from None
+    if not (v > 0 or (zero_ok and v == 0)):
+        raise InputError(f"{name} must be positive, not {text!r}")
+    return v
+
+
+def local_ip_towards(host: str) -> str:
+    """The address of the interface that routes to ``host`` (no packet is sent)."""
+    try:
+        addr = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise SetupError(f"no route from this host to {host} ({e.strerror or e}); set NICOFFLOAD_LOCAL_IP") from None

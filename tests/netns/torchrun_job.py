@@ -1,0 +1,285 @@
+"""A training script's collectives under torchrun, with the backend "nicoffload" as the default
+group (``dist.init_process_group("nicoffload")`` and nothing else), checked on every rank
+against what each rank can compute itself (every rank's inputs come from seeded generators).
+Writes ``OUT/rank{R}.json``: one entry per check (name, ok, detail) and timings.
+
+    torchrun ... torchrun_job.py --out DIR --phases collectives,ddp,fsdp,optimizer
+    torchrun ... torchrun_job.py --out DIR --phases train --die-rank 2 --die-at 5   # a rank dies
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nicoffload.lab.reference import host_sum, quantized
+
+CHECKS: list[dict] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    CHECKS.append({"name": name, "ok": bool(ok), "detail": detail})
+
+
+def inputs(case: str, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case}/{rank}".encode()))
+    if dtype in (torch.int32, torch.int64):
+        return torch.randint(-(1 << 20), 1 << 20, shape, generator=g, dtype=dtype)
+    # magnitudes over several decades, so blocks have different exponents
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-6, 6, shape, generator=g))
+    return x.to(dtype)
+
+
+def half_ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    bits = {torch.bfloat16: 8, torch.float16: 11}[dtype]
+    return np.abs(exact) * 2.0 ** -bits + 2.0 ** -25
+
+
+def expect(case: str, world: int, shape, dtype: torch.dtype):
+    xs = [inputs(case, r, shape, dtype) for r in range(world)]
+    if dtype in (torch.bfloat16, torch.float16):
+        e = quantized([x.to(torch.float32).numpy() for x in xs])
+        e.bound = e.bound + half_ulp(e.exact, dtype)
+        return xs, e
+    return xs, quantized([x.numpy() for x in xs])
+
+
+def collectives(rank: int, world: int) -> None:
+    shapes = [(), (1,), (7,), (1000,), (3, 5, 7), (256 * 3 + 5,), (65536 * 2 + 3,)]
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16, torch.float16):
+        for shape in shapes:
+            case = f"sum-{dtype}-{shape}"
+            xs, e = expect(case, world, shape, dtype)
+            t = xs[rank].clone()
+            dist.all_reduce(t)
+            got = t.to(torch.float64).numpy() if dtype in (torch.bfloat16, torch.float16) else t.numpy()
+            c = e.check(got.reshape(-1).astype(np.float64) if dtype in (torch.bfloat16, torch.float16) else got)
+            check(case, c.within_bound and t.dtype == dtype and tuple(t.shape) == tuple(shape), c.reason)
+    # AVG, a non-contiguous tensor, async calls in flight together
+    xs, e = expect("avg", world, (3000,), torch.float32)
+    t = xs[rank].clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    c = e.check(t.numpy() * world)
+    check("avg-float32", c.max_abs_err <= float(e.bound.max()) * 2 + 1e-6, c.reason)
+    xs = [inputs("strided", r, (40, 30), torch.float32) for r in range(world)]
+    e = quantized([x.t().contiguous().numpy() for x in xs])  # its blocks are those of the view's order
+    t = xs[rank].clone().t()  # a transposed view
+    dist.all_reduce(t)
+    c = e.check(t.contiguous().numpy())
+    check("non-contiguous", c.within_bound and not t.is_contiguous(), c.reason)
+    cases = [expect(f"async-{i}", world, (5000 + i,), torch.int32) for i in range(6)]
+    ts = [xs[rank].clone() for xs, _ in cases]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    check("async-in-flight", all(e.check(t.numpy()).within_bound for t, (_, e) in zip(ts, cases)))
+    # MAX / MIN: exact through the aggregator (int32, float32, bfloat16) or gloo (float64)
+    for dtype in (torch.int32, torch.float32, torch.bfloat16, torch.float64):
+        for op, fn in ((dist.ReduceOp.MAX, torch.maximum), (dist.ReduceOp.MIN, torch.minimum)):
+            xs = [inputs(f"ext-{dtype}-{op}", r, (2000,), dtype) for r in range(world)]
+            want = xs[0]
+            for x in xs[1:]:
+                want = fn(want, x)
+            t = xs[rank].clone()
+            dist.all_reduce(t, op=op)
+            check(f"{op}-{dtype}", torch.equal(t, want))
+    # int64: the gloo path, exact
+    xs = [inputs("i64", r, (999,), torch.int64) for r in range(world)]
+    t = xs[rank].clone()
+    dist.all_reduce(t)
+    check("int64-gloo", torch.equal(t, sum(xs)))
+    # the rest of what training code calls
+    b = inputs("bcast", 1 % world, (321,), torch.float32) if rank == 1 % world else torch.zeros(321)
+    dist.broadcast(b, src=1 % world)
+    check("broadcast", torch.equal(b, inputs("bcast", 1 % world, (321,), torch.float32)))
+    outs = [torch.zeros(17) for _ in range(world)]
+    dist.all_gather(outs, inputs("ag", rank, (17,), torch.float32))
+    check("all_gather", all(torch.equal(outs[r], inputs("ag", r, (17,), torch.float32)) for r in range(world)))
+    big = torch.zeros(world * 9)
+    dist.all_gather_into_tensor(big, inputs("agt", rank, (9,), torch.float32))
+    check("all_gather_into_tensor", torch.equal(big, torch.cat([inputs("agt", r, (9,), torch.float32)
+                                                               for r in range(world)])))
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        xs, e = expect(f"rs-{op}", world, (world * 700,), torch.float32)
+        out = torch.zeros(700)
+        dist.reduce_scatter_tensor(out, xs[rank].clone(), op=op)
+        mine = slice(rank * 700, (rank + 1) * 700)
+        err = np.abs(out.numpy() * (world if op == dist.ReduceOp.AVG else 1) - e.exact[mine])
+        check(f"reduce_scatter_tensor-{op}", bool((err <= e.bound[mine] * world + 1e-6).all()), f"{err.max():.3g}")
+    xs = [[inputs(f"rsl-{r}-{c}", r, (50,), torch.int32) for c in range(world)] for r in range(world)]
+    out = torch.zeros(50, dtype=torch.int32)
+    dist.reduce_scatter(out, [x.clone() for x in xs[rank]])
+    check("reduce_scatter-list", torch.equal(out, sum(xs[r][rank] for r in range(world))))
+    dist.barrier()
+    check("barrier", True)
+    g = [torch.zeros(4) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((4,), float(rank)), g, dst=0)
+    check("gather", rank != 0 or all(torch.equal(g[r], torch.full((4,), float(r))) for r in range(world)))
+    s = torch.zeros(3)
+    dist.scatter(s, [torch.full((3,), float(r) * 2) for r in range(world)] if rank == 0 else None, src=0)
+    check("scatter", torch.equal(s, torch.full((3,), float(rank) * 2)))
+    a2a_in = torch.arange(world * 2, dtype=torch.float32) + 100 * rank
+    a2a = torch.zeros(world * 2)
+    dist.all_to_all_single(a2a, a2a_in)
+    check("all_to_all_single", torch.equal(a2a, torch.tensor([100.0 * r + 2 * rank + k for r in range(world)
+                                                             for k in range(2)])))
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    got = torch.zeros(5)
+    reqs = [dist.isend(torch.full((5,), float(rank)), nxt), dist.irecv(got, prv)]
+    for q in reqs:
+        q.wait()
+    check("isend-irecv-ring", torch.equal(got, torch.full((5,), float(prv))))
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "text": "x" * rank})
+    check("all_gather_object", objs == [{"rank": r, "text": "x" * r} for r in range(world)])
+    lst = [{"k": 1}, "two"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    check("broadcast_object_list", lst == [{"k": 1}, "two"])
+    # a subgroup: its own job at the service
+    sub = dist.new_group(ranks=list(range(world)))
+    xs, e = expect("subgroup", world, (4096,), torch.float32)
+    t = xs[rank].clone()
+    dist.all_reduce(t, group=sub)
+    # offloaded (aggregator mode: its own job) or through gloo (ring mode): within that path's bound
+    ok = e.check(t.numpy()).within_bound or host_sum([x.numpy() for x in xs]).check(t.numpy()).within_bound
+    check("new_group", ok and isinstance(sub, type(dist.distributed_c10d._get_default_group())))
+    dist.destroy_process_group(sub)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def batches(rank: int, steps: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)]
+
+
+def train(wrap, rank: int, steps: int, die: tuple[int, int] | None = None):
+    m = wrap(model())
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    t0 = time.perf_counter()
+    for s, (x, y) in enumerate(batches(rank, steps)):
+        if die and die == (rank, s):
+            os._exit(3)  # a rank dies mid-training: no clean-up, no goodbye
+        loss = nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m, loss.item(), (time.perf_counter() - t0) / steps
+
+
+def full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def compare(name: str, a: nn.Module, b: nn.Module, tol: float) -> None:
+    d = max(float((full(x) - full(y)).abs().max()) for x, y in zip(a.parameters(), b.parameters()))
+    check(name, d <= tol, f"max parameter difference {d:.3g} (tolerance {tol:g})")
+
+
+def ddp(rank: int, world: int, gloo) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m1, _, t1 = train(lambda m: DDP(m), rank, 20)
+    m2, _, t2 = train(lambda m: DDP(m, process_group=gloo), rank, 20)
+    compare("ddp-vs-gloo", m1, m2, 1e-4)
+    return {"ddp_step_s": t1, "ddp_gloo_step_s": t2}
+
+
+def fsdp(rank: int, world: int, gloo) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    def two(group):
+        def wrap(m):
+            mesh = DeviceMesh.from_group(group, "cpu")
+            for layer in m:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            return fully_shard(m, mesh=mesh)
+        return wrap
+
+    f1, _, t1 = train(two(dist.group.WORLD), rank, 10)
+    f2, _, t2 = train(two(gloo), rank, 10)
+    compare("fsdp2-vs-gloo", f1, f2, 1e-4)
+    g1, _, t3 = train(lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu")), rank, 10)
+    g2, _, t4 = train(lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu"), process_group=gloo),
+                      rank, 10)
+    with FullyShardedDataParallel.summon_full_params(g1), FullyShardedDataParallel.summon_full_params(g2):
+        compare("fsdp1-vs-gloo", g1, g2, 1e-4)
+    return {"fsdp2_step_s": t1, "fsdp2_gloo_step_s": t2, "fsdp1_step_s": t3, "fsdp1_gloo_step_s": t4}
+
+
+def optimizer(rank: int, world: int, gloo) -> dict:
+    from nicoffload.ddp import OffloadedOptimizer
+
+    m = model()
+    ref = model()
+    opt = OffloadedOptimizer(m.parameters(), optimizer=dict(lr=0.05, momentum=0.9))
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches(rank, 8):
+        for net in (m, ref):
+            net.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, group=gloo)
+            p.grad /= world
+        sgd.step()
+    compare("optimizer-offload-vs-sgd", m, ref, 1e-3)
+    opt.close()
+    return {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--phases", default="collectives")
+    p.add_argument("--die-rank", type=int, default=-1)
+    p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--steps", type=int, default=40)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    dist.init_process_group("nicoffload")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {"rank": rank, "world": world, "init_s": time.perf_counter() - t0,
+              "backend": dist.get_backend(), "group": repr(dist.distributed_c10d._get_default_group())}
+    out = Path(a.out)
+    try:
+        phases = a.phases.split(",")
+        gloo = dist.new_group(backend="gloo") if set(phases) & {"ddp", "fsdp", "optimizer"} else None
+        for ph in phases:
+            if ph == "collectives":
+                collectives(rank, world)
+            elif ph == "ddp":
+                report |= ddp(rank, world, gloo)
+            elif ph == "fsdp":
+                report |= fsdp(rank, world, gloo)
+            elif ph == "optimizer":
+                report |= optimizer(rank, world, gloo)
+            elif ph == "train":
+                from torch.nn.parallel import DistributedDataParallel as DDP
+
+                m, loss, step = train(lambda m: DDP(m), rank, a.steps, die=(a.die_rank, a.die_at))
+                report |= {"loss": loss, "step_s": step}
+        dist.destroy_process_group()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        report["error_type"] = type(e).__name__
+    report["checks"] = CHECKS
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    os._exit(1 if "error" in report or not all(c["ok"] for c in CHECKS) else 0)
+
+
+if __name__ == "__main__":
+    main()
