@@ -11,7 +11,7 @@ PNG of the curves.
 Needs root (namespaces, XDP) and the torch extra: pip install 'nicoffload[torch]'.
 Same as ``nicoffload train-demo``; this script shows the pieces:
 
-* each rank is ``python -m nicoffload.lab.ddp_rank`` started inside its worker's namespace
+* each rank is ``python -m nicoffload.lab.train.ddp_rank`` started inside its worker's namespace
   (``tb.popen``), with MASTER_ADDR = worker 0's address and GLOO_SOCKET_IFNAME = its own
   interface, so gloo bootstraps the ranks over the testbed, never in the root namespace;
 * in the nicoffload run a rank does what any training script would do::
@@ -19,7 +19,7 @@ Same as ``nicoffload train-demo``; this script shows the pieces:
       state = NicoffloadHookState(aggregator, group=..., local_ip=..., port=...)
       ddp_model.register_comm_hook(state, nicoffload_hook)
 
-  (see ``train`` in nicoffload/lab/ddp_rank.py);
+  (see ``train`` in nicoffload/lab/train/ddp_rank.py);
 * each rank writes a JSON report and its final parameters to a temp dir, gathered here.
 
 The data: scikit-learn's digits when sklearn is importable (``--data auto``), otherwise seeded
@@ -44,8 +44,8 @@ def main() -> int:
     args = p.parse_args()
 
     from nicoffload.errors import NicoffloadError
-    from nicoffload.lab.ddp_rank import MASTER_PORT, resolve_data
-    from nicoffload.lab.ddp_train import format_summary, launch, plot, require_torch, summarize
+    from nicoffload.lab.train.ddp_rank import MASTER_PORT, resolve_data
+    from nicoffload.lab.train.ddp_train import format_summary, launch, plot, require_torch, summarize
     from nicoffload.lab.jobs import tempdir
     from nicoffload.testbed.testbed import running
 

@@ -38,6 +38,7 @@ def register(sub) -> None:
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,64KiB,1MiB,64MiB --sparsity 0 --rate 1gbit "
                  "--systems ring,xdpring,udpring,gloo --compute     # the ring offload against the rings",
                  "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
+                 "sudo nicoffload bench --torch-overhead --workers 4 --sizes 16MiB --reps 40",
                  "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
     p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
                    help="worker counts, one testbed each (default 2,4,8)")
@@ -89,6 +90,11 @@ def register(sub) -> None:
     soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
                       help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
     soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
+    tor = p.add_argument_group("the torch backend's overhead (--torch-overhead; one --workers and --sizes value, "
+                               "--reps apply)")
+    tor.add_argument("--torch-overhead", action="store_true",
+                     help="instead of the sweep: dist.all_reduce through the backend 'nicoffload' against the same "
+                          "group's Communicator.allreduce, interleaved rep by rep in one torchrun job (paired ratios)")
     ten = p.add_argument_group("tenants (--tenants J,..; --workers per job, one --sizes value, --reps apply)")
     ten.add_argument("--tenants", type=_list(plan.workers, "job counts"), default=None, metavar="J,..",
                      help="J jobs of the same shape at once on one XDP aggregator, against one alone")
@@ -109,6 +115,22 @@ def _tenants(args) -> int:
     if not all(r.exact for r in rows):
         print("nicoffload bench --tenants: a job's result was outside its bound", file=sys.stderr)
         return 1
+    return 0
+
+
+def _torch_overhead(args) -> int:
+    import json
+
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab.train import ddp_train, torchcost
+
+    ddp_train.require_torch()
+    bpf.require_root("nicoffload bench --torch-overhead (it builds a namespace testbed and loads XDP)")
+    workers, size = (args.workers or [4])[0], (args.sizes or [16 << 20])[0]
+    r = torchcost.run(workers, size, args.reps or 40, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "torch_overhead.json").write_text(json.dumps(r, indent=1))
+    print(torchcost.describe(r))
     return 0
 
 
@@ -138,6 +160,8 @@ def _bench(args) -> int:
         return _soak(args)
     if args.tenants is not None:
         return _tenants(args)
+    if args.torch_overhead:
+        return _torch_overhead(args)
     if _given(args, SOAK_ONLY):
         raise InputError(f"{', '.join(_given(args, SOAK_ONLY))} go with --soak N")
     bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")

@@ -22,8 +22,7 @@ Other experiments
     soakreport   the soak's summary: call records, time distributions, worst call, its table
     tenants      J jobs at once on one XDP aggregator against one alone (``bench --tenants``)
     xdpbench     in-kernel cost of the XDP program and its optimizer (``nicoffload agg bench``)
-    ddp_rank     one DDP training rank (``python -m nicoffload.lab.ddp_rank``), also with the
-                 optimizer in the aggregator
-    ddp_train    N DDP ranks on a testbed: gloo vs nicoffload, or torch.optim.SGD vs the optimizer
-                 in the XDP and user-space aggregators, summarized and plotted
+
+Training (the subpackage :mod:`nicoffload.lab.train`): DDP/FSDP ranks, ``train-demo``, the aggregator
+    service and torchrun on a testbed, the torch backend's overhead
 """

@@ -1,7 +1,7 @@
 """PyTorch DistributedDataParallel through nicoffload, end to end on a namespace testbed.
 
 Two runs of the same job (2 ranks, STEPS steps, same seeds): DDP's default gloo all-reduce, and
-the nicoffload hook with the XDP aggregator. Each rank is ``python -m nicoffload.lab.ddp_rank`` inside
+the nicoffload hook with the XDP aggregator. Each rank is ``python -m nicoffload.lab.train.ddp_rank`` inside
 its worker's namespace. Skipped without the torch extra.
 
 Tolerance of the parameter comparison, derived from the quantization bound (nicoffload/wire/quant.py)
@@ -40,7 +40,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the DDP tests need the torch extra: pip install 'nicoffload[torch]'")
 
 from nicoffload.errors import NicoffloadError, TimeoutError_  # noqa: E402
-from nicoffload.lab.ddp_train import launch  # noqa: E402
+from nicoffload.lab.train.ddp_train import launch  # noqa: E402
 
 WORKERS = 2
 STEPS = 20
@@ -171,7 +171,7 @@ def test_without_torch_the_demo_and_the_hook_fail_in_one_line():
 def test_training_with_the_optimizer_in_the_aggregator(tb, tmp_path, runs):
     """No optimizer on the ranks: the XDP aggregator holds the parameters and the momentum, and the
     ranks' parameters follow float64 SGD on their own gradients within the derived bound."""
-    from nicoffload.lab.ddp_train import summarize
+    from nicoffload.lab.train.ddp_train import summarize
 
     gloo, _ = runs
     off = launch(tb, "offload", tmp_path, aggregator="xdp", steps=STEPS, deadline=DEADLINE, master_port=29512,

@@ -18,13 +18,15 @@ from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.inputs import parse_size
 from nicoffload.wire import proto
 
-SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring")
+SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch")
 #: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
 AGG_SYSTEMS = ("xdp", "userspace")
 #: nicoffload's ring mode: the ring offload in XDP and the user-space UDP ring (fixed point; ring bound)
 RING_SYSTEMS = ("xdpring", "udpring")
+#: torch.distributed's all_reduce through the backend "nicoffload" (the XDP aggregator the service runs)
+TORCH_SYSTEMS = ("xdptorch",)
 #: systems whose results go through nicoffload's fixed point (checked against its bound)
-QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS
+QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS + TORCH_SYSTEMS
 #: the largest size the sparsity and worker axes are measured at
 REFERENCE_MAX = 16 << 20
 #: seconds of reps per point at least when a compute loop runs beside the ranks

@@ -31,6 +31,10 @@ from nicoffload.lab.bench.systems import job_spec
 class _Adapter:
     rank: int
 
+    def prepare(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Before each timed AllReduce, untimed: what a system that reduces in place needs (the
+        input copied into the buffer it reduces)."""
+
     def allreduce(self, x: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
 
@@ -117,8 +121,10 @@ class _Gloo(_Adapter):
                                 timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
         self._f = torch.zeros(1, dtype=torch.int32)
 
+    def prepare(self, x, out):
+        np.copyto(out, x)  # gloo reduces in place: the timed call is the all_reduce alone
+
     def allreduce(self, x, out):
-        np.copyto(out, x)
         self.dist.all_reduce(self.torch.from_numpy(out))
 
     def flag(self, v):
@@ -128,6 +134,28 @@ class _Gloo(_Adapter):
 
     def close(self):
         self.dist.destroy_process_group()
+
+
+class _Torch(_Gloo):
+    """torch.distributed with the backend "nicoffload" (the service's job); like gloo's adapter,
+    the input is copied into the tensor reduced in place."""
+
+    def __init__(self, plan: dict, rank: int):
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        import nicoffload.torch  # noqa: F401  (registers the backend)
+
+        self.rank, self.torch, self.dist = rank, torch, dist
+        dist.init_process_group("nicoffload", rank=rank, world_size=plan["world"],
+                                timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
+        self._f = torch.zeros(1, dtype=torch.int32)
+
+    def counters(self):
+        c = self.dist.distributed_c10d._get_default_group().comm
+        return {"packets": c.stats.packets_sent, "retransmissions": c.stats.retransmissions}
 
 
 class _Mpi(_Adapter):
@@ -168,7 +196,7 @@ def _check_local_ip(ip: str, who: str) -> None:
 
 
 ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi,
-            "xdpring": _RingMode, "udpring": _RingMode}
+            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch}
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
 IDLE_S = 1.0
 
@@ -224,6 +252,7 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
     the reps run."""
     for _ in range(plan["warmup"]):
         a.flag(1)
+        a.prepare(x, out)
         a.allreduce(x, out)
     c_before = a.counters()
     if loop is not None:
@@ -234,6 +263,7 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
     cpu0, k0, t00 = time.process_time(), loop.count() if loop else 0, time.monotonic()
     times: list[float] = []
     while a.flag(int(_go_on(plan, len(times), window.elapsed())) if lead else 0):
+        a.prepare(x, out)
         t0 = time.perf_counter()
         a.allreduce(x, out)
         times.append(time.perf_counter() - t0)

@@ -35,6 +35,7 @@ from nicoffload.lab.jobs import tempdir, testbed
 from nicoffload.lab.launcher import Launch
 from nicoffload.lab.links import enable_gro, link_state
 from nicoffload.lab.rings import RingPrograms
+from nicoffload.lab.train.torchrun import ServiceProcess, write_token
 
 
 @dataclass
@@ -94,12 +95,16 @@ class SystemRun:
         self.startup_failure: str | None = None
         self.ap: AggregatorProcess | None = None
         self.rp: RingPrograms | None = None     # xdpring: the ring programs on every worker
+        self.svc: ServiceProcess | None = None  # xdptorch: nicoffload agg serve on the aggregator host
         self.job: Launch | None = None
 
     def plan(self) -> dict:
         b, cfg = self.bed, self.bed.cfg
+        params = systems.rank_params(b.tb, self.system, cfg)
+        if self.svc is not None:
+            params.update(service=self.svc.url, token_file=str(self.svc.token_file))
         return {"system": self.system, "world": self.n, "ips": [w.ip for w in b.tb.workers],
-                "iface": b.tb.workers[0].iface, "params": systems.rank_params(b.tb, self.system, cfg),
+                "iface": b.tb.workers[0].iface, "params": params,
                 "warmup": cfg.warmup, "reps": cfg.reps, "min_time": cfg.min_time, "max_reps": cfg.max_reps,
                 "max_point_s": cfg.max_point_s, "timeout": cfg.timeout,
                 "prog_id": self.ap.prog_id if self.ap else None, "mode": self._mode(),
@@ -114,6 +119,12 @@ class SystemRun:
                 self.ap = AggregatorProcess(b.tb, self.system, cfg.spec, mode=cfg.mode)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
+                raise _Abort(self.startup_failure)
+        if self.system == "xdptorch":
+            try:
+                self.svc = ServiceProcess(b.tb, write_token(b.work / "service"), extra=["--mode", cfg.mode]).start()
+            except Exception as e:
+                self.startup_failure = f"the aggregator service did not start: {e}"
                 raise _Abort(self.startup_failure)
         if self.system == "xdpring":
             try:
@@ -185,6 +196,11 @@ class SystemRun:
     def stop(self) -> None:
         if self.job is not None:
             self.job.stop()
+        if self.svc is not None:
+            try:
+                self.svc.stop()
+            except Exception:
+                pass
         if self.rp is not None:
             b = self.bed
             stats = self.rp.close()

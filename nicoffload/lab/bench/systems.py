@@ -14,6 +14,9 @@ mpi        Open MPI ``MPI_Allreduce`` through mpi4py, BTL ``tcp,self`` (the shar
 xdpring    nicoffload's ring mode with the ring offload (DirectReduce): every worker's XDP adds
            its staged record into the passing packet and sends it on (UDP, int32 fixed point)
 udpring    the same ring protocol with every hop in user space (the user-space UDP ring)
+xdptorch   torch.distributed ``all_reduce`` with the backend "nicoffload": the job granted by
+           ``nicoffload agg serve`` on the aggregator host (the XDP aggregator), the tensor
+           reduced in place like gloo's (its input copied into it first, as for gloo)
 ========== =====================================================================================
 
 Ranks: one process per worker namespace running :mod:`nicoffload.lab.bench.ranks`; for mpi,
@@ -45,8 +48,9 @@ DESCRIPTION = {
     "mpi": "Open MPI MPI_Allreduce via mpi4py, btl tcp,self (no shared memory)",
     "xdpring": "nicoffload ring offload: every worker's XDP adds and forwards (UDP, int32 fixed point)",
     "udpring": "nicoffload user-space UDP ring (the same protocol, every hop in the worker process)",
+    "xdptorch": "torch.distributed all_reduce through the nicoffload backend (XDP aggregator via agg serve)",
 }
-PORT_OFFSET = {"ring": 21, "gloo": 22}  # above the testbed's nicoffload port
+PORT_OFFSET = {"ring": 21, "gloo": 22, "xdptorch": 23}  # above the testbed's nicoffload port
 RANKS = "nicoffload.lab.bench.ranks"
 
 
@@ -96,6 +100,11 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
         return None, "nicoffload"
     if system == "gloo":
         return _probe_gloo()
+    if system == "xdptorch":
+        why, version = _probe_gloo()
+        if why is None:
+            why, _ = probe("xdp")
+        return why, version
     if system == "mpi":
         return _probe_mpi(mpirun)
     return f"unknown system {system!r}", ""
@@ -111,6 +120,8 @@ def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
         spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
         return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",
                 "capacity": ring_capacity(cfg)}
+    if system == "xdptorch":
+        return {"port": tb.port + PORT_OFFSET[system], "spec": cfg.spec.replace(timeout=cfg.timeout).to_dict()}
     if system in PORT_OFFSET:
         return {"port": tb.port + PORT_OFFSET[system]}
     return {}
@@ -162,8 +173,11 @@ def rank_specs(tb, system: str, plan_path: Path, params: dict, work: Path, cfg: 
     specs = []
     for w in tb.workers:
         e = dict(env)
-        if system == "gloo":
+        if system in ("gloo", "xdptorch"):
             e.update(GLOO_SOCKET_IFNAME=w.iface, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(params["port"]))
+        if system == "xdptorch":
+            e.update(NICOFFLOAD_SERVICE=params["service"], NICOFFLOAD_TOKEN_FILE=params["token_file"],
+                     NICOFFLOAD_TIMEOUT=str(cfg.timeout))
         specs.append(RankSpec(f"rank {w.rank}", w, base + ["--rank", str(w.rank)], e))
     return specs
 
@@ -179,7 +193,7 @@ def packet_shape(system: str, mode: str | None, spec: JobSpec) -> dict:
             mode, "") if xdp else "received with UDP_GRO"
         return {"mode": mode if xdp else "userspace",
                 "shape": f"UDP_SEGMENT batches of <= {per} x {rec} B records around the ring, {seen}"}
-    if system not in AGG_SYSTEMS:
+    if system not in AGG_SYSTEMS and system != "xdptorch":
         return {"mode": "-", "shape": {"ring": "TCP streams", "gloo": "TCP streams (gloo)",
                                        "mpi": "TCP streams (Open MPI btl tcp)"}.get(system, "-")}
     rec = proto.record_size(spec.elems)

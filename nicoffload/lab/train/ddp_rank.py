@@ -1,5 +1,5 @@
-"""One rank of a DistributedDataParallel training job (``python -m nicoffload.lab.ddp_rank``),
-started N times on a testbed by :mod:`nicoffload.lab.ddp_train`. It is also the reference of how
+"""One rank of a DistributedDataParallel training job (``python -m nicoffload.lab.train.ddp_rank``),
+started N times on a testbed by :mod:`nicoffload.lab.train.ddp_train`. It is also the reference of how
 a training script uses the nicoffload hook: see :func:`train`.
 
 The job: a small MLP (D -> H -> H -> C, tanh) on seeded synthetic classification data (or
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import NicoffloadError
-from ..jobspec import JobSpec
+from nicoffload.errors import NicoffloadError
+from nicoffload.jobspec import JobSpec
 
 MASTER_PORT = 29500
 FEATURES, CLASSES = 64, 10
@@ -102,11 +102,16 @@ def batch_indices(step: int, rank: int, world: int, batch: int, n: int, seed: in
 
 # --- the rank program ----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nicoffload.lab.ddp_rank",
+    p = argparse.ArgumentParser(prog="python -m nicoffload.lab.train.ddp_rank",
                                 description="one rank of a DDP training job (started by the launcher)")
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
     p.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    p.add_argument("--allreduce", choices=["gloo", "nicoffload", "offload"], required=True)
+    p.add_argument("--allreduce", choices=["gloo", "nicoffload", "offload", "backend"], required=True,
+                   help="gloo: DDP's default; nicoffload: the DDP hook; offload: the optimizer in the aggregator; "
+                        "backend: the torch.distributed backend 'nicoffload' as the process group (no hook; "
+                        "NICOFFLOAD_SERVICE and NICOFFLOAD_TOKEN_FILE from the environment)")
+    p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp",
+                   help="DistributedDataParallel, or FSDP2 (fully_shard on every Linear and the model)")
     p.add_argument("--shadow", action="store_true",
                    help="with --allreduce offload: follow float64 SGD on the same averaged gradients")
     p.add_argument("--aggregator", metavar="IP", help="the nicoffload aggregator (with --allreduce nicoffload)")
@@ -190,10 +195,28 @@ def _memory(model, opt) -> dict:
             "optimizer_state": state, "rss": rss}
 
 
+def _fsdp(net):
+    """FSDP2: every Linear sharded on its own, then the model (CPU tensors)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(net)
+
+
+def _full(p):
+    """A parameter whole (FSDP2 shards them into DTensors)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def _hook_state(args, model):
     """With ``--allreduce nicoffload``: the nicoffload hook registered on ``model``, its state."""
     if args.allreduce != "nicoffload":
         return None
+    if args.wrap != "ddp":
+        raise NicoffloadError("the nicoffload DDP hook needs --wrap ddp (FSDP goes through --allreduce backend)")
     from nicoffload.torch.ddp import NicoffloadHookState, nicoffload_hook
 
     spec = JobSpec.from_args(args)
@@ -211,8 +234,8 @@ def _record(report: dict, model, opt, state, loss, seconds: float, hook_seconds:
     report["allreduce_seconds"].append(hook_seconds)
     report["losses"].append(float(loss.detach()))
     report["grad_max"].append(state.stats.input_absmax if state else
-                              max(float(p.grad.abs().max()) for p in model.parameters()))
-    report["param_max"].append(max(float(p.detach().abs().max()) for p in model.parameters()))
+                              max(float(_full(p.grad).abs().max()) for p in model.parameters()))
+    report["param_max"].append(max(float(_full(p.detach()).abs().max()) for p in model.parameters()))
     report["momentum_max"].append(max((float(st["momentum_buffer"].abs().max())
                                        for st in getattr(opt, "state", {}).values()
                                        if st.get("momentum_buffer") is not None), default=0.0))
@@ -255,7 +278,7 @@ def _evaluate(model, xte, yte, report: dict) -> np.ndarray:
         logits = net(torch.from_numpy(xte))
         report["accuracy"] = float((logits.argmax(1).numpy() == yte).mean())
         report["test_loss"] = float(F.cross_entropy(logits, torch.from_numpy(yte)))
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()
+        return torch.cat([_full(p.detach()).reshape(-1) for p in net.parameters()]).numpy()
 
 
 def train(args, report: dict) -> None:
@@ -268,7 +291,10 @@ def train(args, report: dict) -> None:
 
     torch.set_num_threads(1)  # one core per rank: ranks share the machine
     xtr, ytr, xte, yte = load_data(args.data, args.seed)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+    backend = "nicoffload" if args.allreduce == "backend" else "gloo"
+    if backend == "nicoffload":
+        import nicoffload.torch  # noqa: F401  (registers the backend, if torch's plugin hook did not)
+    dist.init_process_group(backend, rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=args.pg_timeout))
     state = opt = shadow = None
     offload = args.allreduce == "offload"
@@ -279,6 +305,10 @@ def train(args, report: dict) -> None:
             opt = _offloaded(args, model)
             state = opt
             shadow = Shadow(model, args) if args.shadow else None
+        elif args.wrap == "fsdp":
+            model = _fsdp(net)
+            state = _hook_state(args, model)
+            opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         else:
             model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
             state = _hook_state(args, model)
@@ -310,11 +340,12 @@ def params_path(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.allreduce != "gloo" and not args.aggregator:
+    if args.allreduce not in ("gloo", "backend") and not args.aggregator:
         print(f"ddp_rank: --allreduce {args.allreduce} needs --aggregator", file=sys.stderr, flush=True)
         return 2
     args.data = resolve_data(args.data)
-    report: dict = {"rank": args.rank, "world": args.world, "allreduce": args.allreduce, "data": args.data,
+    report: dict = {"rank": args.rank, "world": args.world, "allreduce": args.allreduce, "wrap": args.wrap,
+                    "data": args.data,
                     "steps": args.steps, "batch": args.batch, "hidden": args.hidden, "lr": args.lr,
                     "momentum": args.momentum, "seed": args.seed, "error": None}
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """PyTorch DistributedDataParallel on a namespace testbed: N ranks of
-:mod:`nicoffload.lab.ddp_rank` (one per worker host), trained once with DDP's default gloo
+:mod:`nicoffload.lab.train.ddp_rank` (one per worker host), trained once with DDP's default gloo
 all-reduce and once through nicoffload with the same seeds, compared side by side: loss curves,
 final accuracy, time per training step, how far the parameters drifted apart; a PNG of both.
 What ``nicoffload train-demo`` and ``examples/train_ddp.py`` run."""
@@ -14,12 +14,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import SetupError
-from ..jobspec import DEFAULT, JobSpec
-from .aggregators import AggregatorProcess, on_testbed
-from .ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, params_path
-from .launcher import Launch, Outcome, RankSpec, error_class, failure, program
-from .links import enable_gro
+from nicoffload.errors import SetupError
+from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.lab.aggregators import AggregatorProcess, on_testbed
+from nicoffload.lab.train.ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, params_path
+from nicoffload.lab.launcher import Launch, Outcome, RankSpec, error_class, failure, program
+from nicoffload.lab.links import enable_gro
+from nicoffload.lab.train.torchrun import ServiceProcess, write_token
 
 WARMUP = 3  # steps left out of the timing: DDP's lazy set-up (step 0) and bucket rebuild (step 1)
 #: the nicoffload job of a training run, unless the caller gives one
@@ -88,6 +89,8 @@ class Run:
     def label(self) -> str:
         if self.allreduce == "offload":
             return f"optimizer-in-{self.aggregator}"
+        if self.allreduce == "backend":
+            return "nicoffload-backend"
         return "gloo" if self.allreduce == "gloo" else f"nicoffload-{self.aggregator}"
 
     @property
@@ -120,14 +123,15 @@ class Run:
         return self.ranks[0].report["accuracy"]
 
 
-def _rank_spec(tb, w, run: Run, out: Path, spec: JobSpec, argv: list[str], master_port: int) -> RankSpec:
-    argv = program("nicoffload.lab.ddp_rank") + ["--rank", str(w.rank), "--out", str(out), *argv,
+def _rank_spec(tb, w, run: Run, out: Path, spec: JobSpec, argv: list[str], master_port: int,
+               service_env: dict | None = None) -> RankSpec:
+    argv = program("nicoffload.lab.train.ddp_rank") + ["--rank", str(w.rank), "--out", str(out), *argv,
                                                  *spec.argv(HOOK_FIELDS)]
-    if run.allreduce != "gloo":
+    if run.allreduce not in ("gloo", "backend"):
         argv += ["--aggregator", tb.agg.ip, "--local-ip", w.ip]
     env = dict(os.environ, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=w.iface,
                RANK=str(w.rank), WORLD_SIZE=str(len(tb.workers)), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
+               TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), **(service_env or {}))
     return RankSpec(f"rank {w.rank}", w, argv, env)
 
 
@@ -163,19 +167,26 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
         out.unlink(missing_ok=True)
         params_path(out).unlink(missing_ok=True)
     die = die or {}
-    ranks = [_rank_spec(tb, w, run, out, spec, common + (["--die-at-step", str(die[w.rank])] if w.rank in die else []),
-                        master_port) for w, out in zip(tb.workers, outs)]
-    ap = None
+    ap = svc = None
     try:
+        if allreduce == "backend":  # the aggregator as a service, the backend asks it for the job
+            svc = ServiceProcess(tb, write_token(workdir / "service")).start()
+        ranks = [_rank_spec(tb, w, run, out, spec,
+                            common + (["--die-at-step", str(die[w.rank])] if w.rank in die else []), master_port,
+                            svc.env() if svc else None) for w, out in zip(tb.workers, outs)]
         if nco:
             enable_gro(tb)
-            ap = OptimizerAggregator(tb, aggregator, spec, seed, data, extra or []) if allreduce == "offload" else \
-                AggregatorProcess(tb, aggregator, spec)
+            if allreduce == "offload":
+                ap = OptimizerAggregator(tb, aggregator, spec, seed, data, extra or [])
+            elif allreduce == "nicoffload":
+                ap = AggregatorProcess(tb, aggregator, spec)
         with Launch(tb, ranks) as job:
             processes = job.wait(limit)
     finally:
         if ap is not None:
             ap.close()
+        if svc is not None:
+            svc.stop()
     run.ranks = [_gather(w, out, p) for w, out, p in zip(tb.workers, outs, processes)]
     run.seconds = time.monotonic() - t0
     return run
@@ -190,8 +201,8 @@ class OptimizerAggregator:
     def __init__(self, tb, kind: str, spec: JobSpec, seed: int, data: str, extra: list[str]):
         from nicoffload.torch.ddp import flat_params
 
-        from ..optim import OptimizerSpec, share
-        from .ddp_rank import build_parser, load_data, make_model
+        from nicoffload.optim import OptimizerSpec, share
+        from nicoffload.lab.train.ddp_rank import build_parser, load_data, make_model
 
         a = build_parser().parse_args(["--allreduce", "offload", "--out", "x", *extra])
         xtr, ytr, _, _ = load_data(data, seed)
@@ -227,20 +238,24 @@ class OptimizerAggregator:
 
 def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, aggregator: str = "xdp",
             seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
-            offload: tuple[str, ...] = ()) -> tuple[Run, ...]:
+            offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp") -> tuple[Run, ...]:
     """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
     (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
-    optimizer in each of them) — the offloaded runs also follow float64 SGD on their gradients."""
-    plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else [("nicoffload", aggregator)])
+    optimizer in each of them) — the offloaded runs also follow float64 SGD on their gradients.
+    ``backend``: the nicoffload run uses the torch.distributed backend "nicoffload" (no hook; the
+    aggregator as a service); ``wrap``: ddp or fsdp (FSDP2) in both runs."""
+    plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else
+                               [("backend", "xdp")] if backend else [("nicoffload", aggregator)])
     runs = []
     for i, (kind, agg) in enumerate(plan):
         if progress:
-            what = {"gloo": "DDP default (gloo), torch.optim.SGD on every rank",
-                    "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator"}[kind]
+            what = {"gloo": f"{wrap.upper()} over gloo, torch.optim.SGD on every rank",
+                    "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator",
+                    "backend": f"{wrap.upper()} over the torch.distributed backend 'nicoffload' (the service)"}[kind]
             progress(f"training {len(tb.workers)} ranks x {steps} steps with {what} ...")
         runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
                            spec=spec, master_port=MASTER_PORT + i,
-                           extra=["--shadow"] if kind == "offload" else None).check())
+                           extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap]).check())
     return tuple(runs)
 
 
@@ -273,7 +288,7 @@ def _shadow(report: dict) -> dict | None:
     sh = report.get("shadow")
     if not sh:
         return None
-    from ..optim import OptimizerSpec, error_bound
+    from nicoffload.optim import OptimizerSpec, error_bound
 
     spec = OptimizerSpec(lr=report["lr"], momentum=report["momentum"])
     bound = error_bound(spec, report["steps"], grad_max=sh["grad_max"], world=report["world"],
@@ -290,6 +305,7 @@ def summarize(reference: Run, *others: Run) -> dict:
         diffs[run.label] = float(np.max(np.abs(r0.params.astype(np.float64) - p))) \
             if r0.params is not None and p is not None else None
     return {"workers": len(reference.ranks), "steps": r0.report["steps"], "data": r0.report["data"],
+            "wrap": r0.report.get("wrap", "ddp"),
             "parameters": r0.report["parameters"], "warmup_steps_excluded": WARMUP,
             "max_param_diff": next(iter(diffs.values()), None), "param_diff": diffs,
             "runs": {run.label: _run_summary(run) for run in (reference, *others)}}
@@ -352,7 +368,8 @@ def plot(s: dict, path: Path) -> Path:
     for (label, r), st in zip(s["runs"].items(), styles):
         a.plot(r["losses"], label=f"{label} (test acc {r['accuracy']:.3f})", **st)
         b.plot(r["step_ms_each"], label=f"{label} (median {r['step_ms']:.2f} ms)", **st)
-    a.set(xlabel="step", ylabel="training loss (global batch)", title=f"DDP, {s['workers']} ranks: loss per step")
+    a.set(xlabel="step", ylabel="training loss (global batch)",
+          title=f"{s.get('wrap', 'ddp').upper()}, {s['workers']} ranks: loss per step")
     b.set(xlabel="step", ylabel="ms", title="time per training step (slowest rank)", yscale="log")
     for ax in (a, b):
         ax.grid(alpha=0.3)
