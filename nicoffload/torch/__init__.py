@@ -18,8 +18,16 @@ torch.distributed backend ``"nicoffload"``:
 """
 from __future__ import annotations
 
-from nicoffload.torch import backend
-from nicoffload.torch.backend import ProcessGroupNicoffload
+from nicoffload.errors import SetupError
+
+try:
+    import torch  # noqa: F401
+except ImportError as _e:  # an optional extra: say what to install, in one line
+    raise SetupError("nicoffload.torch needs PyTorch: pip install 'nicoffload[torch]' "
+                     f"(torch==2.13.0, the CPU wheel) ({_e})") from None
+
+from nicoffload.torch import backend  # noqa: E402
+from nicoffload.torch.backend import ProcessGroupNicoffload  # noqa: E402
 
 backend.register()
 

@@ -25,6 +25,8 @@ AGG_SYSTEMS = ("xdp", "userspace")
 RING_SYSTEMS = ("xdpring", "udpring")
 #: torch.distributed's all_reduce through the backend "nicoffload" (the XDP aggregator the service runs)
 TORCH_SYSTEMS = ("xdptorch",)
+#: systems that sum through an aggregator: bound M/R on shaped links
+STAR_SYSTEMS = AGG_SYSTEMS + TORCH_SYSTEMS
 #: systems whose results go through nicoffload's fixed point (checked against its bound)
 QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS + TORCH_SYSTEMS
 #: the largest size the sparsity and worker axes are measured at

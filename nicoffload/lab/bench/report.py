@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.lab.bench.plan import AGG_SYSTEMS, SYSTEMS, Point, bounds
+from nicoffload.lab.bench.plan import STAR_SYSTEMS, SYSTEMS, Point, bounds
 from nicoffload.lab.inputs import format_size
 from nicoffload.lab.reference import Check
 
@@ -37,7 +37,7 @@ def row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, **kw)
     ba, br = bounds(pt.bytes, workers, rbps)
     r = {k: None for k in FIELDS}
     r.update(system=system, workers=workers, bytes=pt.bytes, sparsity=pt.sparsity, rate=rate, rate_bps=rbps,
-             bound_agg_s=ba, bound_ring_s=br, bound_s=ba if system in AGG_SYSTEMS else br)
+             bound_agg_s=ba, bound_ring_s=br, bound_s=ba if system in STAR_SYSTEMS else br)
     r.update(kw)
     return r
 
