@@ -20,6 +20,9 @@ from .errors import InputError
 DEFAULT_GROUP = "239.77.0.1"
 #: how a job sums: through an aggregator, or around a ring of the workers (the ring offload)
 MODES = ("aggregator", "ring")
+#: how an aggregator's results reach the ranks: to the job's multicast group, or a copy to each
+#: rank's address (for networks without multicast)
+DELIVERIES = ("multicast", "unicast")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class JobSpec:
     sparse: bool = True            # skip zero blocks (a metadata round even for int32)
     local_port: int | None = None  # the port workers bind and send from (None: ``port``)
     mode: str = "aggregator"       # aggregator (star through an aggregator) or ring (the ring offload)
+    delivery: str = "multicast"    # how the aggregator's results reach the ranks: multicast or unicast
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -63,6 +67,8 @@ class JobSpec:
             raise InputError(f"--timeout must be positive, not {self.timeout}")
         if self.mode not in MODES:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.delivery not in DELIVERIES:
+            raise InputError(f"--delivery must be one of {', '.join(DELIVERIES)}, not {self.delivery!r}")
         return self
 
     def replace(self, **changes) -> "JobSpec":
@@ -91,6 +97,9 @@ class JobSpec:
                                        "(default: --port; ranks of jobs that share a host need different ones)"),
         "mode": ("--mode", "aggregator: sum through an aggregator (XDP or user space); ring: the ring offload, "
                            "every worker's XDP adds and forwards (DirectReduce, docs/ring.md)"),
+        "delivery": ("--delivery", "how the aggregator's results reach the ranks: multicast (one frame the fabric "
+                                   "fans out) or unicast (a copy to each rank's address, for networks without "
+                                   "multicast)"),
     }
 
     @classmethod
@@ -110,6 +119,9 @@ class JobSpec:
             shown = "" if value is None else f" (default {value})"
             if f.name == "mode":
                 parser.add_argument(opt, dest="spec_mode", choices=MODES, default=value, help=text + shown)
+                continue
+            if f.name == "delivery":
+                parser.add_argument(opt, dest="spec_delivery", choices=DELIVERIES, default=value, help=text + shown)
                 continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]

@@ -327,14 +327,24 @@ def join_frames(workers: int, nonces: Sequence[int] | None = None, *, job: int =
                   src_ip=worker_ip(r), dst_ip=AGG_IP, **kw) for r in (ranks if ranks is not None else range(workers))]
 
 
-def joined_record(rank: int, workers: int, nonce: int, epoch: int, table: Sequence[int], *, job: int = 1) -> bytes:
-    """The JOINED the aggregator makes of ``rank``'s JOIN: ``epoch`` formed with every rank's nonce."""
+def joined_record(rank: int, workers: int, nonce: int, epoch: int, table: Sequence[int], *, job: int = 1,
+                  flags: int = 0) -> bytes:
+    """The JOINED the aggregator makes of ``rank``'s JOIN: ``epoch`` formed with every rank's nonce
+    (``flags`` FLAG_ANSWER: the repeat that answers a JOIN whose JOINED was lost)."""
     tab = np.zeros(proto.MAX_WORKERS, "<u8")
     tab[:len(table)] = table
     return bytes(encode_blocks(
         tab.view("<i4").reshape(1, -1), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=nonce & 0xFFFFFFFF,
-        ack=nonce >> 32, mask=(1 << workers) - 1, count=0, type=proto.TYPE_JOINED,
+        ack=nonce >> 32, mask=(1 << workers) - 1, count=0, type=proto.TYPE_JOINED, flags=flags,
     ))
+
+
+def answered(rec: bytes) -> bytes:
+    """``rec`` (a RESULT or JOINED record) as the aggregator sends it to answer a retransmission or
+    a pull: FLAG_ANSWER set."""
+    b = bytearray(rec)
+    b[proto.FIELD_OFFSETS["flags"]] |= proto.FLAG_ANSWER
+    return bytes(b)
 
 
 def ack_frame(rank: int, ack: int, *, epoch: int, job: int = 1, **kw) -> bytes:

@@ -28,6 +28,7 @@ from nicoffload.ebpf import loader as nbpf
 from nicoffload.errors import InputError, NotFoundError, SetupError
 
 from . import state as st
+from .fabric import drop_multicast
 from .fault import FaultInjector
 from .napi import attach_napi_pass
 from .netlink import (
@@ -250,6 +251,8 @@ class Testbed:
                 br.fdb("add", ifindex=idx, lladdr=h.mac, state=nud_states["noarp"], flags=ntf_flags["master"])
                 br.link("set", index=idx, state="up")
                 limit(br, idx, h.link.rate, topo.mtu)
+            if not topo.multicast:
+                drop_multicast(br, [link_index(br, h.peer) for h in hosts])
 
         permanent = nud_states["permanent"]
         for h in hosts:

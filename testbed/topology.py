@@ -149,7 +149,9 @@ class Topology:
     ``links``: per-host overrides, e.g. ``{"w0": Link(rate=100_000_000)}``; hosts not listed use
     ``default_link``. ``agg_napi``: attach an XDP_PASS program to the bridge-side peer of the
     aggregator's link at build time (native XDP_TX from the aggregator's veth needs it; generic
-    XDP must not have it; ``Testbed.set_agg_napi`` changes it on a live testbed).
+    XDP must not have it; ``Testbed.set_agg_napi`` changes it on a live testbed). ``multicast``
+    False: the fabric drops every multicast frame on its way to a host (testbed/fabric.py), as
+    networks without multicast do.
     """
 
     name: str
@@ -160,6 +162,7 @@ class Topology:
     port: int = DEFAULT_PORT
     subnet: int | None = None
     agg_napi: bool = False
+    multicast: bool = True
 
     def __post_init__(self):
         check_name(self.name)
@@ -182,10 +185,10 @@ class Topology:
     @classmethod
     def star(cls, name: str, workers: int, *, rate: str | int | None = None, queues: int = 1,
              mtu: int = 1500, port: int = DEFAULT_PORT, subnet: int | None = None,
-             agg_napi: bool = False, links: dict[str, Link] | None = None) -> "Topology":
+             agg_napi: bool = False, links: dict[str, Link] | None = None, multicast: bool = True) -> "Topology":
         """The usual shape: ``workers`` workers, one aggregator, every link at ``rate``."""
         return cls(name=name, workers=workers, mtu=mtu, default_link=Link(parse_rate(rate), queues),
-                   links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi)
+                   links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi, multicast=multicast)
 
     def with_subnet(self, subnet: int) -> "Topology":
         return dataclasses.replace(self, subnet=subnet)
@@ -262,7 +265,7 @@ class Topology:
     def to_dict(self) -> dict:
         return {
             "name": self.name, "workers": self.workers, "mtu": self.mtu, "port": self.port,
-            "subnet": self.subnet, "agg_napi": self.agg_napi,
+            "subnet": self.subnet, "agg_napi": self.agg_napi, "multicast": self.multicast,
             "default_link": dataclasses.asdict(self.default_link),
             "links": {h: dataclasses.asdict(lk) for h, lk in self.links.items()},
         }
@@ -271,5 +274,6 @@ class Topology:
     def from_dict(cls, d: dict) -> "Topology":
         return cls(name=d["name"], workers=int(d["workers"]), mtu=int(d["mtu"]), port=int(d["port"]),
                    subnet=d.get("subnet"), agg_napi=bool(d.get("agg_napi", False)),
+                   multicast=bool(d.get("multicast", True)),
                    default_link=Link(**d.get("default_link", {})),
                    links={h: Link(**lk) for h, lk in d.get("links", {}).items()})

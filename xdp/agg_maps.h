@@ -48,10 +48,13 @@ struct ar_job {
     u32 live;                  /* the epoch records must carry; 0 while none is formed */
     u32 epoch;                 /* the last epoch handed out (the next one is epoch + 1) */
     u32 joined;                /* ranks that have joined the forming epoch */
-    u32 pad;
+    u32 delivery;              /* AR_DELIVERY_*: how results reach the ranks */
     u64 nonce[AR_MAX_WORKERS];     /* per rank: the nonce of the process that joined */
     u32 ack[AR_MAX_WORKERS];       /* per rank: it holds every result below this round */
     u32 worker_ip[AR_MAX_WORKERS]; /* per rank: registered source address; 0: not checked */
+    u8 worker_mac[AR_MAX_WORKERS * 6]; /* per rank: the next hop's MAC towards it (unicast delivery) */
+    u32 ifindex;               /* the aggregator's interface (unicast copies go out of it) */
+    u32 pad2;
 };
 
 /* One of the two sets of a slot. While a round runs, acc is the Rx accumulator; once the round

@@ -28,6 +28,7 @@
  * only, AR_MUTANT_NO_SLOT_LOCK (see slot_lock).
  */
 #include <uapi/linux/bpf.h>
+#include <uapi/linux/pkt_cls.h>
 
 #include "parse.h"
 #include "agg_maps.h"
@@ -578,11 +579,13 @@ long ar_record(u64 i)
         return 0;
     case OUT_RETX_ANSWER:
         count(st, AR_STAT_RETX_ANSWERED);
+        h->flags = AR_FLAG_ANSWER;
         f->answer = 1;
         keep_record(f, data, end, h, i);
         return 0;
     case OUT_PULL_ANSWER:
         count(st, AR_STAT_PULL_ANSWERED);
+        h->flags = AR_FLAG_ANSWER;
         f->answer = 1;
         keep_record(f, data, end, h, i);
         return 0;
@@ -676,6 +679,10 @@ static __always_inline enum join_outcome join_epoch(struct ar_job *job, struct a
 
 /* --- emit: the frame goes out once --------------------------------------------------------------- */
 
+/* A frame for the job's ranks goes to its multicast group (XDP_TX: the fabric fans it out); with
+ * unicast delivery it is passed up (XDP_PASS) as the same group frame, and ar_fanout, on the
+ * interface's tc ingress right after, sends one copy to each rank. Answers to one sender go back
+ * to it either way. */
 static __always_inline int emit(struct xdp_md *ctx, struct ar_job *job, int mcast, u32 records)
 {
     void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
@@ -694,7 +701,7 @@ static __always_inline int emit(struct xdp_md *ctx, struct ar_job *job, int mcas
     __builtin_memcpy(eth->h_source, job->agg_mac, ETH_ALEN);
     ip->saddr = job->agg_ip;
     out_headers(ip, udp, 1, records);
-    return XDP_TX;
+    return mcast && job->delivery == AR_DELIVERY_UNICAST ? XDP_PASS : XDP_TX;
 }
 
 /* --- entry ------------------------------------------------------------------------------------------ */
@@ -809,6 +816,8 @@ static __always_inline int on_join(struct xdp_md *ctx, struct sender *s, struct 
     }
     if (o == JOIN_WAIT)
         return XDP_DROP;
+    if (o == JOIN_ANSWER)
+        h->flags = AR_FLAG_ANSWER;
     return emit(ctx, job, 0, 1);
 }
 
@@ -917,4 +926,68 @@ int ar_aggregate(struct xdp_md *ctx)
     if (h->type == AR_TYPE_CONTRIB)
         return on_contrib(ctx, &s, h, len, data, end);
     return reject(s.st, AR_STAT_BAD_TYPE);
+}
+
+/* --- unicast delivery: ar_fanout (tc ingress of the aggregator's interface) ------------------------- */
+
+#define AR_OFF_IP_CSUM (ETH_HLEN + offsetof(struct iphdr, check))
+#define AR_OFF_IP_DST (ETH_HLEN + offsetof(struct iphdr, daddr))
+#define AR_OFF_UDP_CSUM (ETH_HLEN + AR_IPV4_LEN + offsetof(struct udphdr, check))
+
+/* A frame that ar_aggregate passed up for a job with unicast delivery (from the aggregator's
+ * address and port to the job's group) leaves as one copy per rank: the destination MAC and IP
+ * rewritten (the IP checksum and the UDP one, a batch's pseudo-header partial sum included,
+ * adjusted) and cloned out of the interface; the frame itself goes no further. Every other frame
+ * goes on to the stack untouched. A batch stays a batch: the copies keep its GSO state, so a
+ * rank's socket receives it whole with UDP_GRO, as it would the group's frame. */
+int ar_fanout(struct __sk_buff *skb)
+{
+    void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = data + sizeof(*eth);
+    struct udphdr *udp = (void *)ip + AR_IPV4_LEN;
+    struct ar_hdr *h = (void *)(udp + 1);
+    if ((void *)(h + 1) > end)
+        return TC_ACT_OK;
+    if (eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != AR_IPV4_IHL || ip->protocol != IPPROTO_UDP ||
+        udp->source != bpf_htons(AR_PORT) || h->magic != bpf_htons(AR_MAGIC))
+        return TC_ACT_OK;
+    u32 job_id = bpf_ntohl(h->job);
+    u32 *jidx = ar_job_index.lookup(&job_id);
+    if (!jidx)
+        return TC_ACT_OK;
+    u32 ji = *jidx;
+    struct ar_job *job = ar_jobs.lookup(&ji);
+    if (!job || job->delivery != AR_DELIVERY_UNICAST || ip->daddr != job->mcast_ip || ip->saddr != job->agg_ip)
+        return TC_ACT_OK;
+    struct ar_counters *st = stats_row(ji + 1);
+    if (!st)
+        return TC_ACT_OK;
+    u32 n = job->workers, ifindex = job->ifindex, cur = job->mcast_ip;
+    for (u32 r = 0; r < AR_MAX_WORKERS; r++) {
+        if (r >= n)
+            break;
+        int last = r + 1 == n;
+        u32 dst = job->worker_ip[r];
+        u8 mac[ETH_ALEN];
+        __builtin_memcpy(mac, &job->worker_mac[r * ETH_ALEN], ETH_ALEN);
+        if (!dst)
+            continue; /* the control plane refuses unicast jobs without every rank's address */
+        if (bpf_l3_csum_replace(skb, AR_OFF_IP_CSUM, cur, dst, sizeof(dst)) ||
+            bpf_l4_csum_replace(skb, AR_OFF_UDP_CSUM, cur, dst, BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(dst)) ||
+            bpf_skb_store_bytes(skb, AR_OFF_IP_DST, &dst, sizeof(dst), 0) ||
+            bpf_skb_store_bytes(skb, 0, mac, ETH_ALEN, 0)) {
+            count(st, AR_STAT_TX_FAILED);
+            return TC_ACT_SHOT;
+        }
+        cur = dst;
+        if (last) { /* the frame itself is the last copy: no clone, and no copy of its data */
+            count(st, AR_STAT_COPIES);
+            return bpf_redirect(ifindex, 0);
+        }
+        /* a clone shares the data; the next rewrite makes the frame's own head private again
+         * (bpf_clone_redirect copies it: the cost of a copy per rank, measured in the README) */
+        count(st, bpf_clone_redirect(skb, ifindex, 0) ? AR_STAT_TX_FAILED : AR_STAT_COPIES);
+    }
+    return TC_ACT_SHOT;
 }

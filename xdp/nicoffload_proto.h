@@ -60,6 +60,15 @@
 /* a request for a round's result from a rank that does not contribute to it (payload ignored) */
 #define AR_FLAG_PULL 0x02
 #define AR_FLAGS_KNOWN 0x03
+/* set by the aggregator on a RESULT or JOINED that answers a retransmission or a pull (a */
+/* repeat for one rank, by unicast), never on a round's first delivery: a worker that gets */
+/* only answers learns that first deliveries do not reach it */
+#define AR_FLAG_ANSWER 0x04
+
+/* how a job's results reach its ranks: one frame to its multicast group, which the fabric */
+/* fans out; or one copy per rank to its registered address, cloned in the aggregator's tc */
+#define AR_DELIVERY_MULTICAST 0
+#define AR_DELIVERY_UNICAST 1
 
 /* ops: how a round combines the contributors' payloads */
 /* int32 lanes, wrapping modulo 2^32 */
@@ -171,7 +180,9 @@
 #define AR_STAT_TX_FAILED 32
 /* optimizer updates applied (one per completed round of an optimizer job) */
 #define AR_STAT_UPDATED 33
-#define AR_STAT__COUNT 34
+/* unicast copies of a result frame sent to the ranks (unicast delivery, ar_fanout) */
+#define AR_STAT_COPIES 34
+#define AR_STAT__COUNT 35
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0

@@ -22,7 +22,7 @@ from nicoffload.agg.maps import AggMaps
 from nicoffload.agg.optimizer import OptimizerControl
 from nicoffload.ebpf import libbpf, loadstate
 from nicoffload.ebpf import loader as bpf
-from nicoffload.ebpf.iface import MODES, iface_addr, resolve_mode
+from nicoffload.ebpf.iface import MODES, iface_addr, neighbour_mac, resolve_mode
 from nicoffload.errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.optim import OptimizerSpec
@@ -32,6 +32,8 @@ STATE_DIR = Path("/run/nicoffload/aggregators")
 SOURCE = "aggregator.c"
 MAPS_HEADER = "agg_maps.h"
 ENTRY = "ar_aggregate"
+#: the tc ingress program of unicast delivery (one copy of a result frame per rank)
+FANOUT = "ar_fanout"
 
 
 def callbacks(optimizer: bool) -> tuple[str, ...]:
@@ -70,6 +72,8 @@ class AggSpec:
     agg_mac: str = ""
     jobs: list[dict] = field(default_factory=list)
     optimizer: bool = False      # room for optimizer state: a master weight and momentum per slot element
+    delivery: str = "multicast"  # of the load-time job: multicast, or unicast (a copy per rank, cloned in tc)
+    ifindex: int = 0             # of iface in netns (unicast copies go out of it)
 
     def validate(self) -> None:
         if not 0 <= self.workers <= proto.MAX_WORKERS:
@@ -99,6 +103,7 @@ class Aggregator(OptimizerControl):
                  attachment: bpf.XdpAttachment | None = None, owner: bool = True):
         self.spec = spec
         self.b = b
+        self.fanout = None  # the tc ingress attachment of ar_fanout (load only)
         self.maps = AggMaps(b, spec.slots)
         self.table = JobTable.from_dicts(spec.slots, spec.jobs)
         self.prog = prog
@@ -136,8 +141,15 @@ class Aggregator(OptimizerControl):
             prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
             agg = cls(spec, b, prog)
             agg.maps.reset_stats()
+            with bpf.netns(spec.netns):
+                spec.ifindex = bpf.ifindex(spec.iface, spec.netns)
             if spec.workers:
-                agg._admit(spec.job, spec.workers, spec.group, spec.worker_ips, spec.job_slots)
+                agg._admit(spec.job, spec.workers, spec.group, spec.worker_ips, spec.job_slots,
+                           delivery=spec.delivery)
+            # unicast delivery's fan-out sits at tc ingress from the start: jobs of either delivery
+            # can come and go while the program runs (it passes every other frame untouched)
+            fan = bpf.load_func(b, FANOUT, "SCHED_CLS", SOURCE)
+            agg.fanout = bpf.attach_tc_ingress(fan.fd, spec.iface, spec.netns, FANOUT)
             agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
             libbpf.pin(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
@@ -145,6 +157,8 @@ class Aggregator(OptimizerControl):
         except BaseException:
             if agg is not None and agg.attachment is not None:
                 agg.attachment.detach()
+            if agg is not None and agg.fanout is not None:
+                agg.fanout.detach()
             bpf.remove_pin_dir(pdir)
             state_file(spec.netns, spec.iface).unlink(missing_ok=True)
             raise
@@ -219,36 +233,53 @@ class Aggregator(OptimizerControl):
     # --- jobs ------------------------------------------------------------------------------
     def add_job(self, job: int, workers: int, group: str | None = None, worker_ips: Sequence[str] = (),
                 slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
-                initial: np.ndarray | None = None) -> JobEntry:
+                initial: np.ndarray | None = None, delivery: str = "multicast",
+                worker_macs: Sequence[str] | None = None) -> JobEntry:
         """Register a job with its own share of the pool (``slots``; None: the largest free
         range) and its own multicast group (None: the first one no job uses, see
         :func:`nicoffload.agg.jobtable.default_group`). Refused with CapacityError when the pool has no room. With an
         ``optimizer``, the aggregator keeps ``params`` master weights (``initial``, else 0) and
-        the optimizer's state, and answers each step with the updated parameters."""
+        the optimizer's state, and answers each step with the updated parameters. ``delivery``
+        "unicast": each result goes to every rank's registered address (a copy per rank, cloned
+        at the interface's tc ingress; ``worker_macs``: the next hop towards each, default: looked
+        up in the namespace's neighbour table), for networks that carry no multicast."""
         with self._changing():
             g = group or default_group(job, self.table)
-            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params)
+            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params, delivery, worker_macs)
             if initial is not None:
                 self.set_params(job, initial)
             return e
 
     def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None,
-               optimizer: OptimizerSpec | None = None, params: int = 0) -> JobEntry:
+               optimizer: OptimizerSpec | None = None, params: int = 0, delivery: str = "multicast",
+               worker_macs: Sequence[str] | None = None) -> JobEntry:
         if optimizer is not None and not self.spec.optimizer:
             raise InputError("this aggregator was loaded without optimizer state: load it with --optimizer")
-        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems)
+        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems, delivery)
         try:
+            if delivery == "unicast":
+                e.worker_macs = list(worker_macs) if worker_macs else self._next_hops(worker_ips)
+                if len(e.worker_macs) != workers:
+                    raise InputError(f"job {job}: {len(e.worker_macs)} worker MACs for {workers} ranks")
             self.maps.clear_slots(e.slots)
             self.maps.reset_stats([e.index + 1])
             self.maps.write_hyper(e, self.spec.elems)
             if optimizer is not None:
                 self.maps.write_state(e, self.spec.elems, np.zeros(params, np.int64))
-            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac, self.spec.ifindex)
         except BaseException:
             self.table.remove(job)
             self.maps.erase_job(e)
             raise
         return e
+
+    def _next_hops(self, ips: Sequence[str]) -> list[str]:
+        """The MAC each rank's unicast copy leaves with (its own, or its gateway's)."""
+        if not self.spec.iface:
+            raise InputError("unicast delivery needs each rank's MAC (worker_macs) on an aggregator without an "
+                             "interface")
+        return [neighbour_mac(ip, self.spec.iface, self.spec.netns, timeout=2.0,
+                              hint="is the worker up and reachable from the aggregator?") for ip in ips]
 
     def remove_job(self, job: int) -> JobEntry:
         """Unregister a job: its packets are counted as bad_job from now on; its slots are free."""
@@ -260,7 +291,7 @@ class Aggregator(OptimizerControl):
     def reset_jobs(self) -> None:
         """Write every job's entry anew: every epoch ends, workers must JOIN again (tests)."""
         for e in self.table.entries.values():
-            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac)
+            self.maps.write_job(e, self.spec.agg_ip, self.spec.agg_mac, self.spec.ifindex)
 
     def reset_slots(self) -> None:
         """Zero every slot. Not needed between runs (epochs keep them apart); for tests."""
@@ -301,6 +332,7 @@ class Aggregator(OptimizerControl):
         return {
             "netns": s.netns, "iface": s.iface, "mode": s.mode, "mode_reason": s.mode_reason,
             "attached": bool(s.iface) and bpf.xdp_prog_id(s.iface, s.netns) is not None,
+            "fanout_attached": bool(s.iface) and FANOUT in bpf.tc_ingress_names(s.iface, s.netns),
             "prog_id": s.prog_id, "slots": s.slots, "elems": s.elems, "port": s.port,
             "agg_ip": s.agg_ip, "pins": str(pin_dir(s.netns, s.iface)),
             "jobs": self.table.to_dicts(), "free_slots": self.table.free_slots(),
@@ -376,6 +408,7 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
         detached = bpf.detach_xdp(iface, netns, mode)
     except NotFoundError:
         detached = False
+    detached = bpf.detach_tc(iface, netns) or detached  # unicast delivery's ar_fanout
     bpf.remove_pin_dir(pdir)  # and its parents it leaves empty
     sf.unlink(missing_ok=True)
     sf.with_suffix(".lock").unlink(missing_ok=True)

@@ -25,6 +25,9 @@ from nicoffload.wire import proto
 from nicoffload.wire.addr import require_ipv4s
 
 
+#: how a job's results reach its ranks (xdp/nicoffload_proto.h, AR_DELIVERY_*)
+DELIVERIES = ("multicast", "unicast")
+
 @dataclass
 class JobEntry:
     """One registered job: ``index`` is its row of the kernel's job table (its counters are in
@@ -39,6 +42,8 @@ class JobEntry:
     index: int = 0
     optimizer: dict | None = None   # an OptimizerSpec as a dict: the aggregator applies it (op SGD)
     params: int = 0                 # parameters of an optimizer job
+    delivery: str = "multicast"     # how results reach the ranks: multicast or unicast (DELIVERIES)
+    worker_macs: list[str] = field(default_factory=list)  # unicast: the next hop's MAC towards each rank
 
     def validate(self) -> "JobEntry":
         if not 1 <= self.workers <= proto.MAX_WORKERS:
@@ -47,6 +52,11 @@ class JobEntry:
         if self.worker_ips and len(self.worker_ips) != self.workers:
             raise InputError(f"{len(self.worker_ips)} worker addresses given for {self.workers} workers")
         require_ipv4s(self.worker_ips, "worker address", f"job {self.job}: two ranks registered with the same address")
+        if self.delivery not in DELIVERIES:
+            raise InputError(f"--delivery must be {' or '.join(DELIVERIES)}, not {self.delivery!r}")
+        if self.delivery == "unicast" and len(self.worker_ips) != self.workers:
+            raise InputError(f"job {self.job}: unicast delivery sends each rank its copy at its registered address: "
+                             f"give every rank's address (--worker-ip, {self.workers} of them)")
         return self
 
     @property
@@ -98,14 +108,14 @@ class JobTable:
 
     def admit(self, job: int, workers: int, group: str, worker_ips: list[str] | tuple = (),
               slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
-              elems: int = DEFAULT.elems) -> JobEntry:
+              elems: int = DEFAULT.elems, delivery: str = "multicast") -> JobEntry:
         """Register a job: its share is ``slots`` slots (None: the largest free range; an
         optimizer job gets exactly one slot per block of its ``params`` and its exponent rounds).
         Raises AlreadyExistsError, InputError or CapacityError, naming the conflict; changes
         nothing then."""
         if job in self.entries:
             raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
-        entry = JobEntry(job, workers, group, list(worker_ips)).validate()
+        entry = JobEntry(job, workers, group, list(worker_ips), delivery=delivery).validate()
         if optimizer is not None:
             optimizer.validate()
             if params < 1:

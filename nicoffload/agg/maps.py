@@ -29,7 +29,7 @@ class AggMaps:
             raise MapError(f"writing {name}[{key}] failed: {e}") from e
 
     # --- jobs ------------------------------------------------------------------------------
-    def write_job(self, e: JobEntry, agg_ip: str, agg_mac: str) -> None:
+    def write_job(self, e: JobEntry, agg_ip: str, agg_mac: str, ifindex: int = 0) -> None:
         """Write the job's entry and index. A fresh entry has no epoch: the job's workers must JOIN
         (again). Epoch numbers start at a random point, so a worker of an earlier load or an
         earlier job of these slots cannot hit a current epoch by chance."""
@@ -46,6 +46,10 @@ class AggMaps:
         v.live, v.epoch = 0, secrets.randbits(32)
         for r, ip in enumerate(e.worker_ips):
             v.worker_ip[r] = ip_net(ip)
+        v.delivery = proto.C["AR_DELIVERY_UNICAST"] if e.delivery == "unicast" else proto.C["AR_DELIVERY_MULTICAST"]
+        for r, mac in enumerate(e.worker_macs):
+            v.worker_mac[r * 6:(r + 1) * 6] = list(mac_bytes(mac))
+        v.ifindex = ifindex
         v.configured = 1
         self._write(jobs, e.index, v)
         self._write(index, e.job, index.Leaf(e.index))
@@ -78,6 +82,7 @@ class AggMaps:
             "epoch": c.live, "last_epoch": c.epoch, "joined": c.joined,
             "nonces": [int(c.nonce[r]) for r in range(n)], "acks": [int(c.ack[r]) for r in range(n)],
             "worker_ips": [ip_str(c.worker_ip[r]) if c.worker_ip[r] else None for r in range(n)],
+            "delivery": "unicast" if c.delivery == proto.C["AR_DELIVERY_UNICAST"] else "multicast",
         }
 
     # --- optimizer ---------------------------------------------------------------------------

@@ -24,6 +24,10 @@ def _job_arguments(q, load: bool = False) -> None:
                    help="registered source address of rank 0, 1, ... (repeat; default: unchecked)")
     q.add_argument("--job-slots" if load else "--slots", dest="job_slots", type=int, default=None,
                    help="the job's share of the pool (default: the largest free range)")
+    q.add_argument("--delivery", choices=["multicast", "unicast"], default=None,
+                   help="how results reach the ranks: multicast (to the job's group; the default) or unicast (a "
+                        "copy to each rank's --worker-ip, cloned in the aggregator's kernel: networks without "
+                        "multicast; with --service, the service's default)")
 
 
 def register(sub) -> None:
@@ -100,12 +104,13 @@ def _load(args) -> int:
     job = DEFAULT.job if args.job is None else args.job
     spec = AggSpec(args.netns, args.iface, 0 if opt else args.workers, args.slots, args.elems, args.port, args.mode,
                    job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
-                   optimizer=bool(opt) or args.with_optimizer)
+                   optimizer=bool(opt) or args.with_optimizer, delivery=args.delivery or "multicast")
     agg = Aggregator.load(spec)
     if opt:  # the first job is an optimizer job
         try:
             agg.add_job(job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
-                        params=args.params, initial=cli_aggopt.initial_params(args))
+                        params=args.params, initial=cli_aggopt.initial_params(args),
+                        delivery=args.delivery or "multicast")
         except BaseException:
             agg.close()
             raise
@@ -128,8 +133,9 @@ def _load(args) -> int:
 def _describe_job(j: dict) -> str:
     base, n = j["slot_base"], j["slot_count"]
     ips = ", ".join(j["worker_ips"]) if j["worker_ips"] else "sources unchecked"
+    to = "each rank's address (unicast)" if j.get("delivery") == "unicast" else j["group"]
     return (f"job {j['job']}: {j['workers']} workers ({ips}), slots {base}..{base + n - 1} of the pool, "
-            f"results to {j['group']}")
+            f"results to {to}")
 
 
 def _register_jobs(asub, where) -> None:
@@ -188,7 +194,7 @@ def _job_add(args) -> int:
     # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
     e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
                     optimizer=cli_aggopt.optimizer_from(args), params=args.params,
-                    initial=cli_aggopt.initial_params(args))
+                    initial=cli_aggopt.initial_params(args), delivery=args.delivery or "multicast")
     print(json.dumps(e.to_dict()) if args.json else
           f"registered on {args.iface}: {_describe_job(agg.job_state(e.job) | e.to_dict())}; "
           f"{agg.table.free_slots()} of {agg.spec.slots} slots left")
@@ -204,6 +210,7 @@ def _job_add_service(args, client) -> int:
     opt = cli_aggopt.optimizer_from(args)
     req = JobRequest(world=args.workers, workers=list(args.worker_ip), job=args.job, slots=args.job_slots,
                      group=args.group, lease_s=args.lease, optimizer=opt, params=args.params if opt else 0,
+                     delivery=args.delivery,
                      owner=f"nicoffload agg job add ({getpass.getuser()}@{socket.gethostname()})")
     g = client.create_job(req)
     initial = cli_aggopt.initial_params(args)
@@ -379,6 +386,9 @@ def _register_serve(asub) -> None:
                    help="no room for optimizer state (jobs cannot carry an optimizer)")
     q.add_argument("--keep-loaded", action="store_true",
                    help="on SIGTERM/SIGINT leave the aggregator and its jobs pinned for the next service")
+    q.add_argument("--no-multicast", action="store_true",
+                   help="the network carries no multicast: every job gets unicast delivery (a copy of each result "
+                        "to every rank's address, cloned in the aggregator's kernel)")
     q.add_argument("--verbose", action="store_true")
     q.set_defaults(func=_serve)
 
@@ -389,5 +399,6 @@ def _serve(args) -> int:
     configure_logging(args.verbose)
     o = ServeOptions(iface=args.iface, netns=args.netns, listen=args.listen, token_file=args.token_file,
                      slots=args.slots, job_slots=args.job_slots, elems=args.elems, port=args.port, mode=args.mode,
-                     lease_s=args.lease, optimizer=not args.no_optimizer, keep_loaded=args.keep_loaded)
+                     lease_s=args.lease, optimizer=not args.no_optimizer, keep_loaded=args.keep_loaded,
+                     multicast=not args.no_multicast)
     return serve(o, ready=lambda url: print(f"nicoffload agg serve: ready at {url}", flush=True))

@@ -73,6 +73,11 @@ def register(sub) -> None:
     p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
                    help="XDP attach mode of the aggregator and of the ring programs (default auto: generic batches "
                         "on veth); the ring mode itself is chosen with --systems xdpring,udpring")
+    p.add_argument("--delivery", choices=["multicast", "unicast"], default=None,
+                   help="how the aggregator's results reach the ranks (default multicast; unicast with "
+                        "--no-multicast)")
+    p.add_argument("--no-multicast", action="store_true",
+                   help="testbeds whose fabric drops multicast frames, as networks without multicast do")
     p.add_argument("--compute", action="store_true",
                    help="run a compute loop beside every rank: how much of its throughput each system's AllReduces "
                         "take (compute_drop)")
@@ -90,6 +95,9 @@ def register(sub) -> None:
     soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
                       help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
     soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
+    p.add_argument("--paired", choices=["delivery"], default=None,
+                   help="instead of the sweep: two variants of one job on one XDP aggregator, their reps interleaved "
+                        "(delivery: multicast against unicast), with the spread of the paired ratio")
     tor = p.add_argument_group("the torch backend's overhead (--torch-overhead; one --workers and --sizes value, "
                                "--reps apply)")
     tor.add_argument("--torch-overhead", action="store_true",
@@ -134,6 +142,22 @@ def _torch_overhead(args) -> int:
     return 0
 
 
+def _paired(args) -> int:
+    import json
+
+    from nicoffload.ebpf import loader as bpf
+    from nicoffload.lab import paired
+
+    bpf.require_root("nicoffload bench --paired (it builds a namespace testbed and loads XDP)")
+    workers, size = (args.workers or [4])[0], (args.sizes or [16 << 20])[0]
+    r = paired.run(args.paired, workers, size, args.reps or 30,
+                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"paired_{args.paired}.json").write_text(json.dumps(r, indent=1))
+    print(paired.describe(r))
+    return 0
+
+
 #: ranks of a soak unless --workers says
 SOAK_WORKERS = 3
 #: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
@@ -162,6 +186,8 @@ def _bench(args) -> int:
         return _tenants(args)
     if args.torch_overhead:
         return _torch_overhead(args)
+    if args.paired:
+        return _paired(args)
     if _given(args, SOAK_ONLY):
         raise InputError(f"{', '.join(_given(args, SOAK_ONLY))} go with --soak N")
     bpf.require_root("nicoffload bench (it builds namespace testbeds and loads XDP)")
@@ -170,8 +196,9 @@ def _bench(args) -> int:
                                    min_time=args.min_time, max_reps=args.max_reps, timeout=args.timeout,
                                    max_point_s=args.max_point_time).items()
              if v is not None}
+    delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
-                 compute=args.compute)
+                 compute=args.compute, multicast=not args.no_multicast, spec=DEFAULT.replace(delivery=delivery))
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)

@@ -72,7 +72,10 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="drop probability on every link")
     p.add_argument("--dup", type=float, default=0.0, help="duplication probability on every link")
     p.add_argument("--seed", type=int, default=1)
-    JobSpec.add_arguments(p, only=("elems", "timeout", "mode"))
+    JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery"), delivery=None)
+    p.add_argument("--no-multicast", action="store_true",
+                   help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
+                        "--delivery says otherwise")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_allreduce)
 
@@ -86,7 +89,10 @@ def _register_demo(sub) -> None:
     p.add_argument("--sparsity", type=float, default=0.5, help="fraction of 1 KiB blocks that are zero")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    JobSpec.add_arguments(p, only=("mode",))
+    JobSpec.add_arguments(p, only=("mode", "delivery"), delivery=None)
+    p.add_argument("--no-multicast", action="store_true",
+                   help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
+                        "--delivery says otherwise")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 
@@ -129,7 +135,9 @@ def _allreduce(args) -> int:
     from nicoffload.lab.inputs import check_inputs
 
     arrays = check_inputs(args.inputs)
-    out, report = allreduce_arrays(arrays, args.aggregator, JobSpec.from_args(args), args.drop, args.dup, args.seed)
+    spec = JobSpec.from_args(args, delivery=delivery_for(args))
+    out, report = allreduce_arrays(arrays, args.aggregator, spec, args.drop, args.dup, args.seed,
+                                   multicast=not args.no_multicast)
     np.save(args.output, out)
     report["output"] = str(args.output)
     print(json.dumps(report) if args.json else describe_allreduce(report))
@@ -140,7 +148,8 @@ def _demo(args) -> int:
     from nicoffload.lab.allreduce import demo, demo_ok, describe_demo
     from nicoffload.lab.inputs import parse_size
 
-    mode = JobSpec.from_args(args).mode
+    spec = JobSpec.from_args(args, delivery=delivery_for(args))
+    mode = spec.mode
     what = "ring" if mode == "ring" else "aggregator"
 
     def say(kind: str) -> None:
@@ -148,6 +157,12 @@ def _demo(args) -> int:
             print(f"running {args.workers} workers x {args.size} float32 through the {kind} {what} ...",
                   file=sys.stderr, flush=True)
 
-    summary = demo(args.workers, parse_size(args.size), args.sparsity, args.reps, args.seed, progress=say, mode=mode)
+    summary = demo(args.workers, parse_size(args.size), args.sparsity, args.reps, args.seed, progress=say, mode=mode,
+                   delivery=spec.delivery, multicast=not args.no_multicast)
     print(json.dumps(summary) if args.json else describe_demo(summary, args.reps))
     return 0 if demo_ok(summary) else 1
+
+
+def delivery_for(args) -> str:
+    """--delivery, or by default unicast on a fabric without multicast (--no-multicast)."""
+    return args.spec_delivery or ("unicast" if args.no_multicast else "multicast")

@@ -29,6 +29,7 @@ from nicoffload.datapath.kernels import (
     O_DETAIL,
     O_EPOCH,
     O_EXP,
+    O_FLAGS,
     O_JOB,
     O_MASK,
     O_RANK,
@@ -67,6 +68,7 @@ KIND_PARAMS64 = 4  # ... -> float64
 # decode_results return codes (besides the count of new results)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
 D_EPOCH, D_WAITING = proto.DETAIL["epoch"], proto.DETAIL["waiting"]
+F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a first delivery
 
 
 # --- decoding --------------------------------------------------------------------------------
@@ -107,7 +109,8 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
     does not contribute to can complete before the rank gets there) is kept in ``stash`` at
     round mod stash_round.size; the stream that owns it replays it (replay_stash).
     Every RESULT, and the aggregator's answer to an ACK, carries the job's gate; gate[0] keeps the
-    latest (unwrapped, relative to ``base``)."""
+    latest (unwrapped, relative to ``base``). With gate.size >= 3, gate[1] and gate[2] count the
+    results taken: first deliveries, and answers (FLAG_ANSWER: a retransmission's or a pull's)."""
     new = 0
     event = 0
     wi = buf.view(np.int32)
@@ -193,6 +196,11 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
             done[i] = 1
             newly[new] = i
             new += 1
+            if gate.size >= 3:
+                if buf[o + O_FLAGS] & F_ANSWER:
+                    gate[2] += 1
+                else:
+                    gate[1] += 1
     return new, event
 
 
@@ -318,7 +326,7 @@ def warm_up(elems: int) -> None:
     for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64, KIND_PARAMS32, KIND_PARAMS64):
         args = (rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind, np.zeros(1, np.int32), np.zeros(1, np.float32),
                 np.zeros(1, np.float64), np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
-        gate = np.zeros(1, np.int64)
+        gate = np.zeros(3, np.int64)
         decode_results(buf, rec, lens, segs, 1, *args, stash, stash_round, gate)
         replay_stash(stash, stash_round, *args, lens.astype(np.uint32), segs, gate)
     advance(np.zeros(1, np.uint8), 0, 1)

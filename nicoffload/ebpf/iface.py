@@ -5,10 +5,11 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import socket
+import time
 
 from nicoffload.ebpf.loader import ifindex
 from nicoffload.ebpf.loader import netns as enter_netns
-from nicoffload.errors import NotFoundError
+from nicoffload.errors import NotFoundError, SetupError
 
 #: attach modes: auto picks the fastest that works on the interface (see resolve_mode)
 MODES = ("auto", "generic", "native")
@@ -74,3 +75,41 @@ def iface_driver(ifname: str, ns: str | None) -> str:
         return info.driver.decode(errors="replace")
     finally:
         s.close()
+
+
+def neighbour_mac(ip: str, iface: str, netns: str | None, timeout: float = 1.0, hint: str = "is it up?") -> str:
+    """The MAC address frames to ``ip`` leave ``iface`` with: the neighbour's, or the gateway's
+    when a route sends ``ip`` through one (the neighbour table; if it has none, a datagram to the
+    discard port makes the kernel resolve it)."""
+    from pyroute2 import IPRoute
+
+    deadline = time.monotonic() + timeout
+    poked = False
+    hop = ip
+    with enter_netns(netns), IPRoute() as ipr:
+        try:
+            for r in ipr.route("get", dst=ip):
+                hop = r.get_attr("RTA_GATEWAY") or ip
+        except Exception:
+            pass
+    while True:
+        with enter_netns(netns), IPRoute() as ipr:
+            idx = ifindex(iface, netns)
+            for n in ipr.get_neighbours(dst=hop, ifindex=idx):
+                mac = n.get_attr("NDA_LLADDR")
+                if mac and n["state"] not in (0x20, 0x01):  # NUD_FAILED, NUD_INCOMPLETE
+                    return mac
+        if time.monotonic() > deadline:
+            via = f" (through {hop})" if hop != ip else ""
+            raise SetupError(f"no MAC address for {ip}{via} on {iface} in {netns or 'the root namespace'}: {hint}")
+        if not poked:
+            with enter_netns(netns):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.sendto(b"\0", (ip, 9))
+            except OSError:
+                pass
+            finally:
+                s.close()
+            poked = True
+        time.sleep(0.02)

@@ -18,7 +18,7 @@ KINDS = ("xdp", "userspace")
 #: seconds the user-space aggregator may take to say it is ready (imports, first compile)
 START_TIMEOUT = 120.0
 #: the fields of a job the aggregator must know
-AGG_FIELDS = ("job", "port", "group", "slots", "elems")
+AGG_FIELDS = ("job", "port", "group", "slots", "elems", "delivery")
 
 
 def on_testbed(tb, spec: JobSpec) -> JobSpec:
@@ -51,7 +51,8 @@ class AggregatorProcess:
         mode, _why = resolve_mode(mode, a.iface, a.netns)
         self.tb.set_agg_napi(mode == "native")  # native XDP_TX on veth needs it; generic must not have it
         self.agg = Aggregator.load(AggSpec(a.netns, a.iface, len(self.tb.workers), s.slots, s.elems, s.port, mode,
-                                           s.job, s.group, [w.ip for w in self.tb.workers]))
+                                           s.job, s.group, [w.ip for w in self.tb.workers],
+                                           delivery=s.delivery))
         self.mode = self.agg.spec.mode
 
     def _start_userspace(self) -> None:
@@ -115,7 +116,7 @@ def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None 
     from nicoffload.userspace.aggregator import UserspaceAggregator
 
     agg = UserspaceAggregator(workers, spec.port, spec.slots, spec.elems, spec.job, spec.group, local_ip,
-                              list(worker_ips))
+                              list(worker_ips), delivery=spec.delivery)
 
     def on_term(signum, frame):
         agg.request_stop()

@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nicoffload.ebpf import libbpf, loadstate
 from nicoffload.ebpf import loader as bpf
 from nicoffload.ebpf.iface import MODES, iface_addr, resolve_mode
-from nicoffload.errors import AlreadyExistsError, InputError, MapError, NotFoundError, SetupError
+from nicoffload.ebpf.iface import neighbour_mac as _neighbour_mac
+from nicoffload.errors import AlreadyExistsError, InputError, MapError, NotFoundError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.ring import nodelock
 from nicoffload.ring.layout import DEFAULT_CAPACITY, masks_of
@@ -293,33 +293,8 @@ def _bcc_maps(b, spec: RingSpec) -> RingMaps:
 
 
 def neighbour_mac(ip: str, iface: str, netns: str | None, timeout: float = 1.0) -> str:
-    """The MAC address of neighbour ``ip`` on ``iface`` (the neighbour table; if it has none, a
-    datagram to the discard port makes the kernel resolve it)."""
-    from pyroute2 import IPRoute
-
-    deadline = time.monotonic() + timeout
-    poked = False
-    while True:
-        with bpf.netns(netns), IPRoute() as ipr:
-            idx = bpf.ifindex(iface, netns)
-            for n in ipr.get_neighbours(dst=ip, ifindex=idx):
-                mac = n.get_attr("NDA_LLADDR")
-                if mac and n["state"] not in (0x20, 0x01):  # NUD_FAILED, NUD_INCOMPLETE
-                    return mac
-        if time.monotonic() > deadline:
-            raise SetupError(f"no MAC address for {ip} on {iface} in {netns or 'the root namespace'}: is it up? "
-                             f"(or give --peer-macs)")
-        if not poked:
-            with bpf.netns(netns):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                s.sendto(b"\0", (ip, 9))
-            except OSError:
-                pass
-            finally:
-                s.close()
-            poked = True
-        time.sleep(0.02)
+    """A ring peer's MAC (:func:`nicoffload.ebpf.iface.neighbour_mac`)."""
+    return _neighbour_mac(ip, iface, netns, timeout, hint="is it up? (or give --peer-macs)")
 
 
 def _save(spec: RingSpec) -> None:

@@ -21,7 +21,7 @@ MAX_PARAMS_BYTES = 256 * 1024 * 1024
 MIN_LEASE = 2.0
 MAX_LEASE = 7 * 24 * 3600.0
 #: how results reach the ranks
-DELIVERIES = ("multicast",)
+DELIVERIES = ("multicast", "unicast")
 
 _FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery"}
 _OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov"}
@@ -62,7 +62,7 @@ class JobRequest:
     owner: str = ""                 # who asked (free text, shown in listings and logs)
     optimizer: OptimizerSpec | None = None
     params: int = 0                 # the optimizer's parameter count
-    delivery: str = "multicast"
+    delivery: str | None = None     # multicast or unicast (None: the service's default for its network)
 
     @classmethod
     def from_json(cls, d) -> "JobRequest":
@@ -98,8 +98,8 @@ class JobRequest:
         owner = d.get("owner", "")
         if not isinstance(owner, str) or len(owner) > 200 or not owner.isprintable():
             raise InputError("owner must be printable text of at most 200 characters")
-        delivery = d.get("delivery", "multicast")
-        if delivery not in DELIVERIES:
+        delivery = d.get("delivery")
+        if delivery is not None and delivery not in DELIVERIES:
             raise InputError(f"delivery {delivery!r} is not one this service offers: {', '.join(DELIVERIES)}")
         opt = None
         if d.get("optimizer") is not None:
@@ -168,4 +168,4 @@ class JobGrant:
         from nicoffload.jobspec import JobSpec
 
         return JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems,
-                       timeout=timeout, local_port=self.local_port).validate()
+                       timeout=timeout, local_port=self.local_port, delivery=self.delivery).validate()

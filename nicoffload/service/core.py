@@ -23,7 +23,7 @@ log = logging.getLogger("nicoffload.service")
 class ServiceConfig:
     lease_s: float = 30.0          # a job's lease unless its request names one
     job_slots: int = DEFAULT.slots  # a job's share unless its request names one (less if less is free)
-    delivery: str = "multicast"
+    multicast: bool = True         # the network carries multicast (False: every job gets unicast delivery)
 
 
 class Service:
@@ -52,7 +52,7 @@ class Service:
         return JobGrant(job=e.job, world=e.workers, aggregator=s.agg_ip, port=s.port,
                         local_port=self.local_port(e.index), group=e.group, slot_base=e.slot_base,
                         slots=e.slot_count, elems=s.elems, lease_s=le.lease_s if le else 0.0,
-                        delivery=self.config.delivery, owner=le.owner if le else "", optimizer=e.optimizer,
+                        delivery=e.delivery, owner=le.owner if le else "", optimizer=e.optimizer,
                         params=e.params)
 
     def local_port(self, index: int) -> int:
@@ -61,6 +61,10 @@ class Service:
 
     def create_job(self, req: JobRequest) -> JobGrant:
         self._refresh()
+        delivery = req.delivery or ("multicast" if self.config.multicast else "unicast")
+        if delivery == "multicast" and not self.config.multicast:
+            raise InputError("this network carries no multicast (the service runs with --no-multicast): ask for "
+                             "unicast delivery, or leave delivery out")
         job = req.job if req.job is not None else self._free_id()
         slots = req.slots
         if slots is None and req.optimizer is None:
@@ -70,11 +74,11 @@ class Service:
                                     f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one")
             slots = min(self.config.job_slots, largest)
         e = self.agg.add_job(job, req.world, req.group, req.workers, slots=slots, optimizer=req.optimizer,
-                             params=req.params)
+                             params=req.params, delivery=delivery)
         lease = self.config.lease_s if req.lease_s is None else req.lease_s
         self.leases.add(e.job, lease, req.owner)
-        log.info("job %d admitted: %d ranks, slots %d..%d, group %s, lease %gs, owner %r", e.job, e.workers,
-                 e.slot_base, e.slot_base + e.slot_count - 1, e.group, lease, req.owner)
+        log.info("job %d admitted: %d ranks, slots %d..%d, %s delivery (group %s), lease %gs, owner %r", e.job,
+                 e.workers, e.slot_base, e.slot_base + e.slot_count - 1, e.delivery, e.group, lease, req.owner)
         return self.grant(e.job)
 
     def remove_job(self, job: int, why: str = "removed on request") -> dict:
@@ -169,7 +173,8 @@ class Service:
                 "slots": s.slots, "free_slots": self.agg.table.free_slots(), "elems": s.elems,
                 "optimizer": bool(s.optimizer), "jobs": len(self.agg.table.entries),
                 "lease_s": self.config.lease_s, "job_slots": self.config.job_slots,
-                "delivery": [self.config.delivery], "multicast": self.config.delivery == "multicast",
+                "delivery": ["multicast", "unicast"] if self.config.multicast else ["unicast"],
+                "multicast": self.config.multicast,
                 "uptime_s": time.monotonic() - self.started}
 
     def snapshot(self) -> dict:

@@ -52,6 +52,7 @@ class ServeOptions:
     job_slots: int = DEFAULT.slots
     optimizer: bool = True
     keep_loaded: bool = False
+    multicast: bool = True
 
 
 def read_token(path: str | Path) -> bytes:
@@ -169,7 +170,8 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
             log.info("loaded the aggregator on %s (%s): %s; a pool of %d slots x %d int32, port %d", o.iface,
                      o.netns or "root namespace", agg.spec.mode_reason, o.slots, o.elems, o.port)
         sock = listen_socket(host, port, o.netns)
-        service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots))
+        service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
+                                                     multicast=o.multicast))
         url = f"http://{host}:{port}"
         return asyncio.run(_serve(service, sock, token, url, ready))
     finally:

@@ -50,6 +50,8 @@ class UserspaceAggregator(EpochState):
     #: the initial parameters (their count fixes the share: slots = optim.share(len, elems))
     optimizer: OptimizerSpec | None = None
     params: np.ndarray | None = None
+    #: how results reach the ranks: one datagram to the group, or one to each rank's address
+    delivery: str = "multicast"
 
     def __post_init__(self):
         if self.elems < 2 or self.elems % 2:
@@ -57,6 +59,11 @@ class UserspaceAggregator(EpochState):
                              f"not {self.elems}")
         if not 1 <= self.workers <= proto.MAX_WORKERS:
             raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
+        if self.delivery not in ("multicast", "unicast"):
+            raise InputError(f"delivery must be multicast or unicast, not {self.delivery!r}")
+        if self.delivery == "unicast" and len(self.worker_ips) != self.workers:
+            raise InputError("unicast delivery sends each rank its copy at its address: give every rank's "
+                             "address (--worker-ip)")
         self._opt = None
         if self.optimizer is not None:
             if self.params is None:
@@ -186,7 +193,7 @@ class UserspaceAggregator(EpochState):
         kept = recs[recs["type"] != proto.TYPE_NOP].tobytes()
         if mcast:
             st["result_sent"] += 1
-            self._send(kept, self.group, addr[1])
+            self._to_ranks(kept, addr[1])
         else:
             self._send(kept, addr[0], addr[1])
 
@@ -219,6 +226,7 @@ class UserspaceAggregator(EpochState):
             if same and s.complete:
                 p[:] = acc
                 self._result(r, s)
+                r["flags"] = proto.FLAG_ANSWER
                 st["pull_answered"] += 1
                 return "answer"
             gone = not same and s.epoch == self.live and serial_after(s.round, rnd)
@@ -233,6 +241,7 @@ class UserspaceAggregator(EpochState):
             if s.complete:
                 p[:] = acc
                 self._result(r, s)
+                r["flags"] = proto.FLAG_ANSWER
                 st["retx_answered"] += 1
                 return "answer"
             self._status(r, s.bitmap, "waiting")
@@ -349,6 +358,15 @@ class UserspaceAggregator(EpochState):
     def _status(r, bitmap: int, detail: str) -> None:
         r["type"], r["flags"], r["mask"], r["ack"], r["count"] = proto.TYPE_STATUS, 0, bitmap, 0, 0
         r["detail"] = proto.DETAIL[detail]
+
+    def _to_ranks(self, data: bytes | bytearray, port: int) -> None:
+        """A frame for every rank: to the group, or (unicast delivery) a copy to each address."""
+        if self.delivery == "unicast":
+            for ip in self.worker_ips:
+                self._send(data, ip, port)
+                self.stats["copies"] += 1
+        else:
+            self._send(data, self.group, port)
 
     def _send(self, data: bytes | bytearray, dst: str, port: int) -> None:
         try:

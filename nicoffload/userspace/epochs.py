@@ -1,7 +1,8 @@
 """The user-space aggregator's epoch state and JOIN handshake (as struct ar_job and join_epoch()
 in xdp/aggregator.c): who has joined, with which nonce, the live epoch, each rank's acknowledged
 head and the job's gate. Mixed into :class:`nicoffload.userspace.UserspaceAggregator`, which
-provides ``workers``, ``group``, ``stats``, ``_hdt``, ``_mask_all``, ``_status`` and ``_send``."""
+provides ``workers``, ``group``, ``stats``, ``_hdt``, ``_mask_all``, ``_status``, ``_send`` and
+``_to_ranks``."""
 from __future__ import annotations
 
 import secrets
@@ -50,6 +51,7 @@ class EpochState:
         if self.live and nonce == cur:
             st["join"] += 1
             self._joined(rec[0], table)
+            rec[0]["flags"] = proto.FLAG_ANSWER
             return self._send(out, addr[0], addr[1])
         if cur and nonce < cur:
             st["stale_join"] += 1
@@ -74,7 +76,7 @@ class EpochState:
             st["epoch_formed"] += 1
             st["result_sent"] += 1
             self._joined(rec[0], table)
-            self._send(out, self.group, addr[1])
+            self._to_ranks(out, addr[1])
 
     def _joined(self, r, table: np.ndarray) -> None:
         r["type"], r["flags"], r["epoch"], r["mask"], r["detail"] = (

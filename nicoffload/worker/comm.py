@@ -63,6 +63,7 @@ class Communicator:
     sparse: bool = DEFAULT.sparse
     local_port: int | None = DEFAULT.local_port  # bound and sent from (None: port); results return to it
     silence: float | None = None   # seconds without any answer from the aggregator that mean it is gone
+    delivery: str = DEFAULT.delivery  # multicast: results come to ``group``; unicast: to this rank's address
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -72,7 +73,7 @@ class Communicator:
         """A rank of the job ``spec`` describes."""
         return cls(rank, world, aggregator, group=spec.group, local_ip=local_ip, job=spec.job, port=spec.port,
                    slots=spec.slots, window=spec.window, elems=spec.elems, timeout=spec.timeout,
-                   sparse=spec.sparse, local_port=spec.local_port, **kw)
+                   sparse=spec.sparse, local_port=spec.local_port, delivery=spec.delivery, **kw)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -88,7 +89,7 @@ class Communicator:
                               job=self.job, port=self.port, local_port=self.local_port, slots=self.slots,
                               window=self.window, elems=self.elems,
                               timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf,
-                              silence=self.silence)
+                              silence=self.silence, delivery=self.delivery)
         self._rec = self._s.record_size
 
     def close(self) -> None:

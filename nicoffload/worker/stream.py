@@ -64,6 +64,11 @@ class Buffers:
         return a[:n]
 
 
+#: this many results taken only as answers, none as a first delivery: the group's frames do not
+#: arrive (no multicast on this network), and the job fails saying so instead of crawling on
+NO_GROUP_AFTER = 8
+
+
 class RoundStream:
     """One rank's transport, epoch, window and recovery state. The communicator reserves rounds
     (:meth:`reserve`) and runs them (:meth:`run`)."""
@@ -74,8 +79,9 @@ class RoundStream:
     def __init__(self, rank: int, world: int, aggregator: str, *, group: str, local_ip: str | None, job: int,
                  port: int, local_port: int | None, slots: int, window: int, elems: int, timeout: float, rto: float,
                  max_rto: float,
-                 buffers: Buffers, silence: float | None = None):
+                 buffers: Buffers, silence: float | None = None, delivery: str = "multicast"):
         self.rank, self.world, self.aggregator, self.job, self.port = rank, world, aggregator, job, port
+        self.group = group
         self.slots, self.window, self.elems, self.timeout = slots, window, elems, timeout
         # a live aggregator answers every retransmission (a STATUS at least): this long without a
         # word from it while asking means it is gone (None: only the progress timeout applies)
@@ -83,7 +89,10 @@ class RoundStream:
         self.rto, self.max_rto = rto, max_rto
         self.last = CallStats()
         self._rec = proto.record_size(elems)
-        self._t = Transport(port if local_port is None else local_port, group, local_ip, self._rec)
+        # unicast delivery: every result comes to this rank's own address, no group to join
+        self.delivery = delivery
+        self._t = Transport(port if local_port is None else local_port, group if delivery == "multicast" else None,
+                            local_ip, self._rec)
         self._t.expect_from((aggregator, port))
         self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
@@ -99,8 +108,9 @@ class RoundStream:
         self._stash_round = np.full(h, -1, np.int64)
         self._stash_lens = np.zeros(h, np.uint32)
         self._stash_segs = np.zeros(h, np.int64)
-        # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent
-        self._gate = np.zeros(1, np.int64)
+        # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent;
+        # [1], [2]: results taken over this communicator's life as first deliveries, and as answers
+        self._gate = np.zeros(3, np.int64)
         # this process's nonce: larger than any earlier process's (the clock), unique (random bits)
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         # set from another thread (abort): the call in flight and every later one raise it
@@ -189,6 +199,7 @@ class RoundStream:
                     heard_at = time.monotonic()
                     kind, value = read_join_reply(buf, n, self.rank, self.job, self.nonce)
                     if kind == "joined":
+                        self._gate[2 if buf[proto.FIELD_OFFSETS["flags"]] & proto.FLAG_ANSWER else 1] += 1
                         self._epoch = value
                         self._round = self._acked = 0
                         self._gate[0] = 0
@@ -208,6 +219,14 @@ class RoundStream:
                 self._join_timeout(joined)
             self._check_silence(heard_at, "joining")
             rto = min(rto * 2, self.max_rto)
+
+    def _no_group_delivery(self) -> None:
+        raise ProtocolError(
+            f"rank {self.rank}: results of job {self.job} do not arrive by multicast here: all {int(self._gate[2])} "
+            f"so far came only as answers to retransmissions and pulls, none as the aggregator's first delivery "
+            f"to group {self.group}. This network carries no multicast: register the job with unicast delivery "
+            f"(agg load/job add --delivery unicast, allreduce/demo/bench --delivery unicast, or a service started "
+            f"with --no-multicast)")
 
     def _check_silence(self, heard_at: float, doing: str) -> None:
         if self.silence is not None and time.monotonic() - heard_at > self.silence:
@@ -301,6 +320,8 @@ class RoundStream:
             now = time.monotonic()
             if n > self._t.foreign - foreign0:
                 heard_at = now
+                if gate[2] >= NO_GROUP_AFTER and not gate[1] and self.delivery == "multicast":
+                    self._no_group_delivery()
             if event == pump.EV_STALE_EPOCH:
                 raise ProtocolError(
                     f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "

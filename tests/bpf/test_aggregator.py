@@ -27,11 +27,13 @@ def test_join_forms_an_epoch_when_every_rank_has_joined(make_agg, joined):
     # the last JOIN became the JOINED, multicast, with every rank's nonce
     want = gen.joined_record(2, 3, gen.nonce_of(2), js["epoch"], [gen.nonce_of(r) for r in range(3)])
     assert outs[-1].data == gen.result_frame(want)
-    # a JOIN repeated after formation (its JOINED was lost) is answered by unicast
+    # a JOIN repeated after formation (its JOINED was lost) is answered by unicast, marked an answer
     again = agg.run(frames[0])
     assert again.verdict == XDP_TX
     assert again.data == gen.unicast_frame(gen.joined_record(0, 3, gen.nonce_of(0), js["epoch"],
-                                                             [gen.nonce_of(r) for r in range(3)]), 0)
+                                                             [gen.nonce_of(r) for r in range(3)],
+                                                             flags=proto.FLAG_ANSWER), 0)
+    assert hdr_of(outs[-1].data)["flags"] == 0  # the first delivery is not
     st = agg.stats()
     assert st["join"] == 4 and st["epoch_formed"] == 1 and st["records"] == outcome_total(st) == 4
 
@@ -162,7 +164,7 @@ def test_retransmissions_get_status_before_and_the_result_after_completion(make_
     agg.run(f[2])
     out = agg.run(r[0])  # rank 0 lost the result
     want = gen.expected_results(arrays, slots=8, epoch=ep)[0]
-    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(want, 0)
+    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(gen.answered(want), 0)
     st = agg.stats()
     assert st["retx_answered"] == 1 and st["status_sent"] == 1 and st["aggregated"] == 3
 
@@ -232,7 +234,7 @@ def test_sparse_rounds_and_pulls(make_agg, joined):
     assert [o.data for o in outs if o.verdict == XDP_TX] == [gen.result_frame(w) for w in want]
     # rank 0 did not take part in round 1 and lost its result: it pulls it
     out = agg.run(gen.batch([gen.pull(0, 1, slots=8, epoch=ep, mask=0b110)], 0))
-    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(want[1], 0)
+    assert out.verdict == XDP_TX and out.data == gen.unicast_frame(gen.answered(want[1]), 0)
     # a pull of a round that has not begun, and of a round still waiting
     out = agg.run(gen.batch([gen.pull(0, 3, slots=8, epoch=ep, mask=0b011)], 0))
     h = hdr_of(out.data)

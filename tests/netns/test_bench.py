@@ -68,7 +68,7 @@ def test_quick_bench_writes_sane_results_and_plots(tmp_path):
         # the data really crossed worker 0's link (no shared-memory shortcut)
         share = (1 - r["sparsity"]) * M if r["system"] in plan.STAR_SYSTEMS else 2 * (N - 1) / N * M
         assert r["w0_tx_bytes"] >= 0.8 * share, r
-        if r["system"] in ("xdp", "xdpring"):
+        if r["system"] in ("xdp", "xdpring", "xdpuni"):
             assert r["bpf_ns"] > 0 and r["bpf_cnt"] > 0
         else:
             assert r["bpf_ns"] is None

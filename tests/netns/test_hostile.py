@@ -34,6 +34,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import pytest
 from scapy.layers.l2 import Ether
 
 from nicoffload.agg.control import Aggregator, AggSpec
@@ -167,21 +168,28 @@ SO_ATTACH_FILTER = 26
 class Bystanders:
     """A packet socket on the aggregator's interface that takes what the XDP program passed
     (taps run after generic XDP) from anyone but ``mac`` (a classic BPF filter, so the attacker's
-    own foreign frames never fill its buffer), incoming only."""
+    own foreign frames never fill its buffer), incoming only. Frames from the aggregator's own
+    MAC are its results passed up to ar_fanout (unicast delivery): not bystanders either."""
 
     def __init__(self, tb, mac: str):
         self.tb, self.mac = tb, bytes.fromhex(mac.replace(":", ""))
+        self.own = bytes.fromhex(tb.agg.mac.replace(":", ""))
         self.frames: list[bytes] = []
 
     def __enter__(self) -> "Bystanders":
         hi, lo = struct.unpack("!IH", self.mac)
+        ohi, olo = struct.unpack("!IH", self.own)
         prog = [  # (code, jt, jf, k)
             (0x20, 0, 0, SKF_AD_PKTTYPE & 0xFFFFFFFF),  # ld pkttype
-            (0x15, 5, 0, socket.PACKET_OUTGOING),       # outgoing: drop
+            (0x15, 9, 0, socket.PACKET_OUTGOING),       # outgoing: drop
             (0x20, 0, 0, 6),                            # ld [6]: source MAC, first 4 bytes
-            (0x15, 0, 2, hi),                           # differ: accept
+            (0x15, 0, 2, hi),                           # not the attacker's: next check
             (0x28, 0, 0, 10),                           # ldh [10]: last 2 bytes
-            (0x15, 1, 0, lo),                           # the attacker: drop
+            (0x15, 5, 0, lo),                           # the attacker: drop
+            (0x20, 0, 0, 6),                            # ld [6] again
+            (0x15, 0, 2, ohi),                          # not the aggregator's own: accept
+            (0x28, 0, 0, 10),                           # ldh [10]
+            (0x15, 1, 0, olo),                          # the aggregator's own results: drop
             (0x06, 0, 0, 0xFFFF),                       # accept
             (0x06, 0, 0, 0),                            # drop
         ]
@@ -264,18 +272,20 @@ def test_each_attack_frame_alone_is_counted_by_its_reason():
         assert not any(s["used"] for i in range(8) for s in agg.slot(i)["sets"])
 
 
-def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path):
-    tb = make_testbed(W + 1, mtu=MTU)
+@pytest.mark.parametrize("delivery", ["multicast", "unicast"])
+def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path, delivery):
+    """With unicast delivery on a fabric without multicast (issue 18), the same guarantees hold."""
+    tb = make_testbed(W + 1, mtu=MTU, multicast=delivery == "multicast")
     ranks, attacker = tb.workers[:W], tb.workers[W]
     group = tb.topology.group_of(JOB)
     inputs = make_inputs(seed=9)
     with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=SLOTS)) as agg, contextlib.ExitStack() as stack:
-        agg.add_job(JOB, W, group, [h.ip for h in ranks], slots=SLOTS)
+        agg.add_job(JOB, W, group, [h.ip for h in ranks], slots=SLOTS, delivery=delivery)
         comms = []
         for r, h in enumerate(ranks):
             with tb.in_host(h):
                 comms.append(stack.enter_context(Communicator(r, W, tb.agg.ip, group=group, local_ip=h.ip, job=JOB,
-                                                              slots=SLOTS, timeout=20)))
+                                                              slots=SLOTS, timeout=20, delivery=delivery)))
         job = stack.enter_context(LiveJob(comms, inputs))
         job.wait(lambda: len(job.done()) >= 1, 30, "the job's first AllReduce")
         epoch = agg.job_state(JOB)["epoch"]

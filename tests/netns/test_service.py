@@ -147,3 +147,49 @@ def test_serve_refuses_what_it_cannot_do_in_one_line(make_testbed, tmp_path):
     from nicoffload.agg import control
 
     assert control.loaded(tb.agg.netns) == []  # the refused listen unloaded what it had loaded
+
+
+def test_a_service_without_multicast_grants_unicast_jobs(make_testbed, tmp_path):
+    """``agg serve --no-multicast`` on a fabric that drops multicast: jobs get unicast delivery
+    by default (what the torch backend asks for), a multicast one is refused, and the granted
+    job sums exactly."""
+    import threading
+
+    tb = make_testbed(2, multicast=False)
+    token_file = write_token(tmp_path)
+    svc = ServiceProcess(tb, token_file, extra=["--no-multicast"]).start()
+    try:
+        c = ServiceClient(svc.url, token_file.read_text().strip())
+
+        def call(fn):
+            with tb.in_host(tb.workers[0]):
+                return fn(c)
+
+        info = call(lambda c: c.info())
+        assert info["multicast"] is False and info["delivery"] == ["unicast"]
+        with pytest.raises(InputError, match="no multicast"):
+            call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers],
+                                                   delivery="multicast")))
+        with pytest.raises(InputError, match="every rank's address"):
+            call(lambda c: c.create_job(JobRequest(world=2)))
+        g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers])))
+        assert g.delivery == "unicast" and g.spec(10).delivery == "unicast"
+        xs = [np.random.default_rng(r).standard_normal(70_000).astype(np.float32) for r in range(2)]
+        comms, outs = [], [None, None]
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(Communicator.from_spec(r, 2, g.aggregator, g.spec(10.0), local_ip=w.ip))
+        ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, comms[r].allreduce(xs[r]))) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        for cm in comms:
+            cm.close()
+        from nicoffload.lab import reference
+
+        want = reference.quantized(xs)
+        assert all(o is not None and want.check(o).within_bound for o in outs)
+        assert call(lambda c: c.stats(g.job))["copies"] > 0
+    finally:
+        assert svc.stop() == 0

@@ -19,7 +19,7 @@ from nicoffload.torch.config import BackendConfig
 
 def test_a_good_request_and_its_defaults():
     r = JobRequest.from_json({"world": 3, "workers": ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "owner": "me"})
-    assert (r.world, r.job, r.slots, r.lease_s, r.delivery) == (3, None, None, None, "multicast")
+    assert (r.world, r.job, r.slots, r.lease_s, r.delivery) == (3, None, None, None, None)
     assert JobRequest.from_json(r.to_json()) == r
 
 

@@ -93,7 +93,7 @@ def test_epoch_formation(harness):
     assert live and addr == (g.GROUP_IP, 40124)
     assert joined == g.joined_record(W - 1, W, g.nonce_of(W - 1), live, table)
     # a JOIN repeated after formation (its JOINED was lost): the JOINED again, by unicast
-    assert h.feed(joins[1]) == [(g.joined_record(1, W, g.nonce_of(1), live, table),
+    assert h.feed(joins[1]) == [(g.joined_record(1, W, g.nonce_of(1), live, table, flags=proto.FLAG_ANSWER),
                                  (g.worker_ip(1), proto.DEFAULT_PORT))]
     # a worker that counts another world: STATUS WORLD with the job's ranks
     wrong = g.frame(g.join_record(2, W - 1, g.nonce_of(2)), src_mac=g.worker_mac(2), dst_mac=g.AGG_MAC,
@@ -222,8 +222,8 @@ def test_retransmissions_pulls_and_stale_rounds(harness):
     assert (header_of(status)["detail"], header_of(status)["mask"], addr) == (proto.DETAIL["waiting"], 0b001,
                                                                     (g.worker_ip(2), 40002))
     assert h.feed(f[1]) == [(want[0], (g.GROUP_IP, proto.DEFAULT_PORT))]
-    assert h.feed(r[0], sport=40003) == [(want[0], (g.worker_ip(0), 40003))]  # RETX after completion
-    assert h.feed(pull0) == [(want[0], (g.worker_ip(2), proto.DEFAULT_PORT))]  # PULL after completion
+    assert h.feed(r[0], sport=40003) == [(g.answered(want[0]), (g.worker_ip(0), 40003))]  # RETX after completion
+    assert h.feed(pull0) == [(g.answered(want[0]), (g.worker_ip(2), proto.DEFAULT_PORT))]  # PULL after completion
     assert h.delta(before) == {"rx": 7, "records": 7, "aggregated": 2, "completed": 1, "result_sent": 1,
                                "dup_dropped": 1, "status_sent": 2, "retx_answered": 1, "pull_answered": 1}
     # rounds 1 and 2 (round 2 reuses round 0's set once everyone has acknowledged round 0)
@@ -281,7 +281,7 @@ def test_batches_answer_once_with_only_their_answers(harness):
     retx1 = udp_of(g.contributions(arrs, slots=S, epoch=live, retx=True)[3])[0]  # rank 1, round 1
     dup0 = udp_of(f[1])[0]  # rank 1, round 0 again, without RETX
     (out, addr), = h.feed(g.batch([dup0, retx1], 1))
-    assert addr == (g.worker_ip(1), proto.DEFAULT_PORT) and out == want[1]
+    assert addr == (g.worker_ip(1), proto.DEFAULT_PORT) and out == g.answered(want[1])
     # a batch of records that need no answer is not sent at all
     before = h.stats
     assert h.feed(g.batch([dup0, udp_of(f[3])[0]], 1)) == []

@@ -18,9 +18,11 @@ from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.inputs import parse_size
 from nicoffload.wire import proto
 
-SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch")
+SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni")
 #: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
-AGG_SYSTEMS = ("xdp", "userspace")
+AGG_SYSTEMS = ("xdp", "userspace", "xdpuni")
+#: systems whose aggregator is the XDP program (xdpuni: with unicast delivery)
+XDP_AGG_SYSTEMS = ("xdp", "xdpuni")
 #: nicoffload's ring mode: the ring offload in XDP and the user-space UDP ring (fixed point; ring bound)
 RING_SYSTEMS = ("xdpring", "udpring")
 #: torch.distributed's all_reduce through the backend "nicoffload" (the XDP aggregator the service runs)
@@ -57,6 +59,7 @@ class BenchConfig:
     mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
     dtype: str = "float32"      # of the gradients: float32 (quantized to int32) or int32 (exact)
     compute: bool = False       # a compute loop beside every rank: how much of it each AllReduce takes
+    multicast: bool = True      # False: the testbed's fabric drops multicast frames (unicast delivery needed)
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)

@@ -196,7 +196,7 @@ def _check_local_ip(ip: str, who: str) -> None:
 
 
 ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi,
-            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch}
+            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload}
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
 IDLE_S = 1.0
 

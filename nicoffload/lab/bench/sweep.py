@@ -116,13 +116,15 @@ class SystemRun:
         b, cfg = self.bed, self.bed.cfg
         if self.system in AGG_SYSTEMS:
             try:
-                self.ap = AggregatorProcess(b.tb, self.system, cfg.spec, mode=cfg.mode)
+                self.ap = AggregatorProcess(b.tb, systems.agg_kind(self.system), systems.agg_spec(self.system, cfg),
+                                            mode=cfg.mode)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
                 raise _Abort(self.startup_failure)
         if self.system == "xdptorch":
             try:
-                self.svc = ServiceProcess(b.tb, write_token(b.work / "service"), extra=["--mode", cfg.mode]).start()
+                extra = ["--mode", cfg.mode] + ([] if cfg.multicast else ["--no-multicast"])
+                self.svc = ServiceProcess(b.tb, write_token(b.work / "service"), extra=extra).start()
             except Exception as e:
                 self.startup_failure = f"the aggregator service did not start: {e}"
                 raise _Abort(self.startup_failure)
@@ -281,7 +283,7 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
     prog.note(f"testbed: {n} workers, links {label}" + (f", aggregator {n}x" if rbps else ""))
     tbmeta = {"workers": n, "rate": label, "agg_rate_bps": n * rbps if rbps else None, "links": {}}
     meta["testbeds"].append(tbmeta)
-    with testbed(n, cfg.spec.elems, rate=rbps, links=links) as tb, tempdir() as d:
+    with testbed(n, cfg.spec.elems, rate=rbps, links=links, multicast=cfg.multicast) as tb, tempdir() as d:
         enable_gro(tb)
         work = Path(d)
         inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype)

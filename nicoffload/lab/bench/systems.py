@@ -14,6 +14,8 @@ mpi        Open MPI ``MPI_Allreduce`` through mpi4py, BTL ``tcp,self`` (the shar
 xdpring    nicoffload's ring mode with the ring offload (DirectReduce): every worker's XDP adds
            its staged record into the passing packet and sends it on (UDP, int32 fixed point)
 udpring    the same ring protocol with every hop in user space (the user-space UDP ring)
+xdpuni     the XDP aggregator with unicast delivery: every result cloned to each rank's address at
+           the aggregator's tc ingress (for fabrics without multicast: ``--no-multicast``)
 xdptorch   torch.distributed ``all_reduce`` with the backend "nicoffload": the job granted by
            ``nicoffload agg serve`` on the aggregator host (the XDP aggregator), the tensor
            reduced in place like gloo's (its input copied into it first, as for gloo)
@@ -49,6 +51,7 @@ DESCRIPTION = {
     "xdpring": "nicoffload ring offload: every worker's XDP adds and forwards (UDP, int32 fixed point)",
     "udpring": "nicoffload user-space UDP ring (the same protocol, every hop in the worker process)",
     "xdptorch": "torch.distributed all_reduce through the nicoffload backend (XDP aggregator via agg serve)",
+    "xdpuni": "nicoffload workers + XDP aggregator, unicast delivery (a copy per rank, cloned in tc)",
 }
 PORT_OFFSET = {"ring": 21, "gloo": 22, "xdptorch": 23}  # above the testbed's nicoffload port
 RANKS = "nicoffload.lab.bench.ranks"
@@ -88,7 +91,7 @@ def _probe_mpi(mpirun: str) -> tuple[str | None, str]:
 
 def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
     """(reason the system cannot run or None, version/description)."""
-    if system in ("xdp", "xdpring"):
+    if system in ("xdp", "xdpring", "xdpuni"):
         try:
             from nicoffload.ebpf import loader as bpf
 
@@ -114,7 +117,7 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
 def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
     """What a rank of ``system`` needs beyond the plan: the nicoffload job, or its TCP port."""
     if system in AGG_SYSTEMS:
-        spec = on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
+        spec = on_testbed(tb, agg_spec(system, cfg).replace(timeout=cfg.timeout))
         return {"aggregator": tb.agg.ip, "spec": spec.to_dict()}
     if system in RING_SYSTEMS:
         spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
@@ -125,6 +128,16 @@ def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
     if system in PORT_OFFSET:
         return {"port": tb.port + PORT_OFFSET[system]}
     return {}
+
+
+def agg_spec(system: str, cfg: BenchConfig) -> JobSpec:
+    """The job of an aggregator system: xdpuni's results go by unicast."""
+    return cfg.spec.replace(delivery="unicast") if system == "xdpuni" else cfg.spec
+
+
+def agg_kind(system: str) -> str:
+    """The aggregator of an aggregator system (lab.aggregators.AggregatorProcess's kind)."""
+    return "xdp" if system == "xdpuni" else system
 
 
 def ring_capacity(cfg: BenchConfig) -> int:
