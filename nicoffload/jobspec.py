@@ -23,6 +23,8 @@ MODES = ("aggregator", "ring")
 #: how an aggregator's results reach the ranks: to the job's multicast group, or a copy to each
 #: rank's address (for networks without multicast)
 DELIVERIES = ("multicast", "unicast")
+#: how a job spread over several aggregators splits a tensor (nicoffload.worker.shards)
+LAYOUTS = ("contiguous", "roundrobin")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class JobSpec:
     local_port: int | None = None  # the port workers bind and send from (None: ``port``)
     mode: str = "aggregator"       # aggregator (star through an aggregator) or ring (the ring offload)
     delivery: str = "multicast"    # how the aggregator's results reach the ranks: multicast or unicast
+    layout: str = "contiguous"     # with several aggregators: contiguous shards, or blocks round robin
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -69,6 +72,8 @@ class JobSpec:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.delivery not in DELIVERIES:
             raise InputError(f"--delivery must be one of {', '.join(DELIVERIES)}, not {self.delivery!r}")
+        if self.layout not in LAYOUTS:
+            raise InputError(f"--shard-layout must be one of {', '.join(LAYOUTS)}, not {self.layout!r}")
         return self
 
     def replace(self, **changes) -> "JobSpec":
@@ -100,6 +105,8 @@ class JobSpec:
         "delivery": ("--delivery", "how the aggregator's results reach the ranks: multicast (one frame the fabric "
                                    "fans out) or unicast (a copy to each rank's address, for networks without "
                                    "multicast)"),
+        "layout": ("--shard-layout", "with several aggregators (--aggregator IP1,IP2,...): contiguous (shard k is "
+                                     "the k-th slice of a tensor) or roundrobin (block b goes to aggregator b mod K)"),
     }
 
     @classmethod
@@ -122,6 +129,9 @@ class JobSpec:
                 continue
             if f.name == "delivery":
                 parser.add_argument(opt, dest="spec_delivery", choices=DELIVERIES, default=value, help=text + shown)
+                continue
+            if f.name == "layout":
+                parser.add_argument(opt, dest="spec_layout", choices=LAYOUTS, default=value, help=text + shown)
                 continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]

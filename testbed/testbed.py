@@ -105,8 +105,13 @@ class Testbed:
         return self.hosts[0]
 
     @property
+    def aggs(self) -> list[Host]:
+        """Every aggregator host (``agg`` first; more with ``Topology.aggregators``)."""
+        return [h for h in self.hosts if h.role == "aggregator"]
+
+    @property
     def workers(self) -> list[Host]:
-        return self.hosts[1:]
+        return [h for h in self.hosts if h.role == "worker"]
 
     def host(self, which: str | int | Host) -> Host:
         """A host by name ("agg", "w0", ...), worker rank (int) or Host."""
@@ -114,7 +119,8 @@ class Testbed:
 
     def describe(self) -> dict:
         """The JSON shape of ``nicoffload testbed up --json``."""
-        return {"name": self.name, "aggregator": self.agg.public(), "workers": [w.public() for w in self.workers],
+        return {"name": self.name, "aggregator": self.agg.public(), "aggregators": [a.public() for a in self.aggs],
+                "workers": [w.public() for w in self.workers],
                 "mcast_group": self.mcast_group, "port": self.port, "bridge_netns": self.bridge_netns,
                 "subnet": self.subnet, "mtu": self.topology.mtu}
 

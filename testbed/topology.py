@@ -12,7 +12,9 @@ Layout (one testbed called NAME, subnet index X)::
 
 Nothing lives in the root namespace. Every namespace carries the toolkit prefix ``nco-``.
 Results are multicast to 239.77.X.1. MACs are fixed and locally administered:
-02:6e:63:X:00:01 for the aggregator, 02:6e:63:X:01:RR for worker rank RR.
+02:6e:63:X:00:01 for the aggregator, 02:6e:63:X:01:RR for worker rank RR. With ``aggregators``
+K > 1 (jobs sharded over several aggregators), aggregator k >= 1 is host ``aggK`` at
+10.200.X.(1+k), 02:6e:63:X:00:(1+k).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from nicoffload.errors import InputError
-from nicoffload.wire.proto import DEFAULT_PORT, MAX_MTU, MAX_WORKERS
+from nicoffload.wire.proto import DEFAULT_PORT, MAX_MTU
 
 #: every object the toolkit creates carries this prefix (namespaces, pin directories)
 PREFIX = "nco-"
@@ -40,6 +42,11 @@ PREFIXLEN = 24
 GROUP_FMT = "239.77.{x}.{job}"
 AGG_HOST_OCTET = 1
 WORKER_HOST_OCTET0 = 10
+#: aggregator hosts of one testbed at most (their addresses sit below the workers')
+MAX_AGGREGATORS = WORKER_HOST_OCTET0 - AGG_HOST_OCTET - 1
+#: worker hosts at most: the /24 above the aggregators (a job of more than AR_MAX_WORKERS ranks
+#: spans several aggregator jobs, nicoffload.worker.hier)
+MAX_HOSTS = 200
 MAX_NAME = 12
 MIN_MTU, MAX_PLAIN_MTU = 576, 9000
 
@@ -163,11 +170,14 @@ class Topology:
     subnet: int | None = None
     agg_napi: bool = False
     multicast: bool = True
+    aggregators: int = 1
 
     def __post_init__(self):
         check_name(self.name)
-        if not (1 <= self.workers <= MAX_WORKERS):
-            raise InputError(f"bad worker count {self.workers}: 1..{MAX_WORKERS} (AR_MAX_WORKERS)")
+        if not (1 <= self.workers <= MAX_HOSTS):
+            raise InputError(f"bad worker count {self.workers}: 1..{MAX_HOSTS}")
+        if not (1 <= self.aggregators <= MAX_AGGREGATORS):
+            raise InputError(f"bad aggregator count {self.aggregators}: 1..{MAX_AGGREGATORS}")
         top = MAX_MTU if self.agg_napi else MAX_PLAIN_MTU
         if not (MIN_MTU <= self.mtu <= top):
             why = " (native XDP on veth refuses larger MTUs)" if self.agg_napi else ""
@@ -185,10 +195,13 @@ class Topology:
     @classmethod
     def star(cls, name: str, workers: int, *, rate: str | int | None = None, queues: int = 1,
              mtu: int = 1500, port: int = DEFAULT_PORT, subnet: int | None = None,
-             agg_napi: bool = False, links: dict[str, Link] | None = None, multicast: bool = True) -> "Topology":
-        """The usual shape: ``workers`` workers, one aggregator, every link at ``rate``."""
+             agg_napi: bool = False, links: dict[str, Link] | None = None, multicast: bool = True,
+             aggregators: int = 1) -> "Topology":
+        """The usual shape: ``workers`` workers, ``aggregators`` aggregators (one by default),
+        every link at ``rate``."""
         return cls(name=name, workers=workers, mtu=mtu, default_link=Link(parse_rate(rate), queues),
-                   links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi, multicast=multicast)
+                   links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi, multicast=multicast,
+                   aggregators=aggregators)
 
     def with_subnet(self, subnet: int) -> "Topology":
         return dataclasses.replace(self, subnet=subnet)
@@ -201,8 +214,12 @@ class Topology:
     def netns_of(self, host: str) -> str:
         return netns_prefix(self.name) + host
 
+    def agg_names(self) -> list[str]:
+        """The aggregator hosts: "agg", then "agg1", "agg2", ..."""
+        return [AGG] + [f"{AGG}{k}" for k in range(1, self.aggregators)]
+
     def host_names(self) -> list[str]:
-        return [AGG] + [f"w{r}" for r in range(self.workers)]
+        return self.agg_names() + [f"w{r}" for r in range(self.workers)]
 
     def netns_names(self) -> list[str]:
         """Every namespace of this testbed, in creation order (bridge first)."""
@@ -231,10 +248,11 @@ class Topology:
 
     @property
     def hosts(self) -> list[Host]:
-        """The aggregator first, then workers by rank."""
+        """The aggregators first, then workers by rank."""
         x = self._x()
-        out = [Host(AGG, "aggregator", None, self.netns_of(AGG), HOST_IFACE, f"p-{AGG}",
-                    f"10.200.{x}.{AGG_HOST_OCTET}", f"02:6e:63:{x:02x}:00:01", 0, self.link_of(AGG))]
+        out = [Host(a, "aggregator", None, self.netns_of(a), HOST_IFACE, f"p-{a}", f"10.200.{x}.{AGG_HOST_OCTET + k}",
+                    f"02:6e:63:{x:02x}:00:{k + 1:02x}", 0 if k == 0 else self.workers + k, self.link_of(a))
+               for k, a in enumerate(self.agg_names())]
         for r in range(self.workers):
             h = f"w{r}"
             out.append(Host(h, "worker", r, self.netns_of(h), HOST_IFACE, f"p-{h}",
@@ -266,6 +284,7 @@ class Topology:
         return {
             "name": self.name, "workers": self.workers, "mtu": self.mtu, "port": self.port,
             "subnet": self.subnet, "agg_napi": self.agg_napi, "multicast": self.multicast,
+            "aggregators": self.aggregators,
             "default_link": dataclasses.asdict(self.default_link),
             "links": {h: dataclasses.asdict(lk) for h, lk in self.links.items()},
         }
@@ -274,6 +293,6 @@ class Topology:
     def from_dict(cls, d: dict) -> "Topology":
         return cls(name=d["name"], workers=int(d["workers"]), mtu=int(d["mtu"]), port=int(d["port"]),
                    subnet=d.get("subnet"), agg_napi=bool(d.get("agg_napi", False)),
-                   multicast=bool(d.get("multicast", True)),
+                   multicast=bool(d.get("multicast", True)), aggregators=int(d.get("aggregators", 1)),
                    default_link=Link(**d.get("default_link", {})),
                    links={h: Link(**lk) for h, lk in d.get("links", {}).items()})

@@ -78,6 +78,12 @@ def register(sub) -> None:
                         "--no-multicast)")
     p.add_argument("--no-multicast", action="store_true",
                    help="testbeds whose fabric drops multicast frames, as networks without multicast do")
+    p.add_argument("--aggregators", type=int, default=1, metavar="K",
+                   help="aggregator hosts: the xdp, userspace and xdpuni jobs are sharded over them (default 1)")
+    p.add_argument("--agg-rate", default=None, metavar="RATE",
+                   help="each aggregator's link on shaped testbeds (default: N x --rate)")
+    p.add_argument("--shard-layout", choices=["contiguous", "roundrobin"], default="contiguous",
+                   help="how a sharded job splits a tensor over the aggregators")
     p.add_argument("--compute", action="store_true",
                    help="run a compute loop beside every rank: how much of its throughput each system's AllReduces "
                         "take (compute_drop)")
@@ -198,7 +204,8 @@ def _bench(args) -> int:
              if v is not None}
     delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
-                 compute=args.compute, multicast=not args.no_multicast, spec=DEFAULT.replace(delivery=delivery))
+                 compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
+                 agg_rate=args.agg_rate, spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout))
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)

@@ -53,7 +53,8 @@ def cmd_up(args) -> int:
     name = args.name or tbm.new_name()
     port = {} if args.port is None else {"port": args.port}  # default: the topology's (AR_DEFAULT_PORT)
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
-                             agg_napi=args.xdp_mode == "native", multicast=not args.no_multicast, **port)
+                             agg_napi=args.xdp_mode == "native", multicast=not args.no_multicast,
+                             aggregators=args.aggregators, **port)
     with tbm.Testbed(topo) as tb:
         if args.drop or args.dup:
             tb.faults.configure(_hosts_arg(args.fault_hosts), drop=args.drop, dup=args.dup, seed=args.seed,
@@ -211,6 +212,8 @@ def register(subparsers) -> None:
                     help="prepare the aggregator's link for this XDP mode: native attaches an XDP_PASS "
                          "program to its bridge-side veth (native XDP_TX needs it), generic must not have "
                          "it (it strips GSO, so result batches would be cut into datagrams); default generic")
+    up.add_argument("--aggregators", type=int, default=1,
+                    help="aggregator hosts (agg, agg1, agg2, ...): a job can span them (default 1)")
     up.add_argument("--no-multicast", action="store_true",
                     help="the fabric drops every multicast frame on its way to a host, as networks without "
                          "multicast do: jobs need unicast delivery (--delivery unicast)")

@@ -29,7 +29,8 @@ def _register_worker(sub) -> None:
                  "--input g1.npy --output sum.npy   # the ring offload (DirectReduce)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True, help="number of ranks")
-    p.add_argument("--aggregator", metavar="IP", default=None, help="address of the aggregator (--mode aggregator)")
+    p.add_argument("--aggregator", metavar="IP", default=None,
+                   help="address of the aggregator (--mode aggregator); IP1,IP2,...: a job sharded over several")
     p.add_argument("--peers", default=None, metavar="IP,IP,...",
                    help="--mode ring: every rank's address, in rank order (this rank's is on its interface)")
     p.add_argument("--ring-userspace", action="store_true",
@@ -72,10 +73,12 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="drop probability on every link")
     p.add_argument("--dup", type=float, default=0.0, help="duplication probability on every link")
     p.add_argument("--seed", type=int, default=1)
-    JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery"), delivery=None)
+    JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery", "layout"), delivery=None)
     p.add_argument("--no-multicast", action="store_true",
                    help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
                         "--delivery says otherwise")
+    p.add_argument("--aggregators", type=int, default=1, metavar="K",
+                   help="aggregator hosts; the job is sharded over them (--shard-layout), one shard on each")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_allreduce)
 
@@ -89,10 +92,12 @@ def _register_demo(sub) -> None:
     p.add_argument("--sparsity", type=float, default=0.5, help="fraction of 1 KiB blocks that are zero")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    JobSpec.add_arguments(p, only=("mode", "delivery"), delivery=None)
+    JobSpec.add_arguments(p, only=("mode", "delivery", "layout"), delivery=None)
     p.add_argument("--no-multicast", action="store_true",
                    help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
                         "--delivery says otherwise")
+    p.add_argument("--aggregators", type=int, default=1, metavar="K",
+                   help="aggregator hosts; the job is sharded over them (--shard-layout), one shard on each")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 
@@ -137,7 +142,7 @@ def _allreduce(args) -> int:
     arrays = check_inputs(args.inputs)
     spec = JobSpec.from_args(args, delivery=delivery_for(args))
     out, report = allreduce_arrays(arrays, args.aggregator, spec, args.drop, args.dup, args.seed,
-                                   multicast=not args.no_multicast)
+                                   multicast=not args.no_multicast, aggregators=args.aggregators)
     np.save(args.output, out)
     report["output"] = str(args.output)
     print(json.dumps(report) if args.json else describe_allreduce(report))
@@ -158,7 +163,7 @@ def _demo(args) -> int:
                   file=sys.stderr, flush=True)
 
     summary = demo(args.workers, parse_size(args.size), args.sparsity, args.reps, args.seed, progress=say, mode=mode,
-                   delivery=spec.delivery, multicast=not args.no_multicast)
+                   delivery=spec.delivery, multicast=not args.no_multicast, aggregators=args.aggregators)
     print(json.dumps(summary) if args.json else describe_demo(summary, args.reps))
     return 0 if demo_ok(summary) else 1
 

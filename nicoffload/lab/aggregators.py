@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 from ..errors import InputError
 from ..jobspec import DEFAULT, JobSpec
+from ..wire import proto
 from . import counters
 from .launcher import CLI, Launch, RankSpec
 
@@ -30,8 +31,9 @@ class AggregatorProcess:
     """The aggregator of one job on testbed ``tb``: ``xdp`` (loaded and attached here, in
     ``mode``) or ``userspace`` (``nicoffload aggregator-userspace`` on the aggregator host)."""
 
-    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto"):
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", host=None):
         self.tb, self.kind = tb, kind
+        self.host = host or tb.agg  # the aggregator host (a testbed may have several: tb.aggs)
         self.spec = on_testbed(tb, spec)
         self.agg = None
         self.launch: Launch | None = None
@@ -47,20 +49,38 @@ class AggregatorProcess:
         from nicoffload.agg.control import Aggregator, AggSpec
         from nicoffload.ebpf.iface import resolve_mode
 
-        a, s = self.tb.agg, self.spec
+        a, s = self.host, self.spec
         mode, _why = resolve_mode(mode, a.iface, a.netns)
-        self.tb.set_agg_napi(mode == "native")  # native XDP_TX on veth needs it; generic must not have it
-        self.agg = Aggregator.load(AggSpec(a.netns, a.iface, len(self.tb.workers), s.slots, s.elems, s.port, mode,
-                                           s.job, s.group, [w.ip for w in self.tb.workers],
-                                           delivery=s.delivery))
+        if a.name == self.tb.agg.name:
+            self.tb.set_agg_napi(mode == "native")  # native XDP_TX on veth needs it; generic must not have it
+        ips = [w.ip for w in self.tb.workers]
+        if len(ips) > proto.MAX_WORKERS:  # two levels of jobs (nicoffload.worker.hier)
+            from nicoffload.worker.hier import plan
+
+            leaves, root = plan(s, len(ips))
+            levels = [*leaves, root]
+            self.agg = Aggregator.load(AggSpec(a.netns, a.iface, 0, s.slots * len(levels), s.elems, s.port, mode))
+            try:
+                for lv in levels:
+                    self.agg.add_job(lv.job, len(lv.ranks), lv.group, [ips[r] for r in lv.ranks], slots=s.slots,
+                                     delivery=s.delivery)
+            except BaseException:
+                self.agg.close()
+                raise
+        else:
+            self.agg = Aggregator.load(AggSpec(a.netns, a.iface, len(ips), s.slots, s.elems, s.port, mode,
+                                               s.job, s.group, ips, delivery=s.delivery))
         self.mode = self.agg.spec.mode
 
     def _start_userspace(self) -> None:
+        if len(self.tb.workers) > proto.MAX_WORKERS:
+            raise InputError(f"the user-space aggregator serves jobs of up to {proto.MAX_WORKERS} ranks; "
+                             f"{len(self.tb.workers)} need the XDP aggregator's two levels of jobs")
         argv = CLI + ["aggregator-userspace", "--workers", str(len(self.tb.workers)), *self.spec.argv(AGG_FIELDS),
-                      "--local-ip", self.tb.agg.ip, "--json"]
+                      "--local-ip", self.host.ip, "--json"]
         for w in self.tb.workers:
             argv += ["--worker-ip", w.ip]
-        self.launch = Launch(self.tb, [RankSpec("the user-space aggregator", self.tb.agg, argv)])
+        self.launch = Launch(self.tb, [RankSpec(f"the user-space aggregator on {self.host.name}", self.host, argv)])
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
@@ -130,3 +150,59 @@ def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None 
         agg.close()
     return agg.stats
 
+
+
+class AggregatorSet:
+    """The aggregators of one job on every aggregator host of the testbed (one, or K for a job
+    sharded over K aggregators): the same job on each, started together, closed together."""
+
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto"):
+        self.procs: list[AggregatorProcess] = []
+        try:
+            for h in tb.aggs:
+                self.procs.append(AggregatorProcess(tb, kind, spec, mode, host=h))
+        except BaseException:
+            self.close()
+            raise
+        self.kind, self.mode = kind, self.procs[0].mode
+
+    @property
+    def addresses(self) -> str:
+        """The workers' --aggregator: every aggregator's address, comma-separated."""
+        return ",".join(p.host.ip for p in self.procs)
+
+    @property
+    def prog_id(self) -> int | None:
+        return self.procs[0].prog_id
+
+    def bpf_runtime(self) -> tuple[int, int] | None:
+        got = [p.bpf_runtime() for p in self.procs]
+        if any(g is None for g in got):
+            return None
+        return sum(g[0] for g in got), sum(g[1] for g in got)
+
+    def stats(self) -> dict:
+        return _summed([p.stats() for p in self.procs])
+
+    def close(self) -> dict:
+        out = []
+        for p in self.procs:
+            try:
+                out.append(p.close())
+            except Exception:
+                pass
+        return _summed(out)
+
+    def __enter__(self) -> "AggregatorSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _summed(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        for k, v in r.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -30,7 +30,7 @@ def _save(d: Path, arrays: list[np.ndarray], tag: str) -> list[Path]:
 # --- allreduce --------------------------------------------------------------------------------
 def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: JobSpec = DEFAULT,
                      drop: float = 0.0, dup: float = 0.0, seed: int = 1,
-                     multicast: bool = True) -> tuple[np.ndarray, dict]:
+                     multicast: bool = True, aggregators: int = 1) -> tuple[np.ndarray, dict]:
     """The sum of ``arrays`` (one per worker, checked by inputs.check_inputs), through a testbed
     with ``drop``/``dup`` probabilities on every link (``multicast`` False: a fabric that drops
     multicast frames): (sum in the inputs' shape, report)."""
@@ -39,7 +39,7 @@ def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: Jo
             raise InputError("--drop and --dup are probabilities in [0, 1)")
     bpf.require_root("nicoffload allreduce (it builds a namespace testbed)")
     n = len(arrays)
-    with testbed(n, spec.elems, multicast=multicast) as tb, tempdir() as d:
+    with testbed(n, spec.elems, multicast=multicast, aggregators=aggregators) as tb, tempdir() as d:
         if drop or dup:
             tb.faults.configure(drop=drop, dup=dup, seed=seed)
         outs = [Path(d) / f"out{r}.npy" for r in range(n)]
@@ -51,6 +51,7 @@ def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: Jo
     out = results[0].reshape(arrays[0].shape).astype(arrays[0].dtype)
     return out, {"workers": n, "elements": int(out.size), "dtype": str(out.dtype), "seconds": res.seconds,
                  "aggregator": aggregator, "mode": spec.mode, "delivery": spec.delivery, "multicast": multicast,
+                 "aggregators": aggregators,
                  "packets_sent": res.totals("packets_sent"),
                  "retransmissions": res.totals("retransmissions")}
 
@@ -75,7 +76,7 @@ def describe_allreduce(report: dict) -> str:
 # --- demo -------------------------------------------------------------------------------------
 def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: int = 0,
          progress: Callable[[str], None] | None = None, mode: str = "aggregator", delivery: str = "multicast",
-         multicast: bool = True) -> dict:
+         multicast: bool = True, aggregators: int = 1) -> dict:
     """Float32 gradients of ``nbytes`` per worker (``sparsity``: fraction of zero blocks)
     through the XDP and the user-space aggregator (``mode`` ring: the ring offload and the
     user-space UDP ring); per system its times, goodput, error and whether the error is within
@@ -87,7 +88,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
     grads = make_gradients(workers, n, sparsity, seed)
     want = reference.quantized(grads, DEFAULT.elems)
     rows = []
-    with testbed(workers, multicast=multicast) as tb, tempdir() as d:
+    with testbed(workers, multicast=multicast, aggregators=aggregators) as tb, tempdir() as d:
         ins = _save(Path(d), grads, "g")
         for kind in ("xdp", "userspace"):
             outs = [Path(d) / f"{kind}{r}.npy" if r == 0 else None for r in range(workers)]
@@ -105,7 +106,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
                 "blocks_skipped": res.ranks[0]["stats"].get("blocks_skipped", 0),
             })
     return {"workers": workers, "bytes": n * 4, "sparsity": sparsity, "mode": mode, "delivery": delivery,
-            "multicast": multicast, "runs": rows}
+            "multicast": multicast, "aggregators": aggregators, "runs": rows}
 
 
 def demo_ok(summary: dict) -> bool:

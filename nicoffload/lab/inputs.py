@@ -11,6 +11,9 @@ from nicoffload.wire import proto
 from ..errors import InputError
 from ..jobspec import DEFAULT
 
+#: ranks of a testbed job at most (the testbed's worker hosts)
+MAX_HOSTS = 200
+
 #: dtypes a worker sums (int32 exactly, floats through fixed point)
 DTYPES = (np.int32, np.float32, np.float64)
 
@@ -47,7 +50,8 @@ def load_input(path: Path) -> np.ndarray:
 
 
 def check_inputs(paths: list[Path]) -> list[np.ndarray]:
-    """The inputs of one job, one per worker: same shape, same dtype, 1..MAX_WORKERS of them."""
+    """The inputs of one job, one per worker: same shape, same dtype, 1..MAX_HOSTS of them (more
+    than AR_MAX_WORKERS: two levels of aggregator jobs)."""
     arrays = [load_input(p) for p in paths]
     shapes = {a.shape for a in arrays}
     dtypes = {str(a.dtype) for a in arrays}
@@ -55,8 +59,8 @@ def check_inputs(paths: list[Path]) -> list[np.ndarray]:
         raise InputError(f"inputs differ in shape: {', '.join(f'{p}: {a.shape}' for p, a in zip(paths, arrays))}")
     if len(dtypes) > 1:
         raise InputError(f"inputs differ in dtype: {', '.join(f'{p}: {a.dtype}' for p, a in zip(paths, arrays))}")
-    if not 1 <= len(arrays) <= proto.MAX_WORKERS:
-        raise InputError(f"need 1..{proto.MAX_WORKERS} inputs, got {len(arrays)}")
+    if not 1 <= len(arrays) <= MAX_HOSTS:
+        raise InputError(f"need 1..{MAX_HOSTS} inputs, got {len(arrays)}")
     return arrays
 
 

@@ -18,7 +18,7 @@ from nicoffload.wire import proto
 
 from ..jobspec import DEFAULT, JobSpec
 from . import counters
-from .aggregators import AggregatorProcess, on_testbed
+from .aggregators import AggregatorSet, on_testbed
 from .counters import timed_reps
 from .launcher import CLI, Launch, RankSpec, failure
 from .links import enable_gro
@@ -71,7 +71,8 @@ class JobResult:
 def _worker_argv(tb, w, spec: JobSpec, inp: Path, out: Path | None, reps: int, pin_cpus: bool,
                  ring_userspace: bool = False, capacity: int | None = None) -> list[str]:
     pin = ["taskset", "-c", str(w.rank % (os.cpu_count() or 1))] if pin_cpus else []
-    argv = pin + CLI + ["worker", "--rank", str(w.rank), "--world", str(len(tb.workers)), "--aggregator", tb.agg.ip,
+    aggs = ",".join(a.ip for a in tb.aggs)  # several: the job is sharded over them
+    argv = pin + CLI + ["worker", "--rank", str(w.rank), "--world", str(len(tb.workers)), "--aggregator", aggs,
                         "--local-ip", w.ip, "--input", str(inp), "--reps", str(reps), "--json", *spec.argv()]
     if spec.mode == "ring":
         argv += ["--peers", ",".join(h.ip for h in tb.workers)] + (["--ring-userspace"] if ring_userspace else []) \
@@ -105,7 +106,7 @@ def run_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], aggregat
     fields = {k: kw.pop(k) for k in list(kw) if k in DEFAULT.to_dict()}
     spec = (spec or DEFAULT).replace(**fields)
     enable_gro(tb)
-    with AggregatorProcess(tb, aggregator, spec, mode=mode) as ap:
+    with AggregatorSet(tb, aggregator, spec, mode=mode) as ap:
         before = ap.bpf_runtime()
         reports = run_workers(tb, inputs, outputs, spec, reps=reps, **kw)
         after = ap.bpf_runtime()

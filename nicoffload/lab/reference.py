@@ -123,3 +123,28 @@ def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
 def expected(arrays: Sequence[np.ndarray], quantizes: bool, elems: int = DEFAULT.elems) -> Expected:
     """:func:`quantized` for a system that sums through nicoffload's fixed point, else :func:`host_sum`."""
     return quantized(arrays, elems) if quantizes else host_sum(arrays)
+
+
+def two_level(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expected:
+    """What a job of more than 32 ranks (nicoffload.worker.hier: leaf groups, then their
+    leaders) must return for float inputs: every leaf's bound on its group's sum, the half ulp of
+    each group sum's cast, the root's bound on the sum of those sums (twice it: a group sum off by
+    its leaf's error can cross a power of two and raise its block's exponent by one), and the
+    final cast. Integers: exact, as everywhere."""
+    from nicoffload.worker.hier import groups_of
+
+    exp = _integer(arrays)
+    if exp is not None:
+        return exp
+    xs = _flat(arrays)
+    dtype = xs[0].dtype
+    exact = exact_sum(xs)
+    bound = np.zeros(exact.size, np.float64)
+    parts = []
+    for g in groups_of(len(xs)):
+        group = [xs[r] for r in g]
+        s = exact_sum(group)
+        bound += quantization_bound(group, elems) + _half_ulp(s, dtype)
+        parts.append(s.astype(dtype))
+    bound += 2 * quantization_bound(parts, elems) + _half_ulp(exact, dtype)
+    return Expected(exact, bound)

@@ -221,12 +221,15 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         self.rdv = Rendezvous(store, rank, size, self.timeout)
         self.fallback = _gloo_group(store, rank, size, timeout, self.local_ip)
         self.comm = None
-        self.grant: JobGrant | None = None
+        self.grant: JobGrant | None = None      # the (first) service's job
+        self.grants: list[JobGrant] = []
         self.client: ServiceClient | None = None
+        self.clients: list[ServiceClient] = []
+        self.jobs: list[tuple[ServiceClient, int]] = []  # every job this group holds at a service
         self.error: BaseException | None = None
         self._closed = False
         self._pending_gloo: list[torch.futures.Future] = []
-        self._extra_jobs: list[int] = []  # optimizer jobs this group asked the service for
+        self._optimizer_jobs = 0  # optimizer jobs this group asked the service for
         self._stop = threading.Event()
         self.addresses = self.rdv.exchange_addresses(self.local_ip)
         try:
@@ -271,23 +274,47 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             spec = DEFAULT.replace(mode="ring", timeout=self.comm_timeout)
             self.comm = communicator(self._rank, self._size, mode="ring", peers=self.addresses, spec=spec)
             return
-        self.client = ServiceClient.from_files(self.config.service, self.config.token_file,
-                                               timeout=min(10.0, self.timeout))
+        # several services (NICOFFLOAD_SERVICE=URL1,URL2,...): a job at each, every tensor sharded
+        urls = [u.strip() for u in self.config.service.split(",") if u.strip()]
+        self.clients = [ServiceClient.from_files(u, self.config.token_file, timeout=min(10.0, self.timeout))
+                        for u in urls]
+        self.client = self.clients[0]
         owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})"
 
         def ask() -> dict:
             req = JobRequest(world=self._size, workers=list(self.addresses), lease_s=self.config.lease_s,
                              owner=owner)
-            return self.client.create_job(req).to_json()
+            got: list[JobGrant] = []
+            try:
+                for c in self.clients:
+                    got.append(c.create_job(req))
+            except BaseException:
+                for c, g in zip(self.clients, got):
+                    self._remove_job(g.job, c)
+                raise
+            return {"grants": [g.to_json() for g in got]}
 
-        self.grant = JobGrant.from_json(self.rdv.share("job", ask))
+        self.grants = [JobGrant.from_json(g) for g in self.rdv.share("job", ask)["grants"]]
+        self.grant = self.grants[0]
+        self.jobs = list(zip(self.clients, [g.job for g in self.grants]))
+        silence = min(SILENCE, self.comm_timeout)
         try:
-            self.comm = Communicator.from_spec(self._rank, self._size, self.grant.aggregator,
-                                               self.grant.spec(self.comm_timeout), local_ip=self.local_ip,
-                                               silence=min(SILENCE, self.comm_timeout))
+            if len(self.grants) == 1:
+                self.comm = Communicator.from_spec(self._rank, self._size, self.grant.aggregator,
+                                                   self.grant.spec(self.comm_timeout), local_ip=self.local_ip,
+                                                   silence=silence)
+            else:
+                from nicoffload.worker.shards import ShardedCommunicator
+
+                # each service numbers its jobs' ports alike: shard k's sockets sit 64 ports higher
+                specs = [g.spec(self.comm_timeout).replace(local_port=g.local_port + 64 * k)
+                         for k, g in enumerate(self.grants)]
+                self.comm = ShardedCommunicator(self._rank, self._size, [g.aggregator for g in self.grants], specs,
+                                                local_ip=self.local_ip, silence=silence)
         except BaseException:
             if self._rank == 0:
-                self._remove_job(self.grant.job)
+                for c, job in self.jobs:
+                    self._remove_job(job, c)
             raise
 
     # --- names torch asks for ------------------------------------------------------------------
@@ -577,28 +604,29 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         every = max(0.5, self.grant.lease_s / 3)
         warned = False
         while not self._stop.wait(every):
-            try:
-                for job in [self.grant.job, *self._extra_jobs]:
-                    self.client.renew(job)
-                warned = False
-            except NotFoundError:
-                self._abort(NicoffloadError(
-                    f"the service at {self.config.service} no longer has job {self.grant.job} (its lease expired, "
-                    f"an operator removed it, or the service was restarted without it)"))
-                return
-            except NicoffloadError as e:
-                if not warned:
-                    log.warning("renewing job %d's lease failed (%s); the data path does not need the service, "
-                                "retrying", self.grant.job, str(e).splitlines()[0])
-                    warned = True
+            for c, job in list(self.jobs):
+                try:
+                    c.renew(job)
+                    warned = False
+                except NotFoundError:
+                    self._abort(NicoffloadError(
+                        f"the service at {c.url} no longer has job {job} (its lease expired, an operator removed "
+                        f"it, or the service was restarted without it)"))
+                    return
+                except NicoffloadError as e:
+                    if not warned:
+                        log.warning("renewing job %d's lease at %s failed (%s); the data path does not need the "
+                                    "service, retrying", job, c.url, str(e).splitlines()[0])
+                        warned = True
 
-    def _remove_job(self, job: int) -> None:
+    def _remove_job(self, job: int, client: ServiceClient | None = None) -> None:
+        c = client or self.client
         try:
-            self.client.remove_job(job)
+            c.remove_job(job)
         except NotFoundError:
             pass
         except NicoffloadError as e:
-            log.warning("removing job %d from the service failed: %s (its lease frees it)", job, e)
+            log.warning("removing job %d from the service at %s failed: %s (its lease frees it)", job, c.url, e)
 
     def shutdown(self) -> None:
         """Drain the calls, leave the group, remove the job from the service (rank 0, once every
@@ -615,8 +643,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             pass  # the store is gone: nobody waits for us
         self._stop.set()
         if self._rank == 0 and self.grant is not None:
-            for job in [self.grant.job, *self._extra_jobs]:
-                self._remove_job(job)
+            for c, job in self.jobs:
+                self._remove_job(job, c)
         if self.comm is not None:
             self.comm.close()
         # gloo's group goes when its last reference does (its destructor joins its threads); a
@@ -646,8 +674,9 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
                 raise
             return g.to_json()
 
-        grant = JobGrant.from_json(self.rdv.share(f"optimizer/{len(self._extra_jobs)}", ask))
-        self._extra_jobs.append(grant.job)
+        grant = JobGrant.from_json(self.rdv.share(f"optimizer/{self._optimizer_jobs}", ask))
+        self._optimizer_jobs += 1
+        self.jobs.append((self.client, grant.job))
         return Communicator.from_spec(self._rank, self._size, grant.aggregator,
                                       grant.spec(self.comm_timeout).replace(sparse=False), local_ip=self.local_ip,
                                       silence=min(SILENCE, self.comm_timeout))

@@ -1,7 +1,8 @@
 """The backend's configuration, from the environment torchrun already sets plus a few
 ``NICOFFLOAD_*`` variables (one line each in the README):
 
-    NICOFFLOAD_SERVICE=http://HOST:PORT   the aggregator service (aggregator mode)
+    NICOFFLOAD_SERVICE=http://HOST:PORT   the aggregator service (aggregator mode); URL1,URL2,...:
+                                          a job at each, every tensor sharded over their aggregators
     NICOFFLOAD_TOKEN_FILE=PATH            the service's bearer token
     NICOFFLOAD_MODE=aggregator|ring       ring: the ring offload, peers from the rendezvous, no service
     NICOFFLOAD_LOCAL_IP=ADDR              this rank's address (default: the one that routes to the
@@ -54,7 +55,7 @@ class BackendConfig:
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""
         if self.mode == "aggregator":
-            return urlsplit(self.service).hostname or ""
+            return urlsplit(self.service.split(",")[0].strip()).hostname or ""
         master = os.environ.get("MASTER_ADDR")
         if not master:
             raise SetupError("NICOFFLOAD_MODE=ring needs MASTER_ADDR (torchrun sets it) or NICOFFLOAD_LOCAL_IP")

@@ -11,6 +11,8 @@
                window, results, loss recovery, timeouts naming the silent ranks
     recovery   the decisions of loss recovery (RTO, fast retransmission, pulls, giving up), pure
     records    the records a rank sends besides its data (JOIN, ACK, pulls) and JOIN answers
+    shards     :class:`ShardedCommunicator`: one job spread over several aggregators
+    hier       :class:`HierCommunicator`: jobs of more than 32 ranks, two levels of aggregator jobs
 
 Below it: the host data path (:mod:`nicoffload.datapath`) and the wire (:mod:`nicoffload.wire`).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from nicoffload._exports import lazy_exports
 
-_NAMES = {"Communicator": "comm", "communicator": "comm", "CallStats": "comm", "DTYPES": "comm"}
+_NAMES = {"Communicator": "comm", "communicator": "comm", "CallStats": "comm", "DTYPES": "comm",
+          "ShardedCommunicator": "shards", "HierCommunicator": "hier"}
 __all__ = list(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

@@ -344,11 +344,24 @@ def communicator(rank: int, world: int, *, mode: str | None = None, aggregator: 
                  peers=None, spec: JobSpec = DEFAULT, local_ip: str | None = None, **kw):
     """The communicator of ``mode`` (default ``spec.mode``), with the same API (``allreduce``,
     ``barrier``, ``close``, context manager): ``aggregator``, a :class:`Communicator` that sums
-    through the aggregator at ``aggregator``; ``ring``, a
+    through the aggregator at ``aggregator`` (several, comma-separated: a
+    :class:`~nicoffload.worker.shards.ShardedCommunicator`, one shard of every tensor on each);
+    ``ring``, a
     :class:`~nicoffload.ring.RingCommunicator` for the ring of ``peers`` (every rank's
     address, by rank; ``offload=False`` in ``kw``: the user-space UDP ring). ``kw`` goes to the
     class."""
     mode = mode or spec.mode
+    if mode == "aggregator" and world > proto.MAX_WORKERS:
+        from nicoffload.worker.hier import HierCommunicator
+
+        if not aggregator or "," in aggregator:
+            raise InputError(f"a job of {world} ranks (two levels of aggregator jobs) takes one aggregator")
+        return HierCommunicator(rank, world, aggregator, spec, local_ip=local_ip, **kw)
+    if mode == "aggregator" and aggregator and "," in aggregator:
+        from nicoffload.worker.shards import ShardedCommunicator
+
+        aggs = [a.strip() for a in aggregator.split(",") if a.strip()]
+        return ShardedCommunicator(rank, world, aggs, spec, local_ip=local_ip, layout=spec.layout, **kw)
     if mode == "ring":
         from nicoffload.ring.comm import RingCommunicator
 

@@ -80,7 +80,7 @@ def test_command_line_values():
     assert plan.parse_list(plan.workers, "2,4") == [2, 4]
     assert plan.parse_list(plan.system, "ring,xdp") == ["ring", "xdp"]
     for conv, text in ((plan.size, "2"), (plan.size, "4XB"), (plan.sparsity, "1.5"), (plan.workers, "0"),
-                       (plan.workers, "33"), (plan.system, "nccl"), (plan.size, " , ")):
+                       (plan.workers, "201"), (plan.system, "nccl"), (plan.size, " , ")):
         with pytest.raises((InputError, ValueError)):
             plan.parse_list(conv, text)
 
@@ -124,7 +124,8 @@ def test_what_a_sweep_runs():
 
 def _tb():
     ws = [SimpleNamespace(rank=r, ip=f"10.9.0.{r + 10}", iface="eth0", netns=f"ns{r}") for r in range(3)]
-    return SimpleNamespace(workers=ws, agg=SimpleNamespace(ip="10.9.0.100"), port=40000, mcast_group="239.9.0.1")
+    agg = SimpleNamespace(ip="10.9.0.100")
+    return SimpleNamespace(workers=ws, agg=agg, aggs=[agg], port=40000, mcast_group="239.9.0.1")
 
 
 def test_what_each_systems_ranks_are_handed(tmp_path):

@@ -53,11 +53,13 @@ class _Adapter:
 
 class _Nicoffload(_Adapter):
     def __init__(self, plan: dict, rank: int):
-        from nicoffload.worker.comm import Communicator
+        from nicoffload.worker.comm import communicator
 
         p = plan["params"]
         self.rank = rank
-        self.c = Communicator.from_spec(rank, plan["world"], p["aggregator"], job_spec(p), local_ip=plan["ips"][rank])
+        # several aggregators (comma-separated): a job sharded over them
+        self.c = communicator(rank, plan["world"], aggregator=p["aggregator"], spec=job_spec(p),
+                              local_ip=plan["ips"][rank])
         self._one = np.zeros(1, dtype=np.int32)
 
     def allreduce(self, x, out):

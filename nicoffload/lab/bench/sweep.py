@@ -26,7 +26,7 @@ import numpy as np
 
 from nicoffload.ebpf import libbpf
 from nicoffload.lab import reference
-from nicoffload.lab.aggregators import AggregatorProcess
+from nicoffload.lab.aggregators import AggregatorSet
 from nicoffload.lab.bench import report, systems
 from nicoffload.lab.bench.plan import AGG_SYSTEMS, QUANTIZED, BenchConfig, Point, rate_bps, rate_label, sweep_plan
 from nicoffload.lab.bench.plot import plot
@@ -93,7 +93,7 @@ class SystemRun:
         self.rows: dict[int, dict] = {}
         self.failure: str | None = None
         self.startup_failure: str | None = None
-        self.ap: AggregatorProcess | None = None
+        self.ap: AggregatorSet | None = None
         self.rp: RingPrograms | None = None     # xdpring: the ring programs on every worker
         self.svc: ServiceProcess | None = None  # xdptorch: nicoffload agg serve on the aggregator host
         self.job: Launch | None = None
@@ -116,8 +116,8 @@ class SystemRun:
         b, cfg = self.bed, self.bed.cfg
         if self.system in AGG_SYSTEMS:
             try:
-                self.ap = AggregatorProcess(b.tb, systems.agg_kind(self.system), systems.agg_spec(self.system, cfg),
-                                            mode=cfg.mode)
+                self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), systems.agg_spec(self.system, cfg),
+                                        mode=cfg.mode)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
                 raise _Abort(self.startup_failure)
@@ -278,12 +278,18 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
     and written after each system (partial results survive an interruption)."""
     from nicoffload.testbed.topology import Link
 
+    from nicoffload.testbed.topology import AGG, parse_rate
+
     rbps, label = rate_bps(rate), rate_label(rate)
-    links = {"agg": Link(rate=n * rbps)} if rbps else None
-    prog.note(f"testbed: {n} workers, links {label}" + (f", aggregator {n}x" if rbps else ""))
-    tbmeta = {"workers": n, "rate": label, "agg_rate_bps": n * rbps if rbps else None, "links": {}}
+    agg_bps = (parse_rate(cfg.agg_rate) if cfg.agg_rate else n * rbps) if rbps else None
+    aggs = [AGG] + [f"{AGG}{k}" for k in range(1, cfg.aggregators)]
+    links = {a: Link(rate=agg_bps) for a in aggs} if rbps else None
+    k = f"{cfg.aggregators} aggregators" if cfg.aggregators > 1 else "aggregator"
+    prog.note(f"testbed: {n} workers, links {label}" + (f", {k} at {agg_bps / 1e9:g} Gbit/s" if rbps else ""))
+    tbmeta = {"workers": n, "rate": label, "agg_rate_bps": agg_bps, "aggregators": cfg.aggregators, "links": {}}
     meta["testbeds"].append(tbmeta)
-    with testbed(n, cfg.spec.elems, rate=rbps, links=links, multicast=cfg.multicast) as tb, tempdir() as d:
+    with testbed(n, cfg.spec.elems, rate=rbps, links=links, multicast=cfg.multicast,
+                 aggregators=cfg.aggregators) as tb, tempdir() as d:
         enable_gro(tb)
         work = Path(d)
         inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype)

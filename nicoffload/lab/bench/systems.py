@@ -118,7 +118,7 @@ def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
     """What a rank of ``system`` needs beyond the plan: the nicoffload job, or its TCP port."""
     if system in AGG_SYSTEMS:
         spec = on_testbed(tb, agg_spec(system, cfg).replace(timeout=cfg.timeout))
-        return {"aggregator": tb.agg.ip, "spec": spec.to_dict()}
+        return {"aggregator": ",".join(a.ip for a in tb.aggs), "spec": spec.to_dict()}
     if system in RING_SYSTEMS:
         spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
         return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",

@@ -48,11 +48,12 @@ class ServiceProcess:
     """``nicoffload agg serve`` for the testbed's aggregator, in the foreground of a child."""
 
     def __init__(self, tb, token_file: Path, *, port: int = SERVICE_PORT, slots: int = 4096,
-                 lease: float = 30.0, extra: list[str] | None = None, ready_timeout: float = 60.0):
+                 lease: float = 30.0, extra: list[str] | None = None, ready_timeout: float = 60.0, host=None):
         self.tb, self.token_file, self.port = tb, Path(token_file), port
-        self.url = f"http://{tb.agg.ip}:{port}"
-        self.argv = [*CLI, "agg", "serve", "--netns", tb.agg.netns, "--iface", tb.agg.iface,
-                     "--listen", f"{tb.agg.ip}:{port}", "--token-file", str(token_file), "--port", str(tb.port),
+        agg = host or tb.agg  # the aggregator host it runs on (a testbed may have several)
+        self.url = f"http://{agg.ip}:{port}"
+        self.argv = [*CLI, "agg", "serve", "--netns", agg.netns, "--iface", agg.iface,
+                     "--listen", f"{agg.ip}:{port}", "--token-file", str(token_file), "--port", str(tb.port),
                      "--slots", str(slots), "--lease", str(lease), *(extra or [])]
         self.ready_timeout = ready_timeout
         self.log: list[str] = []

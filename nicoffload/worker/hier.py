@@ -1,0 +1,156 @@
+"""Jobs of more than AR_MAX_WORKERS (32) ranks: two levels of aggregator jobs.
+
+The XDP program's jobs hold at most 32 ranks (one bit each in a 32-bit bitmap). A larger job is
+cut into G leaf groups of at most 32 consecutive ranks, each its own aggregator job; the first
+rank of every group (its leader) is also a rank of a root job of the G leaders. One AllReduce:
+
+1. every group sums its ranks' tensors through its leaf job;
+2. the leaders sum their groups' sums through the root job;
+3. each leader hands the total to its group through the leaf job again, as int32 bit patterns
+   that the others add zeros to (exact for any dtype: x + 0 = x; the others' zero blocks are
+   never sent, so this round costs them their share of the results only).
+
+Three trips through an aggregator instead of one (docs/protocol.md §12 gives the latency and
+the error bound of floats: the sum of the leaves' bounds and the root's). int32 stays exact
+(every level wraps modulo 2^32 alike). Every job has its own slots, epoch and group on the
+aggregator, so the levels never mix.
+
+Layout of the jobs of a job ``spec`` of ``world`` ranks (:func:`plan`): leaf g is job
+``spec.job + g`` with group ``spec.group + g`` (the group's last octet counted up), the root is
+job ``spec.job + G`` with group ``spec.group + G``; a leader binds ``local_port + 1`` for the root.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.datapath.tensors import DTYPES, call_arrays
+from nicoffload.errors import InputError
+from nicoffload.jobspec import JobSpec
+from nicoffload.wire import proto
+from nicoffload.worker.comm import Communicator
+
+
+@dataclass(frozen=True)
+class Level:
+    """One aggregator job of the hierarchy: its id, group, and the global ranks in it (by rank)."""
+
+    job: int
+    group: str
+    ranks: tuple[int, ...]
+
+
+def groups_of(world: int, width: int = proto.MAX_WORKERS) -> list[range]:
+    """``world`` ranks cut into as few groups of at most ``width`` as can be, as even as can be."""
+    g = -(-world // width)
+    cuts = [world * i // g for i in range(g + 1)]
+    return [range(cuts[i], cuts[i + 1]) for i in range(g)]
+
+
+def plan(spec: JobSpec, world: int, width: int = proto.MAX_WORKERS) -> tuple[list[Level], Level]:
+    """The leaf jobs and the root job of a ``world``-rank job ``spec``."""
+    if world <= width:
+        raise InputError(f"a job of {world} ranks fits one aggregator job: no hierarchy")
+    groups = groups_of(world, width)
+    if len(groups) > width:
+        raise InputError(f"{world} ranks need {len(groups)} groups of {width}: more than one root job holds")
+    base = ipaddress.IPv4Address(spec.group)
+
+    def group(i: int) -> str:
+        g = base + i
+        if not g.is_multicast:
+            raise InputError(f"job {spec.job}: group {spec.group} + {i} leaves the multicast range")
+        return str(g)
+
+    leaves = [Level(spec.job + i, group(i), tuple(r)) for i, r in enumerate(groups)]
+    root = Level(spec.job + len(groups), group(len(groups)), tuple(r.start for r in groups))
+    return leaves, root
+
+
+class HierCommunicator:
+    """One rank of a job of more than 32 ranks (the API of :class:`Communicator`)."""
+
+    def __init__(self, rank: int, world: int, aggregator: str, spec: JobSpec, local_ip: str | None = None, **kw):
+        if not 0 <= rank < world:
+            raise InputError(f"rank {rank} / world {world}")
+        self.rank, self.world = rank, world
+        leaves, self.root_level = plan(spec, world)
+        self.leaf_level = next(lv for lv in leaves if rank in lv.ranks)
+        me = self.leaf_level.ranks.index(rank)
+        self.leader = me == 0
+        self.timeout = spec.timeout
+        port = spec.local_port or spec.port
+        self.leaf = Communicator.from_spec(me, len(self.leaf_level.ranks), aggregator,
+                                           spec.replace(job=self.leaf_level.job, group=self.leaf_level.group,
+                                                        local_port=port), local_ip=local_ip, **kw)
+        self.root = None
+        try:
+            if self.leader:
+                self.root = Communicator.from_spec(self.root_level.ranks.index(rank), len(self.root_level.ranks),
+                                                   aggregator, spec.replace(job=self.root_level.job,
+                                                                            group=self.root_level.group,
+                                                                            local_port=port + 1),
+                                                   local_ip=local_ip, **kw)
+        except BaseException:
+            self.leaf.close()
+            raise
+
+    @property
+    def last(self):
+        from nicoffload.worker.stream import CallStats
+
+        st = CallStats()
+        for c in (self.leaf, self.root):
+            if c is not None:
+                st.add(c.last)
+        return st
+
+    @property
+    def stats(self):
+        from nicoffload.worker.stream import CallStats
+
+        st = CallStats()
+        for c in (self.leaf, self.root):
+            if c is not None:
+                st.add(c.stats)
+        return st
+
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum") -> np.ndarray:
+        if op != "sum":
+            raise InputError("a job of more than 32 ranks sums (op sum) only")
+        x, out = call_arrays(array, out, DTYPES)
+        part = self.leaf.allreduce(x)                              # 1. the group's sum
+        total = self.root.allreduce(part) if self.leader else None  # 2. the leaders' sum of sums
+        bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
+        if self.leader:
+            bits[:] = total.reshape(-1).view(np.int32)
+        else:
+            bits[:] = 0
+        self.leaf.allreduce(bits, out=bits)
+        return out
+
+    def barrier(self) -> None:
+        self.allreduce(np.zeros(1, np.int32))
+
+    def join(self) -> None:
+        self.leaf.join()
+        if self.root is not None:
+            self.root.join()
+
+    def abort(self, error: BaseException) -> None:
+        for c in (self.leaf, self.root):
+            if c is not None:
+                c.abort(error)
+
+    def close(self) -> None:
+        for c in (self.leaf, self.root):
+            if c is not None:
+                c.close()
+
+    def __enter__(self) -> "HierCommunicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""A job sharded over several aggregators (``testbed up --aggregators K``, ``--aggregator
+IP1,IP2,...``): each aggregator sums its shard of every tensor in its own job, and the result is
+the one a single aggregator gives, bit for bit (the shards cut at block boundaries, so every
+block keeps its exponent), in both layouts; an aggregator that goes away is named by the call
+that needed it."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from e2ekit import save
+
+from nicoffload.agg import AggSpec, Aggregator
+from nicoffload.errors import TimeoutError_
+from nicoffload.jobspec import DEFAULT
+from nicoffload.lab import reference
+from nicoffload.lab.jobs import run_job
+from nicoffload.wire import proto
+from nicoffload.worker import ShardedCommunicator
+
+E = proto.DEFAULT_ELEMS
+
+
+def arrays(world: int, seed: int):
+    rng = np.random.default_rng(seed)
+    n = 37 * E + 11
+    f = [(rng.standard_normal(n) * 10.0 ** rng.integers(-4, 5, n)).astype(np.float32) for _ in range(world)]
+    f[0][: 9 * E] = 0  # a run of zero blocks on one rank: uneven contiguous shards
+    i = [rng.integers(-2 ** 31, 2 ** 31 - 1, n, dtype=np.int64).astype(np.int32) for _ in range(world)]
+    return f, i
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_sharded_job_is_the_single_aggregators_bit_for_bit(make_testbed, tmp_path, k):
+    world = 3
+    one = make_testbed(world, suffix="a")
+    many = make_testbed(world, suffix="b", aggregators=k)
+    f, i = arrays(world, k)
+    for data, tag in ((f, "f"), (i, "i")):
+        (tmp_path / tag).mkdir()
+        ins, ref = save(tmp_path / tag, data)
+        run_job(one, ins, ref, "xdp", DEFAULT)
+        want = reference.quantized(data, E)
+        for layout in ("contiguous", "roundrobin"):
+            d = tmp_path / tag / layout
+            d.mkdir()
+            _, outs = save(d, data)
+            res = run_job(many, ins, outs, "xdp", DEFAULT.replace(layout=layout))
+            for r in range(world):
+                got = np.load(outs[r])
+                assert want.check(got).within_bound, (tag, layout, r)
+                assert got.tobytes() == np.load(ref[r]).tobytes(), (tag, layout, r)
+            # every aggregator summed its shard
+            assert res.agg_stats["completed"] > 0 and len(many.aggs) == k
+
+
+def test_an_aggregator_that_goes_away_is_named(make_testbed):
+    world = 2
+    tb = make_testbed(world, aggregators=2)
+    aggs = [Aggregator.load(AggSpec(a.netns, a.iface, world, slots=64, port=tb.port, group=tb.mcast_group,
+                                    worker_ips=[w.ip for w in tb.workers])) for a in tb.aggs]
+    comms = []
+    try:
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs],
+                                                 DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64,
+                                                                 timeout=60), local_ip=w.ip, silence=2.0))
+        x = [np.arange(20 * E, dtype=np.int32) * (r + 1) for r in range(world)]
+        outs, errs = [None] * world, []
+
+        def run(r):
+            try:
+                outs[r] = comms[r].allreduce(x[r])
+            except BaseException as e:
+                errs.append(e)
+
+        for round_ in range(2):
+            ts = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            if round_ == 0:
+                assert not errs and all(np.array_equal(o, x[0] * 3) for o in outs)
+                aggs[1].close()  # the second aggregator goes away between two calls
+        assert len(errs) == world
+        for e in errs:
+            assert isinstance(e, TimeoutError_) and f"aggregator {tb.aggs[1].ip}:{tb.port}" in str(e), e
+            assert tb.aggs[0].ip not in str(e)
+    finally:
+        for c in comms:
+            c.close()
+        for a in aggs:
+            a.close()
