@@ -11,8 +11,7 @@ On every worker host R of N (the master on host 0):
 ``--backend gloo`` trains the same model over gloo, for comparison. The gradients' all-reduce
 (DDP's buckets) goes through the XDP aggregator; the parameters' broadcast at start-up, the
 accuracy's all_reduce and the object collectives below go where the backend sends them (the
-README's table). ``import torch`` registers the backend by itself (torch's plugin entry point);
-``import nicoffload.torch`` does the same where that is switched off.
+README's table). ``import nicoffload.torch`` registers the backend.
 """
 import argparse
 import time
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nicoffload.torch  # noqa: F401  (registers the backend "nicoffload")
 
 
 def data(seed: int, n: int = 8192, d: int = 64, classes: int = 10):

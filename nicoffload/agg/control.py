@@ -103,7 +103,8 @@ class Aggregator(OptimizerControl):
                  attachment: bpf.XdpAttachment | None = None, owner: bool = True):
         self.spec = spec
         self.b = b
-        self.fanout = None  # the tc ingress attachment of ar_fanout (load only)
+        self.fanout = None       # the tc ingress attachment of ar_fanout (load only)
+        self.fanout_prog = None  # its program (the filter holds it too)
         self.maps = AggMaps(b, spec.slots)
         self.table = JobTable.from_dicts(spec.slots, spec.jobs)
         self.prog = prog
@@ -148,8 +149,9 @@ class Aggregator(OptimizerControl):
                            delivery=spec.delivery)
             # unicast delivery's fan-out sits at tc ingress from the start: jobs of either delivery
             # can come and go while the program runs (it passes every other frame untouched)
-            fan = bpf.load_func(b, FANOUT, "SCHED_CLS", SOURCE)
-            agg.fanout = bpf.attach_tc_ingress(fan.fd, spec.iface, spec.netns, FANOUT)
+            # loaded like the XDP program: a verifier that signals interrupt starts over (EAGAIN)
+            agg.fanout_prog = bpf.load_linked(b, FANOUT, prog_type=libbpf.BPF_PROG_TYPE_SCHED_CLS, source_name=SOURCE)
+            agg.fanout = bpf.attach_tc_ingress(agg.fanout_prog.fd, spec.iface, spec.netns, FANOUT)
             agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
             libbpf.pin(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
@@ -355,6 +357,9 @@ class Aggregator(OptimizerControl):
         self._closed = True
         if self._owner:
             unload(self.spec.netns, self.spec.iface, missing_ok=True)
+        if self.fanout_prog is not None:
+            self.fanout_prog.close()
+            self.fanout_prog = None
         loadstate.release(self.prog, self.b)
         self.prog = self.b = None
 

@@ -18,6 +18,7 @@ from typing import Iterator
 from nicoffload.errors import MapError, NotFoundError, PrivilegeError, SetupError
 
 BPF_PROG_TYPE_XDP = 6
+BPF_PROG_TYPE_SCHED_CLS = 3
 BPF_STATS_RUN_TIME = 0
 
 #: XDP verdicts (enum xdp_action)

@@ -699,8 +699,7 @@ def create(opts, backend_options=None) -> ProcessGroupNicoffload:
 
 
 def register() -> None:
-    """Register the backend ``"nicoffload"`` (CPU tensors) with torch.distributed (once; the
-    plugin entry point may have done it when torch was imported)."""
+    """Register the backend ``"nicoffload"`` (CPU tensors) with torch.distributed (once)."""
     if NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])

@@ -146,10 +146,11 @@ def _stopped(pid: int) -> bool:
     return True
 
 
-def holds_program(pid: int) -> bool:
-    """Process ``pid`` holds a loaded BPF program (its verification is over)."""
+def holds_program(pid: int, programs: int = 2) -> bool:
+    """Process ``pid`` holds ``programs`` loaded BPF programs, so their verification is over. An
+    aggregator load has two: ar_aggregate (XDP), then ar_fanout (tc, for unicast delivery)."""
     try:
-        return any(os.readlink(f) == "anon_inode:bpf-prog" for f in Path(f"/proc/{pid}/fd").iterdir())
+        return sum(os.readlink(f) == "anon_inode:bpf-prog" for f in Path(f"/proc/{pid}/fd").iterdir()) >= programs
     except OSError:
         return False
 

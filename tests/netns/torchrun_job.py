@@ -1,5 +1,5 @@
 """A training script's collectives under torchrun, with the backend "nicoffload" as the default
-group (``dist.init_process_group("nicoffload")`` and nothing else), checked on every rank
+group (``import nicoffload.torch`` and ``dist.init_process_group("nicoffload")``), checked on every rank
 against what each rank can compute itself (every rank's inputs come from seeded generators).
 Writes ``OUT/rank{R}.json``: one entry per check (name, ok, detail) and timings.
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import nicoffload.torch  # noqa: F401  (registers the backend)
 from nicoffload.lab.reference import host_sum, quantized
 
 CHECKS: list[dict] = []
