@@ -17,7 +17,7 @@ LAYER = {
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
     "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker",
-    "service": "service", "torch": "torch", "ddp": "torch"
+    "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli",
 }
