@@ -25,6 +25,8 @@ MODES = ("aggregator", "ring")
 DELIVERIES = ("multicast", "unicast")
 #: how a job spread over several aggregators splits a tensor (nicoffload.worker.shards)
 LAYOUTS = ("contiguous", "roundrobin")
+#: bits per lane of the fixed point floats are summed in (nicoffload.wire.quant)
+LANES = (32, 16)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class JobSpec:
     mode: str = "aggregator"       # aggregator (star through an aggregator) or ring (the ring offload)
     delivery: str = "multicast"    # how the aggregator's results reach the ranks: multicast or unicast
     layout: str = "contiguous"     # with several aggregators: contiguous shards, or blocks round robin
+    lanes: int = 32                # bits per fixed-point lane of float sums: 32, or 16 (half the bytes)
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -72,6 +75,10 @@ class JobSpec:
             raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.delivery not in DELIVERIES:
             raise InputError(f"--delivery must be one of {', '.join(DELIVERIES)}, not {self.delivery!r}")
+        if self.lanes not in LANES:
+            raise InputError(f"--lanes must be 16 or 32, not {self.lanes!r}")
+        if self.lanes == 16 and self.mode == "ring":
+            raise InputError("--lanes 16 is for the aggregator mode: the ring sums in 32-bit lanes")
         if self.layout not in LAYOUTS:
             raise InputError(f"--shard-layout must be one of {', '.join(LAYOUTS)}, not {self.layout!r}")
         return self
@@ -107,6 +114,8 @@ class JobSpec:
                                    "multicast)"),
         "layout": ("--shard-layout", "with several aggregators (--aggregator IP1,IP2,...): contiguous (shard k is "
                                      "the k-th slice of a tensor) or roundrobin (block b goes to aggregator b mod K)"),
+        "lanes": ("--lanes", "bits per fixed-point lane of float sums: 32, or 16 (half the bytes on the wire, the "
+                             "precision of bfloat16/float16 training; error bound in docs/protocol.md §9)"),
     }
 
     @classmethod
@@ -132,6 +141,9 @@ class JobSpec:
                 continue
             if f.name == "layout":
                 parser.add_argument(opt, dest="spec_layout", choices=LAYOUTS, default=value, help=text + shown)
+                continue
+            if f.name == "lanes":
+                parser.add_argument(opt, dest="spec_lanes", type=int, choices=LANES, default=value, help=text + shown)
                 continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]

@@ -127,6 +127,8 @@ def malformed_cases(
     add("bad_op", "op 255", bytes(hdr(op=0xFF) / payload))
     add("bad_len", f"count {elems + 1} > elems {elems}", bytes(hdr(count=elems + 1) / payload))
     add("bad_len", "count 0xffff", bytes(hdr(count=0xFFFF) / payload))
+    add("bad_len", f"SUM16 count {2 * elems + 1} > 2 * elems", bytes(hdr(count=2 * elems + 1, op=proto.OP_SUM16) / payload))
+    add("bad_len", "SUM16 count 0", bytes(hdr(count=0, op=proto.OP_SUM16) / payload))
     add("bad_len", "count 0 without the PULL flag", bytes(hdr(count=0) / payload))
     add("bad_len", "a PULL with count 1", bytes(hdr(count=1, flags=proto.FLAG_PULL) / payload))
     add("bad_len", f"count {elems} without payload", bytes(hdr(count=elems)))

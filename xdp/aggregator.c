@@ -114,7 +114,7 @@ static __always_inline void acc_read(u64 *acc, u64 *p)
 /* acc op= p; with `out` the result is also written into the packet (the completing record). */
 static __always_inline void acc_combine(u8 op, u64 *acc, u64 *p, int out)
 {
-    if (op == AR_OP_SUM64 || op == AR_OP_SGD) {
+    if (op == AR_OP_SUM64 || op == AR_OP_SGD || op == AR_OP_SUM16) {
         if (out) {
 #pragma unroll
             for (int k = 0; k < AR_WORDS; k++) {
@@ -470,7 +470,7 @@ static __always_inline u32 check_record(struct frame *f, struct ar_job *job, str
         return AR_STAT_BAD_OP;
     if (h->op == AR_OP_SGD && mask != job->worker_mask)
         return AR_STAT_BAD_MASK;
-    if (cnt == 0 || cnt > AR_ELEMS)
+    if (cnt == 0 || cnt > (h->op == AR_OP_SUM16 ? 2 * AR_ELEMS : AR_ELEMS))
         return AR_STAT_BAD_LEN;
     return 0;
 }

@@ -82,7 +82,10 @@
 /* SUM64 of pre-averaged gradients, then the job's optimizer on the round's block: */
 /* the RESULT carries the updated parameters (int32 lanes, value = lane * 2^exp) */
 #define AR_OP_SGD 4
-#define AR_OP__COUNT 5
+/* 64-bit words of four offset-binary 16-bit lanes, added as SUM64 (the sender guarantees that no */
+/* lane carries); a record carries up to 2 * AR_ELEMS elements */
+#define AR_OP_SUM16 5
+#define AR_OP__COUNT 6
 
 /* optimizers a job can be registered with (nicoffload/optim.py has the arithmetic) */
 #define AR_OPT_NONE 0

@@ -82,6 +82,9 @@ def register(sub) -> None:
                    help="aggregator hosts: the xdp, userspace and xdpuni jobs are sharded over them (default 1)")
     p.add_argument("--agg-rate", default=None, metavar="RATE",
                    help="each aggregator's link on shaped testbeds (default: N x --rate)")
+    p.add_argument("--lanes", type=int, choices=[16, 32], default=32,
+                   help="bits per fixed-point lane of xdp, userspace, xdpuni and xdptorch (16: half the bytes; "
+                        "the system xdp16 is xdp with 16)")
     p.add_argument("--shard-layout", choices=["contiguous", "roundrobin"], default="contiguous",
                    help="how a sharded job splits a tensor over the aggregators")
     p.add_argument("--compute", action="store_true",
@@ -184,7 +187,7 @@ def _dtype(t: str) -> str:
 
 def _bench(args) -> int:
     from nicoffload.ebpf import loader as bpf
-    from nicoffload.lab.bench import report, sweep
+    from nicoffload.lab.bench import drive, report, sweep
 
     if args.soak is not None:
         return _soak(args)
@@ -205,12 +208,16 @@ def _bench(args) -> int:
     delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
                  compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
-                 agg_rate=args.agg_rate, spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout))
+                 agg_rate=args.agg_rate, spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes))
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)
     rows, pngs = sweep.run(cfg, argv=sys.argv)
     print(report.table(rows))
+    ratios = drive.ratio_lines(rows)
+    if ratios:
+        print("\npaired ratios, baseline/nicoffload (rep by rep in one run: median [quartiles]):")
+        print("\n".join(ratios))
     print(report.summary(rows, cfg.out, pngs))
     errors = [r for r in rows if r["status"] == "error"]
     if errors:

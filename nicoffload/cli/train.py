@@ -23,7 +23,8 @@ def register(sub) -> None:
                  "sudo nicoffload train-demo --workers 4 --steps 100 --out results/",
                  "sudo nicoffload train-demo --aggregator userspace --json",
                  "sudo nicoffload train-demo --backend --workers 4        # init_process_group('nicoffload')",
-                 "sudo nicoffload train-demo --backend --fsdp")
+                 "sudo nicoffload train-demo --backend --fsdp",
+                 "sudo nicoffload train-demo --lanes 16   # 16-bit lanes against gloo with DDP's bf16_compress_hook")
     p.add_argument("--workers", type=int, default=2, help="ranks (one per testbed worker host)")
     p.add_argument("--steps", type=int, default=50, help="training steps of each run")
     p.add_argument("--aggregator", choices=["xdp", "userspace"], default="xdp",
@@ -41,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--data", choices=["auto", "synthetic", "digits"], default="auto",
                    help="auto: scikit-learn's digits if sklearn is importable, else seeded synthetic data")
     p.add_argument("--seed", type=int, default=0)
-    JobSpec.add_arguments(p, only=("timeout", "elems"), timeout=TRAIN_TIMEOUT)
+    JobSpec.add_arguments(p, only=("timeout", "elems", "lanes"), timeout=TRAIN_TIMEOUT)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_train_demo)
 
@@ -61,6 +62,8 @@ def _train_demo(args) -> int:
         raise InputError("--fsdp goes with --backend (the DDP hook serves DDP only)")
     if args.backend and args.offload:
         raise InputError("--backend and --offload are two different runs: choose one")
+    if args.spec_lanes == 16 and (args.offload or args.fsdp):
+        raise InputError("--lanes 16 compares gradient all-reduces under DDP: not with --offload or --fsdp")
     spec = JobSpec.from_args(args)
     data = resolve_data(args.data)
     bpf.require_root("nicoffload train-demo (it builds a namespace testbed and loads XDP)")

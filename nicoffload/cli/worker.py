@@ -73,7 +73,7 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="drop probability on every link")
     p.add_argument("--dup", type=float, default=0.0, help="duplication probability on every link")
     p.add_argument("--seed", type=int, default=1)
-    JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery", "layout"), delivery=None)
+    JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery", "layout", "lanes"), delivery=None)
     p.add_argument("--no-multicast", action="store_true",
                    help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
                         "--delivery says otherwise")
@@ -92,7 +92,7 @@ def _register_demo(sub) -> None:
     p.add_argument("--sparsity", type=float, default=0.5, help="fraction of 1 KiB blocks that are zero")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    JobSpec.add_arguments(p, only=("mode", "delivery", "layout"), delivery=None)
+    JobSpec.add_arguments(p, only=("mode", "delivery", "layout", "lanes"), delivery=None)
     p.add_argument("--no-multicast", action="store_true",
                    help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
                         "--delivery says otherwise")
@@ -163,7 +163,8 @@ def _demo(args) -> int:
                   file=sys.stderr, flush=True)
 
     summary = demo(args.workers, parse_size(args.size), args.sparsity, args.reps, args.seed, progress=say, mode=mode,
-                   delivery=spec.delivery, multicast=not args.no_multicast, aggregators=args.aggregators)
+                   delivery=spec.delivery, multicast=not args.no_multicast, aggregators=args.aggregators,
+                   lanes=spec.lanes)
     print(json.dumps(summary) if args.json else describe_demo(summary, args.reps))
     return 0 if demo_ok(summary) else 1
 

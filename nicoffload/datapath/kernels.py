@@ -6,8 +6,8 @@ wire or into the caller's output: no temporaries, no gathers, no Python per bloc
     block_meta      per block: exponent of the largest magnitude (float) and whether it is
                     non-zero; NaN/Inf found on the way
     encode_*        records (header + payload) of this rank's rounds into the send buffer:
-                    float -> offset-binary fixed point (op SUM64), int32 copied (op SUM), or
-                    metadata words (ops MAX / OR)
+                    float -> offset-binary fixed point in 32-bit lanes (op SUM64) or 16-bit
+                    lanes (op SUM16), int32 copied (op SUM), or metadata words (ops MAX / OR)
 
 Receiving and decoding are in nicoffload.datapath.pump.
 
@@ -28,6 +28,7 @@ O_TYPE, O_FLAGS, O_SET, O_RANK = _O["type"], _O["flags"], _O["set"], _O["rank"]
 O_JOB, O_EPOCH, O_SLOT, O_ROUND = _O["job"], _O["epoch"], _O["slot"], _O["round"]
 O_MASK, O_ACK, O_COUNT, O_EXP = _O["mask"], _O["ack"], _O["count"], _O["exp"]
 O_OP, O_DETAIL = _O["op"], _O["detail"]
+OP_SUM16 = proto.OP_SUM16
 HDR = proto.HDR_LEN
 T_RESULT, T_STATUS, T_ACK = proto.TYPE_RESULT, proto.TYPE_STATUS, proto.TYPE_ACK
 RANK_AGG = proto.RANK_AGG
@@ -146,6 +147,17 @@ def block_nonzero_i32(x, elems, out):
 # --- encoding --------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
+def pow2_split(s):
+    """2^s as two float64 factors whose successive products with a float64 are exact except for
+    the final rounding: 2^s and 1 where 2^s is a normal float64, else two halves (a block of
+    float64 subnormals has s near 1100, whose 2^s alone would be inf)."""
+    if -1000 < s < 1000:
+        return math.ldexp(1.0, s), 1.0
+    h = s // 2
+    return math.ldexp(1.0, h), math.ldexp(1.0, s - h)
+
+
+@njit(cache=True, inline="always")
 def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
     """Header of round ``r`` (unwrapped round number of the epoch: slot r mod S, set (r div S)
     mod 2, wire round r mod 2^32) from the 40-byte template (magic, version, type, flags, rank,
@@ -189,10 +201,42 @@ def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, sh
             for k in range(cnt):
                 o[k] = np.int32(np.rint(np.float32(xs[k]) * f)) + b32
         else:
-            d = math.ldexp(1.0, s)
+            d1, d2 = pow2_split(s)
             for k in range(cnt):
-                o[k] = np.int32(np.rint(np.float64(xs[k]) * d)) + b32
+                o[k] = np.int32(np.rint(np.float64(xs[k]) * d1 * d2)) + b32
         for k in range(cnt, elems):
+            o[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def encode_half(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first):
+    """As encode_float with 16-bit lanes (op SUM16): 2 * ``elems`` elements per record, each
+    rint(x * 2^shift) + bias as an unsigned 16-bit lane (with |q| <= bias and 2 * bias * ranks
+    <= 2^15 no lane ever carries into the next in the aggregator's 64-bit adds)."""
+    n = x.size
+    h = buf.view(np.int16)
+    per = 2 * elems
+    b32 = np.int32(bias)
+    for j in range(mine.size):
+        i = mine[j]
+        b = blocks[i]
+        off = (first + j) * rec
+        lo = b * per
+        cnt = min(per, n - lo)
+        s = shifts[i]
+        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, OP_SUM16)
+        p = off // 2 + HDR // 2
+        o = h[p:p + per]
+        xs = x[lo:lo + cnt]
+        if single and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
+            f = np.float32(math.ldexp(1.0, s))
+            for k in range(cnt):
+                o[k] = np.int16(np.int32(np.rint(np.float32(xs[k]) * f)) + b32)
+        else:
+            d1, d2 = pow2_split(s)
+            for k in range(cnt):
+                o[k] = np.int16(np.int32(np.rint(np.float64(xs[k]) * d1 * d2)) + b32)
+        for k in range(cnt, per):
             o[k] = 0
 
 
@@ -246,6 +290,7 @@ def warm_up(elems: int) -> None:
         (block_meta_f32 if x.dtype == np.float32 else block_meta_f64)(x, elems, exps)
         encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0,
                      proto.OP_SUM64)
+        encode_half(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0)
     block_nonzero_i32(np.zeros(2, np.int32), elems, np.zeros(1, np.uint8))
     for w in (np.zeros(2, np.int32), np.zeros(2, np.int64)):
         zero_blocks(w, np.zeros(1, np.bool_), elems)

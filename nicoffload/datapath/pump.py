@@ -43,6 +43,7 @@ from nicoffload.datapath.kernels import (
     T_STATUS,
     _be16,
     _be32,
+    pow2_split,
 )
 from nicoffload.wire import proto
 
@@ -64,6 +65,8 @@ KIND_FLOAT32 = 1  # offset-binary fixed point -> float32
 KIND_FLOAT64 = 2  # offset-binary fixed point -> float64
 KIND_PARAMS32 = 3  # an optimizer's parameters: int32 lane * 2^exp of the record -> float32
 KIND_PARAMS64 = 4  # ... -> float64
+KIND_HALF32 = 5  # 16-bit offset-binary lanes (op SUM16, 2 * elems per record) -> float32
+KIND_HALF64 = 6  # ... -> float64
 
 # decode_results return codes (besides the count of new results)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
@@ -89,10 +92,10 @@ def unfix(lanes, cnt, nb32, s, kind, out_f32, out_f64, lo):
         for k in range(cnt):
             d32[k] = np.float32(np.float64(np.int32(lanes[k] - nb32)) * d)
     else:
-        d = math.ldexp(1.0, -s)
+        d1, d2 = pow2_split(-s)  # float64 subnormal sums: 2^-s alone would underflow to 0
         d64 = out_f64[lo:lo + cnt]
         for k in range(cnt):
-            d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d
+            d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d1 * d2
 
 
 @njit(cache=True, boundscheck=False)
@@ -114,6 +117,9 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
     new = 0
     event = 0
     wi = buf.view(np.int32)
+    wh = buf.view(np.uint16)
+    half = kind == KIND_HALF32 or kind == KIND_HALF64
+    per = 2 * elems if half else elems  # elements per block (and per record)
     for m in range(nmsg):
         seg = segs[m]
         ln = lens[m]
@@ -165,12 +171,22 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
             if _be32(buf, o + O_SLOT) != r % nslots or buf[o + O_SET] != (r // nslots) & 1:
                 continue
             cnt = _be16(buf, o + O_COUNT)
-            if cnt > elems:
+            if cnt > per:
                 continue
-            lo = blocks[i] * elems
+            lo = blocks[i] * per
             p = (o + HDR) // 4
             lanes = wi[p:p + cnt]  # slices, not computed indices: LLVM vectorises these loops
-            if kind == KIND_INT32:
+            if half:
+                mask = _be32(buf, o + O_MASK)
+                c = 0
+                while mask:
+                    mask &= mask - 1
+                    c += 1
+                # the 16-bit lanes' sum is at most 2^15: lane - contributors * bias is exact in int32
+                h = (o + HDR) // 2
+                unfix(wh[h:h + cnt], cnt, np.int32(np.int64(c) * bias), shifts[i],
+                      KIND_FLOAT32 if kind == KIND_HALF32 else KIND_FLOAT64, out_f32, out_f64, lo)
+            elif kind == KIND_INT32:
                 dst = out_i[lo:lo + cnt]
                 for k in range(cnt):
                     dst[k] = lanes[k]
@@ -323,7 +339,7 @@ def warm_up(elems: int) -> None:
     lens = np.zeros(1, np.uint32)
     segs = np.zeros(1, np.int64)
     stash, stash_round = np.zeros(rec, np.uint8), np.full(1, -1, np.int64)
-    for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64, KIND_PARAMS32, KIND_PARAMS64):
+    for kind in (KIND_INT32, KIND_FLOAT32, KIND_FLOAT64, KIND_PARAMS32, KIND_PARAMS64, KIND_HALF32, KIND_HALF64):
         args = (rec, elems, 0, 0, 0, 0, 1, 1, one, shifts, 1, kind, np.zeros(1, np.int32), np.zeros(1, np.float32),
                 np.zeros(1, np.float64), np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64))
         gate = np.zeros(3, np.int64)

@@ -31,10 +31,12 @@ class AggregatorProcess:
     """The aggregator of one job on testbed ``tb``: ``xdp`` (loaded and attached here, in
     ``mode``) or ``userspace`` (``nicoffload aggregator-userspace`` on the aggregator host)."""
 
-    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", host=None):
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", host=None,
+                 placed: bool = False):
         self.tb, self.kind = tb, kind
         self.host = host or tb.agg  # the aggregator host (a testbed may have several: tb.aggs)
-        self.spec = on_testbed(tb, spec)
+        # placed: the spec already names its port and group on this testbed (jobs side by side)
+        self.spec = spec if placed else on_testbed(tb, spec)
         self.agg = None
         self.launch: Launch | None = None
         self.mode: str | None = None
@@ -156,11 +158,11 @@ class AggregatorSet:
     """The aggregators of one job on every aggregator host of the testbed (one, or K for a job
     sharded over K aggregators): the same job on each, started together, closed together."""
 
-    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto"):
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", placed: bool = False):
         self.procs: list[AggregatorProcess] = []
         try:
             for h in tb.aggs:
-                self.procs.append(AggregatorProcess(tb, kind, spec, mode, host=h))
+                self.procs.append(AggregatorProcess(tb, kind, spec, mode, host=h, placed=placed))
         except BaseException:
             self.close()
             raise

@@ -51,6 +51,7 @@ def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: Jo
     out = results[0].reshape(arrays[0].shape).astype(arrays[0].dtype)
     return out, {"workers": n, "elements": int(out.size), "dtype": str(out.dtype), "seconds": res.seconds,
                  "aggregator": aggregator, "mode": spec.mode, "delivery": spec.delivery, "multicast": multicast,
+                 "lanes": spec.lanes,
                  "aggregators": aggregators,
                  "packets_sent": res.totals("packets_sent"),
                  "retransmissions": res.totals("retransmissions")}
@@ -76,7 +77,7 @@ def describe_allreduce(report: dict) -> str:
 # --- demo -------------------------------------------------------------------------------------
 def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: int = 0,
          progress: Callable[[str], None] | None = None, mode: str = "aggregator", delivery: str = "multicast",
-         multicast: bool = True, aggregators: int = 1) -> dict:
+         multicast: bool = True, aggregators: int = 1, lanes: int = 32) -> dict:
     """Float32 gradients of ``nbytes`` per worker (``sparsity``: fraction of zero blocks)
     through the XDP and the user-space aggregator (``mode`` ring: the ring offload and the
     user-space UDP ring); per system its times, goodput, error and whether the error is within
@@ -86,7 +87,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
         raise InputError("--sparsity is a fraction in [0, 1]")
     n = nbytes // 4
     grads = make_gradients(workers, n, sparsity, seed)
-    want = reference.quantized(grads, DEFAULT.elems)
+    want = reference.quantized(grads, DEFAULT.elems, lanes)
     rows = []
     with testbed(workers, multicast=multicast, aggregators=aggregators) as tb, tempdir() as d:
         ins = _save(Path(d), grads, "g")
@@ -94,7 +95,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
             outs = [Path(d) / f"{kind}{r}.npy" if r == 0 else None for r in range(workers)]
             if progress:
                 progress(kind)
-            res = _run(tb, ins, outs, kind, DEFAULT.replace(mode=mode, delivery=delivery), reps=reps,
+            res = _run(tb, ins, outs, kind, DEFAULT.replace(mode=mode, delivery=delivery, lanes=lanes), reps=reps,
                        timeout=DEMO_TIMEOUT)
             check = want.check(np.load(outs[0]))
             rows.append({
@@ -106,7 +107,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
                 "blocks_skipped": res.ranks[0]["stats"].get("blocks_skipped", 0),
             })
     return {"workers": workers, "bytes": n * 4, "sparsity": sparsity, "mode": mode, "delivery": delivery,
-            "multicast": multicast, "aggregators": aggregators, "runs": rows}
+            "multicast": multicast, "aggregators": aggregators, "lanes": lanes, "runs": rows}
 
 
 def demo_ok(summary: dict) -> bool:

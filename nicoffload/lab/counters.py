@@ -21,10 +21,11 @@ def cpu_ticks() -> tuple[int, int]:
     return busy, busy + idle + iowait
 
 
-def iface_bytes(ifname: str) -> tuple[int, int] | None:
-    """(rx_bytes, tx_bytes) of an interface of this process's network namespace."""
+def iface_bytes(ifname: str, pid: int | None = None) -> tuple[int, int] | None:
+    """(rx_bytes, tx_bytes) of an interface of this process's network namespace (``pid``: of
+    that process's)."""
     try:
-        with open("/proc/self/net/dev") as f:
+        with open(f"/proc/{pid or 'self'}/net/dev") as f:
             for line in f:
                 name, _, rest = line.partition(":")
                 if name.strip() == ifname:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.wire import proto
 
 from ..errors import InputError
 from ..jobspec import DEFAULT

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nicoffload.wire.quant import block_exponents, error_bound
+from nicoffload.wire.quant import block_elems, block_exponents, error_bound
 
 from ..jobspec import DEFAULT
 
@@ -80,9 +80,12 @@ def _integer(arrays) -> Expected | None:
     return None
 
 
-def quantization_bound(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> np.ndarray:
-    """Per element, nicoffload's bound on |sum_hat - sum| before the final cast."""
+def quantization_bound(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems, lanes: int = 32) -> np.ndarray:
+    """Per element, nicoffload's bound on |sum_hat - sum| before the final cast (``lanes``: 32 or
+    16 bits per fixed-point lane; 16-bit blocks hold 2 * elems elements)."""
     xs = _flat(arrays)
+    lanes = lanes if lanes in (16, 32) else 32
+    elems = block_elems(elems, lanes)
     n = xs[0].size
     nb = -(-n // elems)
     exps = None
@@ -91,17 +94,18 @@ def quantization_bound(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems)
         pad[:n] = x
         e = block_exponents(pad.reshape(nb, elems))
         exps = e if exps is None else np.maximum(exps, e)
-    return np.repeat(error_bound(exps, len(xs)), elems)[:n]
+    return np.repeat(error_bound(exps, len(xs), lanes), elems)[:n]
 
 
-def quantized(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expected:
-    """What nicoffload must return for these inputs (records of ``elems`` elements)."""
+def quantized(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems, lanes: int = 32) -> Expected:
+    """What nicoffload must return for these inputs (records of ``elems`` 32-bit words, floats in
+    ``lanes``-bit fixed point)."""
     exp = _integer(arrays)
     if exp is not None:
         return exp
     exact = exact_sum(arrays)
     dtype = np.asarray(arrays[0]).dtype
-    return Expected(exact, quantization_bound(arrays, elems) + _half_ulp(exact, dtype))
+    return Expected(exact, quantization_bound(arrays, elems, lanes) + _half_ulp(exact, dtype))
 
 
 def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
@@ -120,9 +124,35 @@ def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
     return Expected(exact, len(xs) * u * abs_sum + _half_ulp(exact, xs[0].dtype))
 
 
-def expected(arrays: Sequence[np.ndarray], quantizes: bool, elems: int = DEFAULT.elems) -> Expected:
+#: unit roundoff of the half types a host may sum in (torch's bfloat16 and float16)
+HALF_UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+#: half the spacing of their subnormals: the absolute error of a rounding near zero
+HALF_TINY = {"bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
+
+
+def half_sum(arrays: Sequence[np.ndarray], half: str) -> Expected:
+    """What a host returns that casts every input to ``half`` (bfloat16 or float16), sums in that
+    type and casts the sum back (DDP's bf16/fp16 compress hooks over gloo): within (N + 2) u
+    sum_i |x_i| (each input's cast, N - 1 additions, the result's cast), u the type's unit
+    roundoff, plus (2N + 1) times half the type's subnormal spacing (roundings near zero are
+    absolute: N casts, N - 1 additions, one cast back... counted generously) and half an ulp of
+    the inputs' dtype."""
+    xs = _flat(arrays)
+    exact = np.zeros(xs[0].size, dtype=np.float64)
+    abs_sum = np.zeros(xs[0].size, dtype=np.float64)
+    for x in xs:
+        x64 = np.asarray(x, dtype=np.float64)
+        exact += x64
+        abs_sum += np.abs(x64)
+    n = len(xs)
+    return Expected(exact, (n + 2) * HALF_UNIT[half] * abs_sum + (2 * n + 1) * HALF_TINY[half] +
+                    _half_ulp(exact, xs[0].dtype))
+
+
+def expected(arrays: Sequence[np.ndarray], quantizes: bool, elems: int = DEFAULT.elems,
+             lanes: int = 32) -> Expected:
     """:func:`quantized` for a system that sums through nicoffload's fixed point, else :func:`host_sum`."""
-    return quantized(arrays, elems) if quantizes else host_sum(arrays)
+    return quantized(arrays, elems, lanes) if quantizes else host_sum(arrays)
 
 
 def two_level(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expected:

@@ -101,6 +101,8 @@ class RingCommunicator(RingPasses, RingDiagnosis):
     @classmethod
     def from_spec(cls, rank: int, world: int, peers: list[str], spec, **kw) -> "RingCommunicator":
         """A rank of the job ``spec`` describes (its job id, port, record size and timeout)."""
+        if spec.lanes != 32:
+            raise InputError("the ring sums in 32-bit lanes only: --lanes 16 is for the aggregator mode")
         return cls(rank, world, list(peers), job=spec.job, port=spec.port, elems=spec.elems, timeout=spec.timeout,
                    **kw)
 

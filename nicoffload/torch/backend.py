@@ -4,7 +4,8 @@ whose every other collective goes through an internal gloo group built on the sa
 
 Which call takes which path (the README's table says the same):
 
-    offload   all_reduce SUM/AVG of float32, float64, int32 (bfloat16/float16 through float32);
+    offload   all_reduce SUM/AVG of float32, float64, int32, bfloat16/float16 (through float32; in
+              16-bit lanes unless NICOFFLOAD_LANES says otherwise);
               all_reduce MAX/MIN of int32, float32, bfloat16, float16 (exact: the aggregator's
               MAX op on order-preserving keys; aggregator mode); reduce_scatter (tensor and list
               forms, coalesced too) SUM/AVG of the same dtypes (the sum of the whole input, this
@@ -423,8 +424,18 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             return op
         return None
 
-    def _reduce_tensor(self, t: torch.Tensor, how: str, avg: bool) -> None:
-        """All-reduce ``t`` in place through the offload (any shape, any strides)."""
+    def _lanes(self, dtype: torch.dtype) -> dict:
+        """The lanes argument of a sum of ``dtype`` (NICOFFLOAD_LANES): 16-bit lanes for the half
+        types unless told otherwise (none in ring mode: the ring sums in 32-bit lanes)."""
+        if self.config.mode != "aggregator" or not dtype.is_floating_point:
+            return {}
+        if self.config.lanes == "auto":
+            return {"lanes": 16} if dtype in (torch.bfloat16, torch.float16) else {}
+        return {"lanes": int(self.config.lanes)}
+
+    def _reduce_tensor(self, t: torch.Tensor, how: str, avg: bool, dtype: torch.dtype | None = None) -> None:
+        """All-reduce ``t`` in place through the offload (any shape, any strides); ``dtype``: the
+        caller's tensor's, when ``t`` is a float32 copy of it (its lanes)."""
         if t.device.type != "cpu":
             raise NicoffloadError(f"the nicoffload backend takes CPU tensors, not {t.device}")
         if t.numel() == 0:
@@ -433,7 +444,9 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         work = t.detach() if direct else t.detach().to(torch.float32 if t.dtype not in _NATIVE else t.dtype,
                                                         memory_format=torch.contiguous_format).contiguous()
         a = work.numpy().reshape(-1)  # 0-d tensors too (numpy makes them 1-d anyway)
-        self._offload(lambda: self.comm.allreduce(a, out=a) if how == "sum" else self.comm.allreduce(a, out=a, op=how))
+        kw = self._lanes(dtype or t.dtype)
+        self._offload(lambda: self.comm.allreduce(a, out=a, **kw) if how == "sum" else
+                      self.comm.allreduce(a, out=a, op=how))
         if avg:
             if work.is_floating_point():
                 work.div_(self._size)
@@ -477,7 +490,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
     # --- reduce-scatter: the sum of the whole input, this rank's chunk kept ----------------------
     def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, how: str, avg: bool) -> None:
         buf = flat.detach().to(torch.float32 if flat.dtype not in _NATIVE else flat.dtype).contiguous().clone()
-        self._reduce_tensor(buf, how, avg)
+        self._reduce_tensor(buf, how, avg, flat.dtype)
         n = output.numel()
         output.copy_(buf.reshape(-1)[self._rank * n:(self._rank + 1) * n].view_as(output))
 

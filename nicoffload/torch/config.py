@@ -12,7 +12,10 @@
     NICOFFLOAD_LIVENESS=SECONDS           a rank whose heartbeat stopped this long is gone: the others
                                           fail naming it (default 10)
     NICOFFLOAD_LEASE=SECONDS              the job's lease at the service (default: the service's)
-    NICOFFLOAD_LANES=16|32                reserved for 16-bit lanes; 32 today
+    NICOFFLOAD_LANES=auto|16|32           bits per fixed-point lane of float sums (aggregator mode):
+                                          auto (the default) sums bfloat16/float16 tensors in 16-bit
+                                          lanes and float32/float64 in 32-bit ones; 16 or 32: every
+                                          float tensor
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from urllib.parse import urlsplit
 from nicoffload.errors import InputError, SetupError
 
 MODES = ("aggregator", "ring")
+LANES = ("auto", "16", "32")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class BackendConfig:
     timeout: float | None = None
     liveness: float = 10.0
     lease_s: float | None = None
+    lanes: str = "auto"
 
     @classmethod
     def from_env(cls, env=None) -> "BackendConfig":
@@ -42,6 +47,11 @@ class BackendConfig:
         mode = env.get("NICOFFLOAD_MODE", "aggregator").strip() or "aggregator"
         if mode not in MODES:
             raise InputError(f"NICOFFLOAD_MODE must be aggregator or ring, not {mode!r}")
+        lanes = env.get("NICOFFLOAD_LANES", "auto").strip() or "auto"
+        if lanes not in LANES:
+            raise InputError(f"NICOFFLOAD_LANES must be auto, 16 or 32, not {lanes!r}")
+        if lanes == "16" and mode == "ring":
+            raise InputError("NICOFFLOAD_LANES=16 is for the aggregator mode: the ring sums in 32-bit lanes")
         service = env.get("NICOFFLOAD_SERVICE") or None
         if mode == "aggregator" and not service:
             raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
@@ -50,7 +60,7 @@ class BackendConfig:
                    local_ip=env.get("NICOFFLOAD_LOCAL_IP") or None,
                    timeout=_seconds(env, "NICOFFLOAD_TIMEOUT"),
                    liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
-                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True))
+                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes)
 
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""

@@ -17,7 +17,8 @@ instead of the process group's all-reduce.
 
 What the hook does, per bucket: divide the flat bucket by the world size (as DDP's default does:
 its reducer and ``allreduce_hook`` both pre-divide), sum it over the ranks through the
-Communicator (float32 through int32 fixed point; error bound in :mod:`nicoffload.wire.quant`), and
+Communicator (float32 through fixed point in 32-bit lanes, or 16-bit ones with ``lanes=16``;
+error bounds in :mod:`nicoffload.wire.quant`), and
 complete the returned future with the averaged bucket. DDP launches buckets in index order on
 every rank, so every rank calls ``allreduce`` with the same sizes in the same order, which the
 Communicator's protocol needs.
@@ -87,14 +88,22 @@ class NicoffloadHookState:
     before an all-reduce fails naming the missing ranks). ``mode="ring"`` sums around the ring of
     ``peers`` (every rank's address, by rank) instead: the ring offload in every worker's XDP
     (:class:`~nicoffload.ring.RingCommunicator`; ``offload=False``: the user-space UDP ring).
-    ``communicator`` may be given instead (already built; the state then owns it and closes it)."""
+    ``communicator`` may be given instead (already built; the state then owns it and closes it).
+    ``lanes``: bits per fixed-point lane of the sums, 16 (half the bytes on the wire: the
+    counterpart of DDP's ``bf16_compress_hook``) or 32; None (the default): 16 for bfloat16 and
+    float16 buckets, 32 for float32 ones."""
 
     def __init__(self, aggregator: str | None = None, *, mode: str = "aggregator", peers=None,
                  group: str = DEFAULT.group,
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  slots: int = DEFAULT.slots, elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout,
                  rank: int | None = None, world: int | None = None, overlap: bool = True,
-                 communicator: Communicator | None = None, **communicator_kwargs: Any):
+                 communicator: Communicator | None = None, lanes: int | None = None, **communicator_kwargs: Any):
+        if lanes not in (None, 16, 32):
+            raise NicoffloadError(f"lanes must be 16 or 32 (None: 16 for bfloat16/float16 buckets), not {lanes!r}")
+        if lanes == 16 and mode == "ring":
+            raise NicoffloadError("lanes=16 is for the aggregator mode: the ring sums in 32-bit lanes")
+        self.lanes, self._ring = lanes, mode == "ring"
         if communicator is None:
             if mode == "ring" and not peers:
                 raise NicoffloadError("NicoffloadHookState(mode='ring') needs every rank's address (peers)")
@@ -141,8 +150,10 @@ class NicoffloadHookState:
                 self.stats.input_absmax = max(self.stats.input_absmax, float(work.abs().max()))
             work.div_(self.world)                  # DDP's default averaging: pre-divide
             arr = work.numpy()
+            lanes = self.lanes or (16 if buf.dtype in (torch.bfloat16, torch.float16) else None)
+            kw = {} if self._ring or lanes is None else {"lanes": lanes}
             t0 = time.perf_counter()
-            self.comm.allreduce(arr, out=arr)      # in place: the input is copied before out is written
+            self.comm.allreduce(arr, out=arr, **kw)  # in place: the input is copied before out is written
             st = self.stats
             st.seconds += time.perf_counter() - t0
             st.calls += 1

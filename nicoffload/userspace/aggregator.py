@@ -334,7 +334,7 @@ class UserspaceAggregator(EpochState):
             return "bad_op"
         if op == proto.OP_SGD and mask != self._mask_all:
             return "bad_mask"
-        if not 1 <= cnt <= self.elems:
+        if not 1 <= cnt <= (2 * self.elems if op == proto.OP_SUM16 else self.elems):
             return "bad_len"
         return None
 
@@ -342,7 +342,7 @@ class UserspaceAggregator(EpochState):
     def _combine(op: int, acc: np.ndarray, p: np.ndarray) -> None:
         if op == proto.OP_SUM:
             acc += p  # int32 wraps modulo 2^32, like the XDP program
-        elif op == proto.OP_SUM64 or op == proto.OP_SGD:
+        elif op == proto.OP_SUM64 or op == proto.OP_SGD or op == proto.OP_SUM16:
             w = acc.view("<u8")
             w += p.view("<u8")
         elif op == proto.OP_MAX:

@@ -150,8 +150,10 @@ def encode_blocks(
     if missing:  # a field added to the C header must be added here too
         raise AssertionError(f"encode_blocks does not know header fields {missing}")
     cols = {n: _column(n, values[n], k, dt.fields[n][0]) for n in FIELD_NAMES}
-    if cols["count"].size and int(cols["count"].max()) > elems:
-        raise InputError(f"count {int(cols['count'].max())} exceeds elems per datagram {elems}")
+    # a record holds elems int32 words: elems elements, or 2 * elems in 16-bit lanes (op SUM16)
+    limit = np.where(cols["op"] == proto.OP_SUM16, 2 * elems, elems)
+    if cols["count"].size and (cols["count"] > limit).any():
+        raise InputError(f"count {int(cols['count'].max())} exceeds the elements per datagram ({elems} words)")
 
     nbytes = k * dt.itemsize
     # fill the caller's (or a new) buffer in place: rec.tobytes() would copy record by record

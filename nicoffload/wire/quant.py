@@ -8,6 +8,9 @@ inputs. Error bound of the sum, per element of block b (before the final cast to
     |sum_hat - sum| <= N * 2^-(s_b+1) = N * 2^(E_b + L - 31)
 i.e. at most N * 2^(L-30) relative to the block's largest input magnitude; the cast back to
 float32 adds at most half an ulp of the result.
+
+16-bit lanes (op SUM16, ``lanes=16``) are the same scheme with 14 in place of 30: blocks of
+2 * elems elements, |q| <= 2^(14-L), sums at most 2^15, error at most N * 2^(E_b + L - 15).
 """
 from __future__ import annotations
 
@@ -23,6 +26,27 @@ ZERO_EXP = np.iinfo(np.int32).min
 
 def headroom_bits(world: int) -> int:
     return max(0, math.ceil(math.log2(world))) if world > 1 else 0
+
+
+#: lane widths of the fixed point: 32 (op SUM64, two lanes per 64-bit word) or 16 (op SUM16, four)
+LANES = (32, 16)
+
+
+def top_bits(lanes: int = 32) -> int:
+    """log2 of the largest sum of N quantized values: 30 for 32-bit lanes, 14 for 16-bit ones."""
+    if lanes not in LANES:
+        raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
+    return lanes - 2
+
+
+def bias(world: int, lanes: int = 32) -> int:
+    """The offset of the offset-binary lanes: 2^(top - L)."""
+    return 1 << (top_bits(lanes) - headroom_bits(world))
+
+
+def block_elems(elems: int, lanes: int = 32) -> int:
+    """Elements per block (and record) of ``elems`` 32-bit words: twice as many in 16-bit lanes."""
+    return elems * 32 // lanes
 
 
 def check_finite(x: np.ndarray, what: str = "input") -> None:
@@ -42,9 +66,10 @@ def block_exponents(blocks: np.ndarray) -> np.ndarray:
     return e
 
 
-def shifts_for(exps: np.ndarray, world: int) -> np.ndarray:
-    """s_b = 30 - L - E_b (active blocks only: exps must not be ZERO_EXP)."""
-    return (30 - headroom_bits(world) - exps.astype(np.int64)).astype(np.int64)
+def shifts_for(exps: np.ndarray, world: int, lanes: int = 32) -> np.ndarray:
+    """s_b = 30 - L - E_b (14 - L - E_b for 16-bit lanes; active blocks only: exps must not be
+    ZERO_EXP)."""
+    return (top_bits(lanes) - headroom_bits(world) - exps.astype(np.int64)).astype(np.int64)
 
 
 def _f32_ok(shifts: np.ndarray) -> np.ndarray:
@@ -88,7 +113,7 @@ def dequantize(sums: np.ndarray, shifts: np.ndarray, dtype) -> np.ndarray:
     return np.ldexp(sums.astype(np.float64), (-shifts)[:, None].astype(np.int32)).astype(dtype)
 
 
-def error_bound(exps: np.ndarray, world: int) -> np.ndarray:
+def error_bound(exps: np.ndarray, world: int, lanes: int = 32) -> np.ndarray:
     """Per-block bound on |sum_hat - sum| before the final cast (see module docstring)."""
     e = np.where(exps == ZERO_EXP, -1100, exps).astype(np.float64)
-    return world * np.ldexp(1.0, (e + headroom_bits(world) - 31).astype(np.int32))
+    return world * np.ldexp(1.0, (e + headroom_bits(world) - top_bits(lanes) - 1).astype(np.int32))

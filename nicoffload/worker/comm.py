@@ -64,6 +64,7 @@ class Communicator:
     local_port: int | None = DEFAULT.local_port  # bound and sent from (None: port); results return to it
     silence: float | None = None   # seconds without any answer from the aggregator that mean it is gone
     delivery: str = DEFAULT.delivery  # multicast: results come to ``group``; unicast: to this rank's address
+    lanes: int = DEFAULT.lanes     # bits per fixed-point lane of float sums (16: half the bytes); ints: 32
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -73,7 +74,7 @@ class Communicator:
         """A rank of the job ``spec`` describes."""
         return cls(rank, world, aggregator, group=spec.group, local_ip=local_ip, job=spec.job, port=spec.port,
                    slots=spec.slots, window=spec.window, elems=spec.elems, timeout=spec.timeout,
-                   sparse=spec.sparse, local_port=spec.local_port, delivery=spec.delivery, **kw)
+                   sparse=spec.sparse, local_port=spec.local_port, delivery=spec.delivery, lanes=spec.lanes, **kw)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -82,6 +83,8 @@ class Communicator:
             raise InputError(f"elems must be even, 2..{(SLOT_BYTES - proto.HDR_LEN) // 4}, not {self.elems}")
         if self.slots < 1:
             raise InputError(f"slots must be positive, not {self.slots}")
+        if self.lanes not in quant.LANES:
+            raise InputError(f"lanes must be 16 or 32, not {self.lanes!r}")
         self.window = self.slots if self.window is None else max(1, min(self.window, self.slots))
         self._all = (1 << self.world) - 1
         self._buf = Buffers()
@@ -117,14 +120,21 @@ class Communicator:
         return self._s.join()
 
     # --- public -----------------------------------------------------------------------------
-    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum") -> np.ndarray:
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
-        float32/float64: through int32 fixed point (error bound in nicoffload.wire.quant).
+        float32/float64: through fixed point in 32-bit lanes, or 16-bit ones (``lanes=16``, or the
+        communicator's ``lanes``: half the bytes on the wire, the precision of half-precision
+        training; error bounds in nicoffload.wire.quant). Every rank must pass the same ``lanes``.
         ``op="max"`` / ``"min"``: the elementwise maximum / minimum of int32 or float32 arrays,
         exact (the aggregator's MAX op on order-preserving int32 keys)."""
+        if lanes is not None and lanes not in quant.LANES:
+            raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         if op != "sum":
             return self._extreme(array, out, op)
         x, out = call_arrays(array, out)
+        if lanes == 16 and x.dtype.kind != "f":
+            raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
         t0 = time.perf_counter()
         st = self.last = self._s.last = CallStats()
         sys0, foreign0 = self._s.syscalls, self._s.foreign
@@ -132,13 +142,15 @@ class Communicator:
         if n == 0:
             return out
         flat, res = x.reshape(-1), out.reshape(-1)
-        E, W = self.elems, self.world
-        nb = -(-n // E)
+        W = self.world
         is_float = x.dtype.kind == "f"
+        half = is_float and (lanes or self.lanes) == 16
+        E = quant.block_elems(self.elems, 16 if half else 32)  # elements per block and record
+        nb = -(-n // E)
 
         # 1. local metadata
         if is_float:
-            exps = self._block_exps(flat, nb)
+            exps = block_exponents(flat, E, self._buf.get("exps", nb, np.int32), self.rank)
             nonzero = exps != quant.ZERO_EXP
         elif self.sparse:
             nz8 = self._buf.get("nz8", nb, np.uint8)
@@ -180,8 +192,15 @@ class Communicator:
             base = self._s.reserve(K)
             send = self._buf.get("send", len(mine) * self._rec, np.uint8)
             tmpl = self._s.template(proto.TYPE_CONTRIB)
-            if is_float:
-                shifts = (30 - quant.headroom_bits(W) - gexp[blocks]).astype(np.int32)
+            if half:
+                shifts = quant.shifts_for(gexp[blocks], W, 16).astype(np.int32)
+                single = x.dtype == np.float32
+
+                def encode(j0: int, j1: int) -> None:
+                    kernels.encode_half(send, self._rec, self.elems, tmpl, flat, mine[j0:j1], base, self.slots,
+                                        blocks, masks, shifts, self._s.bias16, single, j0)
+            elif is_float:
+                shifts = quant.shifts_for(gexp[blocks], W, 32).astype(np.int32)
                 single = x.dtype == np.float32
 
                 def encode(j0: int, j1: int) -> None:
@@ -193,7 +212,8 @@ class Communicator:
                 def encode(j0: int, j1: int) -> None:
                     kernels.encode_int(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
                                        masks, proto.OP_SUM, j0)
-            self._s.run(base, K, blocks, masks, mine, shifts, send, KIND[x.dtype], res, encode)
+            kind = (pump.KIND_HALF32 if x.dtype == np.float32 else pump.KIND_HALF64) if half else KIND[x.dtype]
+            self._s.run(base, K, blocks, masks, mine, shifts, send, kind, res, encode)
             st.results = K
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0

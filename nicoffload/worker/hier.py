@@ -117,12 +117,13 @@ class HierCommunicator:
                 st.add(c.stats)
         return st
 
-    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum") -> np.ndarray:
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
         if op != "sum":
             raise InputError("a job of more than 32 ranks sums (op sum) only")
         x, out = call_arrays(array, out, DTYPES)
-        part = self.leaf.allreduce(x)                              # 1. the group's sum
-        total = self.root.allreduce(part) if self.leader else None  # 2. the leaders' sum of sums
+        part = self.leaf.allreduce(x, lanes=lanes)                              # 1. the group's sum
+        total = self.root.allreduce(part, lanes=lanes) if self.leader else None  # 2. the leaders' sum of sums
         bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
         if self.leader:
             bits[:] = total.reshape(-1).view(np.int32)

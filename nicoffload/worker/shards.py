@@ -25,6 +25,7 @@ import numpy as np
 from nicoffload.datapath.tensors import DTYPES, call_arrays
 from nicoffload.errors import InputError
 from nicoffload.jobspec import JobSpec
+from nicoffload.wire import quant
 from nicoffload.worker.comm import Communicator
 
 LAYOUTS = ("contiguous", "roundrobin")
@@ -92,18 +93,22 @@ class ShardedCommunicator:
     def join(self) -> None:
         self._each(lambda c: c.join())
 
-    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum") -> np.ndarray:
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
         dtypes = DTYPES if op == "sum" else (np.dtype(np.int32), np.dtype(np.float32))
         x, out = call_arrays(array, out, dtypes)
-        n, E, K = x.size, self.elems, len(self.comms)
+        n, K = x.size, len(self.comms)
         if n == 0:
             return out
+        # a shard is whole blocks: 2 * elems elements of floats in 16-bit lanes
+        half = op == "sum" and x.dtype.kind == "f" and (lanes or self.comms[0].lanes) == 16
+        E = quant.block_elems(self.elems, 16 if half else 32)
         flat, res = x.reshape(-1), out.reshape(-1)
         nb = -(-n // E)
         if self.layout == "contiguous" or K == 1:
             cuts = [min(n, (k * nb // K) * E) for k in range(K + 1)]
-            self._each(lambda c, k: c.allreduce(flat[cuts[k]:cuts[k + 1]], out=res[cuts[k]:cuts[k + 1]], op=op)
-                       if cuts[k + 1] > cuts[k] else None)
+            self._each(lambda c, k: c.allreduce(flat[cuts[k]:cuts[k + 1]], out=res[cuts[k]:cuts[k + 1]], op=op,
+                                                lanes=lanes) if cuts[k + 1] > cuts[k] else None)
             return out
         # round robin: shard k is blocks k, k + K, ... gathered into a buffer of its own
         pad = nb * E
@@ -118,7 +123,7 @@ class ShardedCommunicator:
 
         def one(c, k):
             if ins[k].size:
-                dst[k::K] = c.allreduce(ins[k], op=op).reshape(-1, E)
+                dst[k::K] = c.allreduce(ins[k], op=op, lanes=lanes).reshape(-1, E)
 
         self._each(one)
         res[:] = dst.reshape(-1)[:n]

@@ -97,7 +97,8 @@ class RoundStream:
         self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
         self._all = (1 << world) - 1
-        self._bias = 1 << (30 - quant.headroom_bits(world))
+        self._bias = quant.bias(world, 32)
+        self._bias16 = quant.bias(world, 16)  # 16-bit lanes (op SUM16)
         self._buf = buffers
         self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
         self._acked = 0        # the last head this rank reported (unwrapped)
@@ -159,8 +160,13 @@ class RoundStream:
 
     @property
     def bias(self) -> int:
-        """The offset of the offset-binary fixed point of this job's world size."""
+        """The offset of the offset-binary fixed point of this job's world size (32-bit lanes)."""
         return self._bias
+
+    @property
+    def bias16(self) -> int:
+        """... and of 16-bit lanes."""
+        return self._bias16
 
     def template(self, type_: int, flags: int = 0) -> np.ndarray:
         return self._records.template(type_, flags, self._epoch)
@@ -279,8 +285,9 @@ class RoundStream:
         rx_args = t.recv_args()
         stash = (self._stash, self._stash_round)
         gate = self._gate
+        bias = self._bias16 if kind in (pump.KIND_HALF32, pump.KIND_HALF64) else self._bias
         ndone = pump.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
-                                     shifts, self._bias, kind, out_i, out_f32, out_f64, done, status, newly,
+                                     shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly,
                                      self._stash_lens, self._stash_segs, gate)
 
         head = pump.advance(done, 0, K)  # lowest round without a result (the stash may have some)
@@ -315,7 +322,7 @@ class RoundStream:
                 hi = lim
             foreign0 = self._t.foreign
             n, new, event = pump.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
-                                              blocks, shifts, self._bias, kind, out_i, out_f32, out_f64, done,
+                                              blocks, shifts, bias, kind, out_i, out_f32, out_f64, done,
                                               status, newly, *stash, gate)
             now = time.monotonic()
             if n > self._t.foreign - foreign0:

@@ -274,6 +274,38 @@ def test_ops(make_agg, joined, op):
     assert np.array_equal(res, ref(np.stack(arrays)))
 
 
+def test_sum16_adds_four_lanes_per_word_and_carries_twice_the_count(make_agg, joined):
+    """SUM16 adds the payload's 64-bit words (four 16-bit lanes each, which the sender keeps
+    carry-free) and accepts a count up to 2 * elems (a record holds twice the elements); a round
+    never mixes 16-bit and 32-bit contributions."""
+    E = 16
+    agg = make_agg(workers=3, slots=8, elems=E)
+    ep = joined(agg, 3)
+    rng = np.random.default_rng(16)
+    lanes = [rng.integers(0, 2 ** 14, 2 * E, dtype=np.int64).astype(np.uint16) for _ in range(3)]
+    rec = lambda r, b, **kw: gen.record(rank=r, round=b, slots=8, epoch=ep, mask=0b111, elems=E,  # noqa: E731
+                                        payload=lanes[r].view(np.int32), op=proto.OP_SUM16, **kw)
+    assert agg.run(gen.batch([rec(0, 0, count=2 * E)], 0)).verdict == XDP_DROP
+    assert agg.run(gen.batch([rec(1, 0, count=2 * E)], 1)).verdict == XDP_DROP
+    out = agg.run(gen.batch([rec(2, 0, count=2 * E)], 2))
+    assert out.verdict == XDP_TX
+    res = hdr_of(out.data)
+    assert res["count"] == 2 * E and res["op"] == proto.OP_SUM16
+    got = np.frombuffer(out.data[proto.L2L4_LEN + proto.HDR_LEN:], "<u2")
+    assert np.array_equal(got, np.sum(lanes, axis=0, dtype=np.int64).astype(np.uint16))
+    # a 32-bit contribution to a 16-bit round is a mismatch; SUM64 takes no more than elems
+    agg.run(gen.batch([rec(0, 1, count=2 * E)], 0))
+
+    def as_sum64(count):
+        r = bytearray(rec(1, 1, count=count))
+        r[proto.FIELD_OFFSETS["op"]] = proto.OP_SUM64
+        return bytes(r)
+
+    assert agg.run(gen.batch([as_sum64(2 * E)], 1)).verdict == XDP_DROP and agg.stats()["bad_len"] == 1
+    assert agg.run(gen.batch([as_sum64(E + 1)], 1)).verdict == XDP_DROP and agg.stats()["bad_len"] == 2
+    assert agg.run(gen.batch([as_sum64(E)], 1)).verdict == XDP_DROP and agg.stats()["mismatch"] == 1
+
+
 def test_a_contribution_that_disagrees_with_its_round_is_rejected(make_agg, joined):
     agg = make_agg(workers=2)
     ep = joined(agg, 2)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nicoffload.lab import reference
-from nicoffload.lab.bench import plan, report, systems
+from nicoffload.lab.bench import drive, plan, report, systems
 
 REPO = Path(__file__).resolve().parents[2]
 PNGS = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
@@ -64,20 +64,34 @@ def test_quick_bench_writes_sane_results_and_plots(tmp_path):
         assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] < 10, r
         assert r["goodput_bps"] == pytest.approx(8 * M / r["median_s"])
         assert r["cpu_s"] is not None and r["cpu_s"] >= 0
-        assert r["within_bound"] is True and r["max_abs_err"] < 1e-3
+        half = r["system"] in ("xdp16", "gloobf16", "gloofp16")  # two bytes per element on the wire
+        assert r["within_bound"] is True and r["max_abs_err"] < (2e-2 if half else 1e-3)
         # the data really crossed worker 0's link (no shared-memory shortcut)
         share = (1 - r["sparsity"]) * M if r["system"] in plan.STAR_SYSTEMS else 2 * (N - 1) / N * M
-        assert r["w0_tx_bytes"] >= 0.8 * share, r
-        if r["system"] in ("xdp", "xdpring", "xdpuni"):
+        assert r["w0_tx_bytes"] >= 0.8 * share / (2 if half else 1), r
+        if r["system"] in ("xdp", "xdpring", "xdpuni", "xdp16"):
             assert r["bpf_ns"] > 0 and r["bpf_cnt"] > 0
         else:
             assert r["bpf_ns"] is None
         if r["rate"] == "unshaped":
             assert r["bound_s"] is None and r["bound_fraction"] is None
         else:
-            ba, br = plan.bounds(M, N, 200_000_000)
+            ba, br = plan.bounds(M // 2 if half else M, N, 200_000_000)
             assert (r["bound_agg_s"], r["bound_ring_s"]) == (pytest.approx(ba), pytest.approx(br))
             assert r["bound_fraction"] == pytest.approx(r["bound_s"] / r["median_s"])
+    # the systems that shared the testbed ran interleaved: every ok row of theirs has paired ratios
+    # against the others of its point, rep for rep
+    together = {s for g in drive.groups(cfg, 2) if len(g) > 1 for s in g}
+    for r in rows:
+        if r["status"] == "ok" and r["system"] in together:
+            others = {o["system"] for o in rows if o["status"] == "ok" and o["system"] in together and
+                      o["system"] != r["system"] and (o["rate"], o["bytes"], o["sparsity"]) ==
+                      (r["rate"], r["bytes"], r["sparsity"])}
+            assert set(r["paired"]) == others, r["system"]
+            for o, p in r["paired"].items():
+                assert p["q1"] <= p["median"] <= p["q3"] and p["pairs"] == min(r["reps"], len(
+                    next(x for x in rows if x["system"] == o and (x["rate"], x["bytes"], x["sparsity"]) ==
+                         (r["rate"], r["bytes"], r["sparsity"]))["times"]))
     # shaping held: the largest quick size cannot beat its bound by much (tbf's bucket is ~4 ms)
     for r in rows:
         if r["status"] == "ok" and r["rate"] == "200mbit" and r["sparsity"] == 0 and r["bytes"] == max(cfg.sizes):

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import nicoffload.torch  # noqa: F401  (registers the backend)
 from nicoffload.lab.reference import host_sum, quantized
+from nicoffload.wire import proto
 
 CHECKS: list[dict] = []
 
@@ -46,8 +47,9 @@ def half_ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 def expect(case: str, world: int, shape, dtype: torch.dtype):
     xs = [inputs(case, r, shape, dtype) for r in range(world)]
-    if dtype in (torch.bfloat16, torch.float16):
-        e = quantized([x.to(torch.float32).numpy() for x in xs])
+    if dtype in (torch.bfloat16, torch.float16):  # 16-bit lanes (NICOFFLOAD_LANES=auto), in aggregator mode
+        ring = os.environ.get("NICOFFLOAD_MODE") == "ring"
+        e = quantized([x.to(torch.float32).numpy() for x in xs], lanes=32 if ring else 16)
         e.bound = e.bound + half_ulp(e.exact, dtype)
         return xs, e
     return xs, quantized([x.numpy() for x in xs])
@@ -64,6 +66,14 @@ def collectives(rank: int, world: int) -> None:
             got = t.to(torch.float64).numpy() if dtype in (torch.bfloat16, torch.float16) else t.numpy()
             c = e.check(got.reshape(-1).astype(np.float64) if dtype in (torch.bfloat16, torch.float16) else got)
             check(case, c.within_bound and t.dtype == dtype and tuple(t.shape) == tuple(shape), c.reason)
+    # the half types took 16-bit lanes: a record per 2 * elems elements (aggregator mode)
+    comm = dist.distributed_c10d._get_default_group().comm
+    if os.environ.get("NICOFFLOAD_MODE") != "ring" and hasattr(comm, "last"):
+        t = inputs("lanes", rank, (4096,), torch.bfloat16)
+        dist.all_reduce(t)
+        check("bf16-in-16-bit-lanes", comm.last.results == 4096 // (2 * proto.DEFAULT_ELEMS), str(comm.last))
+        dist.all_reduce(t.float())
+        check("f32-in-32-bit-lanes", comm.last.results == 4096 // proto.DEFAULT_ELEMS, str(comm.last))
     # AVG, a non-contiguous tensor, async calls in flight together
     xs, e = expect("avg", world, (3000,), torch.float32)
     t = xs[rank].clone()

@@ -162,3 +162,56 @@ def test_a_point_stops_by_its_rules():
     assert not _go_on(p, 3, 0.6)                  # reps done and min_time spent
     assert not _go_on(p, 1, 5.0)                  # a slow point stops after max_point_s with what it has
     assert not _go_on(p, 20, 0.1)                 # max_reps
+
+
+# --- interleaved systems (lab.bench.drive) ----------------------------------------------------
+def test_groups_interleave_what_can_share_a_testbed():
+    from nicoffload.lab.bench import drive
+
+    cfg = BenchConfig(systems=["xdp", "gloo", "xdpring", "xdp16", "xdptorch", "userspace"]).validate()
+    assert drive.groups(cfg, 4) == [["xdp", "userspace", "gloo", "xdp16"], ["xdpring"], ["xdptorch"]]
+    cfg.compute = True
+    assert drive.groups(cfg, 4) == [[s] for s in cfg.systems]
+    cfg.compute = False
+    assert drive.groups(cfg, 40) == [[s] for s in cfg.systems]  # two-level jobs hold the aggregator
+
+
+def test_side_specs_never_collide():
+    from nicoffload.jobspec import DEFAULT
+    from nicoffload.lab.bench import drive
+
+    base = DEFAULT.replace(port=40000, group="239.77.9.1")
+    specs = {s: drive.side_spec(s, base) for s in drive.SIDE}
+    assert specs["xdp"] == base
+    for key in ("job", "group"):
+        assert len({getattr(sp, key) for sp in specs.values()}) == len(specs), key
+    rank_ports = [sp.local_port or sp.port for sp in specs.values()]
+    assert len(set(rank_ports)) == len(rank_ports)
+    # the XDP systems talk to the XDP program's port; the others have servers of their own
+    assert {specs[s].port for s in ("xdp", "xdpuni", "xdp16")} == {40000}
+    assert specs["userspace"].port != 40000 and specs["udpring"].port != 40000
+
+
+def test_schedule_and_order():
+    from nicoffload.lab.bench import drive
+
+    cfg = BenchConfig(reps=3, max_reps=10, min_time=0.5, max_point_s=2.0).validate()
+    assert not drive.schedule_done(cfg, 2, {"a": 9.0}, 1.0, 2)           # fewer than reps
+    assert not drive.schedule_done(cfg, 3, {"a": 9.0, "b": 0.1}, 1.0, 2)  # b below min_time
+    assert drive.schedule_done(cfg, 3, {"a": 0.6, "b": 0.6}, 1.0, 2)
+    assert drive.schedule_done(cfg, 1, {"a": 0.0, "b": 0.0}, 4.1, 2)     # past max_point_s per system
+    assert drive.schedule_done(cfg, 10, {"a": 0.0}, 0.0, 1)              # max_reps
+    assert drive.order(["a", "b", "c"], 0) == ["a", "b", "c"] and drive.order(["a", "b", "c"], 1) == ["c", "b", "a"]
+
+
+def test_paired_ratios_are_rep_by_rep():
+    from nicoffload.lab.bench import drive
+
+    xdp = {"system": "xdp", "status": "ok", "times": [1.0, 2.0, 4.0, 1.0]}
+    gloo = {"system": "gloo", "status": "ok", "times": [1.5, 3.0, 6.0, 1.5, 9.0]}  # one rep more: 4 pairs
+    bad = {"system": "mpi", "status": "error", "times": [1.0]}
+    drive.paired([xdp, gloo, bad])
+    assert gloo["paired"]["xdp"] == {"median": 1.5, "q1": 1.5, "q3": 1.5, "pairs": 4}
+    assert gloo["paired_vs"] == "xdp" and gloo["paired_ratio"] == 1.5
+    assert xdp["paired"]["gloo"]["median"] == pytest.approx(1 / 1.5) and xdp["paired_vs"] == "gloo"
+    assert "paired" not in bad

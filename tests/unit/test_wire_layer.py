@@ -146,7 +146,7 @@ def test_enums_come_from_c():
     assert AR_TYPES == named("AR_TYPE_")
     assert {"CONTRIB", "RESULT", "STATUS", "JOIN", "JOINED", "ACK", "NOP", "RING_REDUCE", "RING_GATHER", "RING_NACK",
             "RING_PING", "RING_PONG"} == set(AR_TYPES.values())
-    assert AR_OPS == named("AR_OP_") and set(AR_OPS.values()) == {"SUM", "SUM64", "MAX", "OR", "SGD"}
+    assert AR_OPS == named("AR_OP_") and set(AR_OPS.values()) == {"SUM", "SUM64", "MAX", "OR", "SGD", "SUM16"}
     assert len(AR_OPS) == c["AR_OP__COUNT"]
     assert AR_DETAILS == {0: "NONE", **named("AR_DETAIL_")}
     flags = named("AR_FLAG_")

@@ -50,11 +50,14 @@ def test_malformed_truncation_at_every_field_boundary():
 
 def _valid_variants(good: bytes, case: dict) -> list[tuple[dict, int]]:
     """Valid records near ``good`` (header, datagram length): the contribution itself, the same
-    with the case's count if that count is valid, a PULL, a JOIN and an ACK with this header."""
+    with the case's count if that count is valid, the same in 16-bit lanes (SUM16), a PULL, a JOIN
+    and an ACK with this header."""
     h = header_of(good)
-    out = [(h, len(good))]
+    out = [(h, len(good)), ({**h, "op": proto.OP_SUM16}, len(good))]
     if 1 <= case["count"] <= E:
         out.append(({**h, "count": case["count"]}, len(good)))
+    if 1 <= case["count"] <= 2 * E:
+        out.append(({**h, "op": proto.OP_SUM16, "count": case["count"]}, len(good)))
     out.append(({**h, "flags": proto.FLAG_PULL, "count": 0}, len(good)))
     out.append(({**h, "type": proto.TYPE_JOIN, "count": 0}, proto.HDR_LEN + proto.JOIN_PAYLOAD))
     out.append(({**h, "type": proto.TYPE_ACK, "count": 0}, proto.HDR_LEN))

@@ -16,13 +16,17 @@ from pathlib import Path
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.inputs import parse_size
-from nicoffload.wire import proto
 
-SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni")
+SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni", "xdp16",
+           "gloobf16", "gloofp16")
 #: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
-AGG_SYSTEMS = ("xdp", "userspace", "xdpuni")
-#: systems whose aggregator is the XDP program (xdpuni: with unicast delivery)
-XDP_AGG_SYSTEMS = ("xdp", "xdpuni")
+AGG_SYSTEMS = ("xdp", "userspace", "xdpuni", "xdp16")
+#: systems whose aggregator is the XDP program (xdpuni: with unicast delivery; xdp16: 16-bit lanes)
+XDP_AGG_SYSTEMS = ("xdp", "xdpuni", "xdp16")
+#: gloo all-reducing half-precision copies of the gradients (DDP's bf16/fp16 compress hooks)
+HALF_GLOO = {"gloobf16": "bfloat16", "gloofp16": "float16"}
+#: systems that move two bytes per element: their bounds are those of half the bytes
+HALF_SYSTEMS = ("xdp16", *HALF_GLOO)
 #: nicoffload's ring mode: the ring offload in XDP and the user-space UDP ring (fixed point; ring bound)
 RING_SYSTEMS = ("xdpring", "udpring")
 #: torch.distributed's all_reduce through the backend "nicoffload" (the XDP aggregator the service runs)
@@ -31,6 +35,18 @@ TORCH_SYSTEMS = ("xdptorch",)
 STAR_SYSTEMS = AGG_SYSTEMS + TORCH_SYSTEMS
 #: systems whose results go through nicoffload's fixed point (checked against its bound)
 QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS + TORCH_SYSTEMS
+
+
+def reference_kind(system: str, spec: JobSpec) -> str:
+    """Which reference a system's result is held to: nicoffload's fixed point in 32-bit lanes
+    (``q32``) or 16-bit ones (``q16``), a host sum in float32 (``host``), or in a half type."""
+    if system in HALF_GLOO:
+        return HALF_GLOO[system]
+    if system == "xdp16" or (system in AGG_SYSTEMS + TORCH_SYSTEMS and spec.lanes == 16):
+        return "q16"
+    return "q32" if system in QUANTIZED else "host"
+
+
 #: the largest size the sparsity and worker axes are measured at
 REFERENCE_MAX = 16 << 20
 #: seconds of reps per point at least when a compute loop runs beside the ranks

@@ -21,7 +21,8 @@ from nicoffload.lab.bench.plan import (
 from nicoffload.lab.inputs import format_size
 
 COLORS = {"xdp": "tab:red", "userspace": "tab:orange", "ring": "tab:blue", "gloo": "tab:green", "mpi": "tab:purple",
-          "xdpring": "tab:brown", "udpring": "tab:pink", "xdptorch": "tab:olive", "xdpuni": "tab:cyan"}
+          "xdpring": "tab:brown", "udpring": "tab:pink", "xdptorch": "tab:olive", "xdpuni": "tab:cyan",
+          "xdp16": "tab:gray", "gloobf16": "lime", "gloofp16": "darkgreen"}
 #: the ring offload's figure: latency gain over the TCP ring against the chunk size M/N
 RING_GAIN = "ring_gain_vs_chunk.png"
 #: gains below this (a system several times slower than the TCP ring) are drawn on it

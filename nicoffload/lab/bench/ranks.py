@@ -9,6 +9,10 @@ most ``max_reps`` and ``max_point_s``). Rank 0 reads /proc/stat (the whole machi
 the aggregator, softirqs), worker 0's interface bytes and the XDP program's bpf stats just
 before the first timed rep and just after the final barrier.
 
+Driven (the plan names a FIFO per rank: the sweep interleaves the systems of a testbed rep by
+rep): the sweep writes a token per rep into every rank's FIFO, each rank runs that rep and says
+so on stdout, and the sweep takes the readings around each rep itself (run_driven_point).
+
 A rank that fails says why on stderr and exits with its error class's code (1 for anything else).
 """
 from __future__ import annotations
@@ -37,6 +41,10 @@ class _Adapter:
 
     def allreduce(self, x: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
+
+    def collect(self, out: np.ndarray) -> None:
+        """After each timed AllReduce, untimed: what a system that reduces into a buffer of its
+        own needs (the result copied into ``out``)."""
 
     def flag(self, v: int) -> int:
         raise NotImplementedError
@@ -119,6 +127,9 @@ class _Gloo(_Adapter):
         import torch.distributed as dist
 
         self.rank, self.torch, self.dist = rank, torch, dist
+        # one thread per rank (ranks share the machine): torch's pool would spin between calls, on
+        # the cores the next system of an interleaved sweep runs on
+        torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=plan["world"],
                                 timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
         self._f = torch.zeros(1, dtype=torch.int32)
@@ -138,6 +149,30 @@ class _Gloo(_Adapter):
         self.dist.destroy_process_group()
 
 
+class _GlooHalf(_Gloo):
+    """gloo all-reducing a half-precision copy of the gradients (bfloat16 or float16), as DDP's
+    compress hooks do; the casts in and out are untimed (prepare, collect)."""
+
+    def __init__(self, plan: dict, rank: int):
+        super().__init__(plan, rank)
+        from nicoffload.lab.bench.plan import HALF_GLOO
+
+        self._dtype = getattr(self.torch, HALF_GLOO[plan["system"]])
+        self._buf = None
+
+    def prepare(self, x, out):
+        t = self.torch.from_numpy(x)
+        if self._buf is None or self._buf.numel() != t.numel():
+            self._buf = self.torch.empty(t.shape, dtype=self._dtype)
+        self._buf.copy_(t)
+
+    def allreduce(self, x, out):
+        self.dist.all_reduce(self._buf)
+
+    def collect(self, out):
+        self.torch.from_numpy(out).copy_(self._buf)
+
+
 class _Torch(_Gloo):
     """torch.distributed with the backend "nicoffload" (the service's job); like gloo's adapter,
     the input is copied into the tensor reduced in place."""
@@ -151,6 +186,7 @@ class _Torch(_Gloo):
         import nicoffload.torch  # noqa: F401  (registers the backend)
 
         self.rank, self.torch, self.dist = rank, torch, dist
+        torch.set_num_threads(1)
         dist.init_process_group("nicoffload", rank=rank, world_size=plan["world"],
                                 timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
         self._f = torch.zeros(1, dtype=torch.int32)
@@ -198,7 +234,8 @@ def _check_local_ip(ip: str, who: str) -> None:
 
 
 ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi,
-            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload}
+            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload,
+            "xdp16": _Nicoffload, "gloobf16": _GlooHalf, "gloofp16": _GlooHalf}
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
 IDLE_S = 1.0
 
@@ -256,6 +293,7 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
         a.flag(1)
         a.prepare(x, out)
         a.allreduce(x, out)
+        a.collect(out)
     c_before = a.counters()
     if loop is not None:
         a.flag(0)
@@ -269,6 +307,7 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
         t0 = time.perf_counter()
         a.allreduce(x, out)
         times.append(time.perf_counter() - t0)
+        a.collect(out)
     rec: dict = {"times": times, "proc_cpu_s": time.process_time() - cpu0, **(window.close() if lead else {})}
     if loop is not None:
         busy = (loop.count() - k0) / (time.monotonic() - t00)
@@ -276,6 +315,50 @@ def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dic
         idle = loop.idle_rate(IDLE_S)
         a.flag(0)
         rec["compute_idle"], rec["compute_busy"] = idle, busy
+    c_after = a.counters()
+    if c_after:
+        rec["counters"] = {k: c_after[k] - c_before.get(k, 0) for k in c_after}
+    return rec
+
+
+# --- driven by the sweep (systems interleaved rep by rep) ------------------------------------
+#: tokens the sweep writes into a rank's FIFO: a warm-up rep, a timed rep, the point is over
+WARM, REP, NEXT = b"w", b"r", b"n"
+
+
+def _token(fd: int) -> bytes:
+    t = os.read(fd, 1)
+    if not t:
+        raise RuntimeError("the bench's driver went away")
+    return t
+
+
+def run_driven_point(a: _Adapter, x: np.ndarray, out: np.ndarray, fd: int, index: int) -> dict:
+    """One point with the sweep deciding every rep (``WARM``/``REP`` tokens from the FIFO ``fd``,
+    ``NEXT`` ends the point): each rep is the one-element AllReduce (a barrier), then the timed
+    AllReduce; after each, a line {"rep": index, "rank", "t"} tells the sweep this rank is done,
+    so that the next system's rep starts on an idle machine. Returns the point's record."""
+    times: list[float] = []
+    cpu = 0.0
+    c_before = a.counters()
+    while True:
+        tok = _token(fd)
+        if tok == NEXT:
+            break
+        if tok not in (WARM, REP):
+            raise RuntimeError(f"unknown token {tok!r} from the bench's driver")
+        c0 = time.process_time()
+        a.flag(1)
+        a.prepare(x, out)
+        t0 = time.perf_counter()
+        a.allreduce(x, out)
+        t = time.perf_counter() - t0
+        a.collect(out)
+        if tok == REP:
+            times.append(t)
+            cpu += time.process_time() - c0
+        a.emit({"rep": index, "rank": a.rank, "t": t, "warm": tok == WARM})
+    rec: dict = {"times": times, "proc_cpu_s": cpu}
     c_after = a.counters()
     if c_after:
         rec["counters"] = {k: c_after[k] - c_before.get(k, 0) for k in c_after}
@@ -297,11 +380,15 @@ def main(argv: list[str] | None = None) -> int:
 
             loop = ComputeLoop()
         a = ADAPTERS[args.system](plan, args.rank)
+        fd = os.open(plan["fifos"][a.rank], os.O_RDWR) if plan.get("fifos") else None  # O_RDWR: never blocks
         a.emit({"ready": True, "rank": a.rank})
         for pt in plan["points"]:
             x = np.load(pt["inputs"][a.rank], allow_pickle=False)
             out = np.empty_like(x)
-            rec = run_point(a, x, out, a.rank == 0, plan, loop)
+            if fd is not None:
+                rec = run_driven_point(a, x, out, fd, pt["index"])
+            else:
+                rec = run_point(a, x, out, a.rank == 0, plan, loop)
             if a.rank == 0 and pt.get("output"):
                 np.save(pt["output"], out)
             a.emit({"point": pt["index"], "rank": a.rank, **rec})

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.lab.bench.plan import STAR_SYSTEMS, SYSTEMS, Point, bounds
+from nicoffload.lab.bench.plan import HALF_SYSTEMS, STAR_SYSTEMS, SYSTEMS, Point, bounds
 from nicoffload.lab.inputs import format_size
 from nicoffload.lab.reference import Check
 
@@ -33,8 +33,9 @@ FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status"
 
 # --- rows -------------------------------------------------------------------------------------
 def row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, **kw) -> dict:
-    """A row with the point's bounds; ``kw`` fills the rest (status, reason, measurements)."""
-    ba, br = bounds(pt.bytes, workers, rbps)
+    """A row with the point's bounds (of the bytes the system moves: half of them for the systems
+    with two bytes per element); ``kw`` fills the rest (status, reason, measurements)."""
+    ba, br = bounds(pt.bytes // 2 if system in HALF_SYSTEMS else pt.bytes, workers, rbps)
     r = {k: None for k in FIELDS}
     r.update(system=system, workers=workers, bytes=pt.bytes, sparsity=pt.sparsity, rate=rate, rate_bps=rbps,
              bound_agg_s=ba, bound_ring_s=br, bound_s=ba if system in STAR_SYSTEMS else br)

@@ -1,10 +1,12 @@
 """``nicoffload bench``: every system over the points of each testbed of the plan.
 
-How one (testbed, system) pair runs: ONE set of rank processes (:mod:`nicoffload.lab.bench.ranks`)
-goes through every point of the testbed in turn, so start-up costs (imports, connection set-up,
-compiling the XDP program) are paid once; their records become rows (:mod:`.report`), each
-checked against :mod:`.reference` once the ranks are gone (so the check never loads the CPU
-windows).
+How the systems of a testbed run: ONE set of rank processes per system
+(:mod:`nicoffload.lab.bench.ranks`) goes through every point of the testbed, so start-up costs
+(imports, connection set-up, compiling the XDP program) are paid once; the systems that can share
+the testbed run side by side, interleaved rep by rep by the sweep (:mod:`.drive`: paired ratios
+from one run), the others alone after them (and all alone with ``--compute``). Their records
+become rows (:mod:`.report`), each checked against :mod:`.reference` once the ranks are gone (so
+the check never loads the CPU windows).
 
 Links: every system runs on the testbed as it is built (GRO enabled on every worker's interface
 for all of them). The testbed keeps its NAPI XDP_PASS program on the aggregator's bridge-side
@@ -26,9 +28,18 @@ import numpy as np
 
 from nicoffload.ebpf import libbpf
 from nicoffload.lab import reference
-from nicoffload.lab.aggregators import AggregatorSet
-from nicoffload.lab.bench import report, systems
-from nicoffload.lab.bench.plan import AGG_SYSTEMS, QUANTIZED, BenchConfig, Point, rate_bps, rate_label, sweep_plan
+from nicoffload.lab.aggregators import AggregatorSet, on_testbed
+from nicoffload.lab.bench import drive, report, systems
+from nicoffload.lab.bench.plan import (
+    AGG_SYSTEMS,
+    XDP_AGG_SYSTEMS,
+    BenchConfig,
+    Point,
+    rate_bps,
+    rate_label,
+    reference_kind,
+    sweep_plan,
+)
 from nicoffload.lab.bench.plot import plot
 from nicoffload.lab.inputs import as_int32, make_gradients
 from nicoffload.lab.jobs import tempdir, testbed
@@ -51,13 +62,18 @@ class Bed:
     rbps: int | None
     prog: report.Progress
     meta: dict                      # this testbed's entry of meta.json
-    expected: dict = field(default_factory=dict)  # (point, quantizes) -> reference.Expected
+    expected: dict = field(default_factory=dict)  # (point, reference kind) -> reference.Expected
 
     def reference(self, pt: Point, system: str) -> reference.Expected:
-        key = (pt.index, system in QUANTIZED)
+        kind = reference_kind(system, self.cfg.spec)
+        key = (pt.index, kind)
         if key not in self.expected:
             xs = [np.load(p, mmap_mode="r") for p in self.inputs[pt.index]]
-            self.expected[key] = reference.expected(xs, key[1], self.cfg.spec.elems)
+            if kind in reference.HALF_UNIT:
+                self.expected[key] = reference.half_sum(xs, kind)
+            else:
+                self.expected[key] = reference.expected(xs, kind != "host", self.cfg.spec.elems,
+                                                        16 if kind == "q16" else 32)
         return self.expected[key]
 
 
@@ -82,11 +98,17 @@ class _Abort(Exception):
     pass
 
 
+class _Failed(Exception):
+    """A system of a driven group failed (a rank ended, or none made progress in time)."""
+
+
 class SystemRun:
     """All points of one system on one testbed: start its aggregator (xdp, userspace) and its
-    ranks, turn their records into rows as they arrive, check the results, stop everything."""
+    ranks, turn their records into rows as they arrive, check the results, stop everything.
+    ``driven``: the sweep hands out every rep (:mod:`.drive`; the XDP systems of the group on
+    the ``shared`` aggregator), else the ranks go through the points by themselves."""
 
-    def __init__(self, bed: Bed, system: str):
+    def __init__(self, bed: Bed, system: str, driven: bool = False, shared: drive.SharedXdp | None = None):
         self.bed, self.system = bed, system
         self.n = len(bed.tb.workers)
         self.outputs = [bed.work / f"{system}-out{pt.index}.npy" for pt in bed.points]
@@ -97,10 +119,14 @@ class SystemRun:
         self.rp: RingPrograms | None = None     # xdpring: the ring programs on every worker
         self.svc: ServiceProcess | None = None  # xdptorch: nicoffload agg serve on the aggregator host
         self.job: Launch | None = None
+        self.driven = driven
+        self.shared = shared if system in XDP_AGG_SYSTEMS else None
+        self.fifos = [bed.work / f"{system}-fifo{r}" for r in range(self.n)] if driven else []
+        self.fds: list[int] = []
 
     def plan(self) -> dict:
         b, cfg = self.bed, self.bed.cfg
-        params = systems.rank_params(b.tb, self.system, cfg)
+        params = systems.rank_params(b.tb, self.system, cfg, side=self.driven)
         if self.svc is not None:
             params.update(service=self.svc.url, token_file=str(self.svc.token_file))
         return {"system": self.system, "world": self.n, "ips": [w.ip for w in b.tb.workers],
@@ -109,15 +135,18 @@ class SystemRun:
                 "max_point_s": cfg.max_point_s, "timeout": cfg.timeout,
                 "prog_id": self.ap.prog_id if self.ap else None, "mode": self._mode(),
                 "prog_ids": self.rp.prog_ids if self.rp else None, "compute": cfg.compute,
+                "fifos": [str(f) for f in self.fifos] or None,
                 "points": [{"index": pt.index, "inputs": [str(p) for p in b.inputs[pt.index]], "output": str(o)}
                            for pt, o in zip(b.points, self.outputs)]}
 
     def start(self) -> None:
         b, cfg = self.bed, self.bed.cfg
-        if self.system in AGG_SYSTEMS:
+        if self.system in AGG_SYSTEMS and self.shared is None:
             try:
-                self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), systems.agg_spec(self.system, cfg),
-                                        mode=cfg.mode)
+                spec = systems.agg_spec(self.system, cfg)
+                if self.driven:
+                    spec = drive.side_spec(self.system, on_testbed(b.tb, spec))
+                self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), spec, mode=cfg.mode, placed=self.driven)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
                 raise _Abort(self.startup_failure)
@@ -130,16 +159,96 @@ class SystemRun:
                 raise _Abort(self.startup_failure)
         if self.system == "xdpring":
             try:
-                self.rp = RingPrograms(b.tb, cfg.spec, mode=cfg.mode, capacity=systems.ring_capacity(cfg))
+                self.rp = RingPrograms(b.tb, cfg.spec.replace(lanes=32), mode=cfg.mode,
+                                       capacity=systems.ring_capacity(cfg))
             except Exception as e:
                 self.startup_failure = f"the ring programs did not load: {e}"
                 raise _Abort(self.startup_failure)
         b.meta["links"][self.system] = link_state(b.tb)
+        for f in self.fifos:
+            f.unlink(missing_ok=True)
+            os.mkfifo(f, 0o600)
         plan = self.plan()
         path = b.work / f"{self.system}-plan.json"
         path.write_text(json.dumps(plan))
         b.prog.note(f"{self.system}: starting {self.n} ranks on {b.rate} x{self.n}")
         self.job = Launch(b.tb, systems.rank_specs(b.tb, self.system, path, plan["params"], b.work, cfg))
+
+    # --- driven: the sweep hands out the reps ------------------------------------------------
+    def _line(self, timeout: float) -> dict:
+        """The next JSON line of any rank; _Failed when a rank ends or none says anything in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                _, line = self.job.next_line(deadline - time.monotonic())
+            except queue.Empty:
+                raise _Failed(f"{self.system} made no progress within {timeout:.0f}s") from None
+            if line is None:
+                time.sleep(0.2)
+                raise _Failed(self._errors() or f"a {self.system} rank exited before finishing")
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+
+    def _limit(self) -> float:
+        cfg = self.bed.cfg
+        return max(120.0, 3 * cfg.max_point_s + 4 * cfg.timeout)
+
+    def wait_ready(self) -> None:
+        ready: set[int] = set()
+        while len(ready) < self.n:
+            d = self._line(self.bed.cfg.start_timeout)
+            if d.get("ready"):
+                ready.add(d["rank"])
+        self.fds = [os.open(f, os.O_RDWR) for f in self.fifos]  # the ranks hold the other ends
+
+    def rep(self, token: bytes) -> float:
+        """One rep of every rank (drive.WARM or drive.REP); the slowest rank's time."""
+        for fd in self.fds:
+            os.write(fd, token)
+        ts: dict[int, float] = {}
+        while len(ts) < self.n:
+            d = self._line(self._limit())
+            if "rep" in d:
+                ts[d["rank"]] = d["t"]
+        return max(ts.values())
+
+    def end_point(self, pt: Point, window: drive.Window) -> None:
+        """The point is over: every rank's record of it, with the sweep's readings, as a row."""
+        for fd in self.fds:
+            os.write(fd, drive.NEXT)
+        recs: list[dict] = []
+        while len(recs) < self.n:
+            d = self._line(self._limit())
+            if "point" in d:
+                recs.append(d)
+        recs.sort(key=lambda d: d["rank"])
+        recs[0].update(window.record())
+        b = self.bed
+        self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs)
+        b.prog.row(r)
+
+    def fail(self, why: str) -> None:
+        self.failure = why
+        if self.job is not None:
+            self.job.stop()
+
+    @property
+    def rank0_pid(self) -> int:
+        return self.job.procs[0].pid
+
+    @property
+    def prog_ids(self) -> list[int]:
+        """The XDP programs whose run time the system's rows count."""
+        if self.shared is not None:
+            return self.shared.prog_ids
+        if self.rp is not None:
+            return list(self.rp.prog_ids)
+        if self.ap is not None and self.ap.prog_id:
+            return [p.prog_id for p in self.ap.procs]
+        return []
 
     def _record(self, d: dict, pending: dict[int, list[dict]]) -> None:
         recs = pending.setdefault(d["point"], [])
@@ -193,11 +302,22 @@ class SystemRun:
         return "; ".join(o.describe() for o in self.job.ended() if not o.ok)
 
     def _mode(self) -> str | None:
+        if self.shared is not None:
+            return self.shared.mode
         return self.ap.mode if self.ap else self.rp.mode if self.rp else None
 
     def stop(self) -> None:
         if self.job is not None:
             self.job.stop()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for f in self.fifos:
+            f.unlink(missing_ok=True)
+        if self.shared is not None:
+            b = self.bed
+            b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(
+                {"workers": self.n, "rate": b.rate, "stats": self.shared.stats(self.system)})
         if self.svc is not None:
             try:
                 self.svc.stop()
@@ -257,6 +377,86 @@ class SystemRun:
         return self.finish(), self.startup_failure
 
 
+def run_group(bed: Bed, names: list[str]) -> list[tuple[list[dict], str | None]]:
+    """The systems ``names`` side by side on ``bed``, interleaved rep by rep (:mod:`.drive`):
+    per system, (rows, start-up failure or None), in the order given."""
+    cfg, tb = bed.cfg, bed.tb
+    shared = None
+    runs: list[SystemRun] = []
+    try:
+        xdps = [s for s in names if s in XDP_AGG_SYSTEMS]
+        shared_fail = None
+        if xdps:
+            specs = {s: drive.side_spec(s, on_testbed(tb, systems.agg_spec(s, cfg))) for s in xdps}
+            try:
+                shared = drive.SharedXdp(tb, specs, cfg.mode)
+            except Exception as e:
+                shared_fail = f"the XDP aggregator did not start: {e}"
+        for s in names:
+            r = SystemRun(bed, s, driven=True, shared=shared)
+            runs.append(r)
+            if s in xdps and shared is None:
+                r.failure = r.startup_failure = shared_fail
+                continue
+            try:
+                r.start()
+            except _Abort as e:
+                r.failure = str(e)
+        for r in runs:
+            if r.failure is None:
+                try:
+                    r.wait_ready()
+                except _Failed as e:
+                    r.startup_failure = str(e)
+                    r.fail(str(e))
+        for pt in bed.points:
+            _driven_point(bed, [r for r in runs if r.failure is None], pt)
+            drive.paired([r.rows[pt.index] for r in runs if pt.index in r.rows])
+    finally:
+        for r in runs:
+            r.stop()
+        if shared is not None:
+            shared.close()
+    return [(r.finish(), r.startup_failure) for r in runs]
+
+
+def _driven_point(bed: Bed, runs: list[SystemRun], pt: Point) -> None:
+    """One point of every system of a group: warm-ups, then rounds of one timed rep each (ABBA),
+    until drive.schedule_done; a system that fails is dropped from the rest."""
+    cfg, iface = bed.cfg, bed.tb.workers[0].iface
+    windows = {r.system: drive.Window() for r in runs}
+    elapsed = {r.system: 0.0 for r in runs}
+
+    def guarded(r: SystemRun, fn) -> None:
+        try:
+            fn()
+        except _Failed as e:
+            r.fail(str(e))
+
+    for r in runs:
+        for _ in range(cfg.warmup):
+            if r.failure is None:
+                guarded(r, lambda: r.rep(drive.WARM))
+    t0, rounds = time.monotonic(), 0
+    while True:
+        live = [r for r in runs if r.failure is None]
+        if not live:
+            return
+        for r in drive.order(live, rounds):
+            def one(r=r):
+                elapsed[r.system] += windows[r.system].around(iface, r.rank0_pid, r.prog_ids,
+                                                              lambda: r.rep(drive.REP))
+            guarded(r, one)
+        rounds += 1
+        live = [r for r in runs if r.failure is None]
+        if drive.schedule_done(cfg, rounds, {r.system: elapsed[r.system] for r in live},
+                               time.monotonic() - t0, len(live)):
+            break
+    for r in runs:
+        if r.failure is None:
+            guarded(r, lambda: r.end_point(pt, windows[r.system]))
+
+
 # --- the sweep ------------------------------------------------------------------------------
 def _meta(cfg: BenchConfig, argv, avail: dict, versions: dict) -> dict:
     return {"command": argv, "config": cfg.to_dict(),
@@ -294,15 +494,22 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
         work = Path(d)
         inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype)
         bed = Bed(tb, cfg, points, inputs, work, label, rbps, prog, tbmeta)
-        for s in cfg.systems:
-            if avail[s]:
-                rows += _skipped(s, n, points, label, rbps, avail[s], prog)
+        for group in drive.groups(cfg, n):
+            for s in group:
+                if avail[s]:
+                    rows += _skipped(s, n, points, label, rbps, avail[s], prog)
+            names = [s for s in group if not avail[s]]
+            if not names:
                 continue
-            got, start_fail = SystemRun(bed, s).run()
-            rows += got
-            if start_fail:
-                avail[s] = f"failed to start on an earlier testbed: {start_fail}"
-                meta["systems"][s]["reason"] = start_fail
+            if cfg.compute:  # the ranks' compute loop needs them to run their points alone
+                results = [SystemRun(bed, s).run() for s in names]
+            else:
+                results = run_group(bed, names)
+            for s, (got, start_fail) in zip(names, results):
+                rows += got
+                if start_fail:
+                    avail[s] = f"failed to start on an earlier testbed: {start_fail}"
+                    meta["systems"][s]["reason"] = start_fail
             report.write(cfg.out, rows, meta)
 
 

@@ -19,6 +19,11 @@ xdpuni     the XDP aggregator with unicast delivery: every result cloned to each
 xdptorch   torch.distributed ``all_reduce`` with the backend "nicoffload": the job granted by
            ``nicoffload agg serve`` on the aggregator host (the XDP aggregator), the tensor
            reduced in place like gloo's (its input copied into it first, as for gloo)
+xdp16      the XDP aggregator with 16-bit lanes (op SUM16: half the bytes of xdp, the
+           precision of half-precision training); the float32 input quantized in the timed call
+gloobf16   gloo all-reducing a bfloat16 copy of the gradients, as DDP's ``bf16_compress_hook``
+           does; the casts to bfloat16 and back are outside the timed call (favouring gloo)
+gloofp16   the same in float16 (``fp16_compress_hook``)
 ========== =====================================================================================
 
 Ranks: one process per worker namespace running :mod:`nicoffload.lab.bench.ranks`; for mpi,
@@ -36,6 +41,7 @@ from pathlib import Path
 from nicoffload.datapath.transport import MAX_GSO_SEGS
 from nicoffload.jobspec import JobSpec
 from nicoffload.lab.aggregators import on_testbed
+from nicoffload.lab.bench.drive import side_spec
 from nicoffload.lab.bench.plan import AGG_SYSTEMS, RING_SYSTEMS, BenchConfig
 from nicoffload.lab.launcher import RankSpec, program
 from nicoffload.lab.rings import capacity_for
@@ -52,8 +58,13 @@ DESCRIPTION = {
     "udpring": "nicoffload user-space UDP ring (the same protocol, every hop in the worker process)",
     "xdptorch": "torch.distributed all_reduce through the nicoffload backend (XDP aggregator via agg serve)",
     "xdpuni": "nicoffload workers + XDP aggregator, unicast delivery (a copy per rank, cloned in tc)",
+    "xdp16": "nicoffload workers + XDP aggregator, 16-bit lanes (op SUM16, half the bytes)",
+    "gloobf16": "torch.distributed all_reduce of bfloat16 tensors, gloo backend (DDP's bf16 compress hook)",
+    "gloofp16": "torch.distributed all_reduce of float16 tensors, gloo backend (DDP's fp16 compress hook)",
 }
-PORT_OFFSET = {"ring": 21, "gloo": 22, "xdptorch": 23}  # above the testbed's nicoffload port
+#: gloo-based systems: torch.distributed over TCP between the workers
+GLOO_SYSTEMS = ("gloo", "gloobf16", "gloofp16")
+PORT_OFFSET = {"ring": 21, "gloo": 22, "xdptorch": 23, "gloobf16": 24, "gloofp16": 25}  # above the nicoffload port
 RANKS = "nicoffload.lab.bench.ranks"
 
 
@@ -91,7 +102,7 @@ def _probe_mpi(mpirun: str) -> tuple[str | None, str]:
 
 def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
     """(reason the system cannot run or None, version/description)."""
-    if system in ("xdp", "xdpring", "xdpuni"):
+    if system in ("xdp", "xdpring", "xdpuni", "xdp16"):
         try:
             from nicoffload.ebpf import loader as bpf
 
@@ -101,7 +112,7 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
         return None, "bcc"
     if system in ("userspace", "ring", "udpring"):
         return None, "nicoffload"
-    if system == "gloo":
+    if system in GLOO_SYSTEMS:
         return _probe_gloo()
     if system == "xdptorch":
         why, version = _probe_gloo()
@@ -114,13 +125,16 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
 
 
 # --- how its ranks start --------------------------------------------------------------------
-def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
-    """What a rank of ``system`` needs beyond the plan: the nicoffload job, or its TCP port."""
+def rank_params(tb, system: str, cfg: BenchConfig, side: bool = False) -> dict:
+    """What a rank of ``system`` needs beyond the plan: the nicoffload job, or its TCP port.
+    ``side``: the system shares the testbed with others (its own job, ports and group:
+    drive.side_spec)."""
+    place = (lambda s: side_spec(system, s)) if side else (lambda s: s)
     if system in AGG_SYSTEMS:
-        spec = on_testbed(tb, agg_spec(system, cfg).replace(timeout=cfg.timeout))
+        spec = place(on_testbed(tb, agg_spec(system, cfg).replace(timeout=cfg.timeout)))
         return {"aggregator": ",".join(a.ip for a in tb.aggs), "spec": spec.to_dict()}
     if system in RING_SYSTEMS:
-        spec = ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout))
+        spec = place(ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout, lanes=32)))  # the ring: 32-bit lanes
         return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",
                 "capacity": ring_capacity(cfg)}
     if system == "xdptorch":
@@ -131,13 +145,17 @@ def rank_params(tb, system: str, cfg: BenchConfig) -> dict:
 
 
 def agg_spec(system: str, cfg: BenchConfig) -> JobSpec:
-    """The job of an aggregator system: xdpuni's results go by unicast."""
-    return cfg.spec.replace(delivery="unicast") if system == "xdpuni" else cfg.spec
+    """The job of an aggregator system: xdpuni's results go by unicast, xdp16 sums in 16-bit lanes."""
+    if system == "xdpuni":
+        return cfg.spec.replace(delivery="unicast")
+    if system == "xdp16":
+        return cfg.spec.replace(lanes=16)
+    return cfg.spec
 
 
 def agg_kind(system: str) -> str:
     """The aggregator of an aggregator system (lab.aggregators.AggregatorProcess's kind)."""
-    return "xdp" if system == "xdpuni" else system
+    return "xdp" if system in ("xdpuni", "xdp16") else system
 
 
 def ring_capacity(cfg: BenchConfig) -> int:
@@ -186,11 +204,11 @@ def rank_specs(tb, system: str, plan_path: Path, params: dict, work: Path, cfg: 
     specs = []
     for w in tb.workers:
         e = dict(env)
-        if system in ("gloo", "xdptorch"):
+        if system in GLOO_SYSTEMS or system == "xdptorch":
             e.update(GLOO_SOCKET_IFNAME=w.iface, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(params["port"]))
         if system == "xdptorch":
             e.update(NICOFFLOAD_SERVICE=params["service"], NICOFFLOAD_TOKEN_FILE=params["token_file"],
-                     NICOFFLOAD_TIMEOUT=str(cfg.timeout))
+                     NICOFFLOAD_TIMEOUT=str(cfg.timeout), NICOFFLOAD_LANES=str(cfg.spec.lanes))
         specs.append(RankSpec(f"rank {w.rank}", w, base + ["--rank", str(w.rank)], e))
     return specs
 
@@ -208,6 +226,8 @@ def packet_shape(system: str, mode: str | None, spec: JobSpec) -> dict:
                 "shape": f"UDP_SEGMENT batches of <= {per} x {rec} B records around the ring, {seen}"}
     if system not in AGG_SYSTEMS and system != "xdptorch":
         return {"mode": "-", "shape": {"ring": "TCP streams", "gloo": "TCP streams (gloo)",
+                                       "gloobf16": "TCP streams (gloo), bfloat16",
+                                       "gloofp16": "TCP streams (gloo), float16",
                                        "mpi": "TCP streams (Open MPI btl tcp)"}.get(system, "-")}
     rec = proto.record_size(spec.elems)
     per = min(MAX_GSO_SEGS, proto.max_records(spec.elems))

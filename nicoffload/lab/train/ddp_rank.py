@@ -39,7 +39,7 @@ FEATURES, CLASSES = 64, 10
 #: seconds without progress before a training all-reduce through nicoffload fails
 TRAIN_TIMEOUT = 5.0
 #: the job fields a rank takes (the nicoffload hook's Communicator)
-HOOK_FIELDS = ("job", "port", "group", "slots", "elems", "timeout")
+HOOK_FIELDS = ("job", "port", "group", "slots", "elems", "timeout", "lanes")
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -221,9 +221,35 @@ def _hook_state(args, model):
 
     spec = JobSpec.from_args(args)
     state = NicoffloadHookState(args.aggregator, group=spec.group, local_ip=args.local_ip, port=spec.port,
-                                job=spec.job, slots=spec.slots, elems=spec.elems, timeout=spec.timeout)
+                                job=spec.job, slots=spec.slots, elems=spec.elems, timeout=spec.timeout,
+                                lanes=spec.lanes)
     model.register_comm_hook(state, nicoffload_hook)
     return state
+
+
+def bf16_gloo_hook(process_group, bucket):
+    """DDP's ``bf16_compress_hook`` (default_hooks; DDP refuses a hook of that name without CUDA and NCCL):
+    the bucket cast to bfloat16 and pre-divided, all-reduced, cast back in place."""
+    import torch
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    buf = bucket.buffer()
+    compressed = buf.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut):
+        buf.copy_(fut.value()[0])
+        return buf
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def _half_gloo(args, model) -> None:
+    """``--lanes 16`` on a gloo DDP run: gradients all-reduced as bfloat16, as DDP's
+    bf16_compress_hook does (what a user compressing gradients over gloo runs: the baseline of
+    16-bit lanes)."""
+    if args.allreduce == "gloo" and args.wrap == "ddp" and args.spec_lanes == 16:
+        model.register_comm_hook(None, bf16_gloo_hook)
 
 
 def _record(report: dict, model, opt, state, loss, seconds: float, hook_seconds: float | None) -> None:
@@ -294,6 +320,8 @@ def train(args, report: dict) -> None:
     backend = "nicoffload" if args.allreduce == "backend" else "gloo"
     if backend == "nicoffload":
         import nicoffload.torch  # noqa: F401  (registers the backend, if torch's plugin hook did not)
+
+        os.environ.setdefault("NICOFFLOAD_LANES", str(args.spec_lanes))
     dist.init_process_group(backend, rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=args.pg_timeout))
     state = opt = shadow = None
@@ -312,6 +340,7 @@ def train(args, report: dict) -> None:
         else:
             model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
             state = _hook_state(args, model)
+            _half_gloo(args, model)
             opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         xtr_t, ytr_t = torch.from_numpy(xtr), torch.from_numpy(ytr)
         report.update(losses=[], step_seconds=[], allreduce_seconds=[], grad_max=[], param_max=[],

@@ -84,14 +84,18 @@ class Run:
     elems: int | None = None        # float32 elements per packet, for nicoffload
     ranks: list[RankOutcome] = field(default_factory=list)
     seconds: float = 0.0
+    lanes: int = 32                 # 16: gloo with DDP's bf16_compress_hook, nicoffload in 16-bit lanes
 
     @property
     def label(self) -> str:
         if self.allreduce == "offload":
             return f"optimizer-in-{self.aggregator}"
+        half = self.lanes == 16
         if self.allreduce == "backend":
-            return "nicoffload-backend"
-        return "gloo" if self.allreduce == "gloo" else f"nicoffload-{self.aggregator}"
+            return "nicoffload-backend" + ("-16bit" if half else "")
+        if self.allreduce == "gloo":
+            return "gloo-bf16" if half else "gloo"
+        return f"nicoffload-{self.aggregator}" + ("-16bit" if half else "")
 
     @property
     def ok(self) -> bool:
@@ -157,7 +161,8 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     nco = allreduce != "gloo"
-    run = Run(allreduce, aggregator if nco else None, spec.elems if nco else None)
+    run = Run(allreduce, aggregator if nco else None, spec.elems if nco else None,
+              lanes=spec.lanes if allreduce != "offload" else 32)
     t0 = time.monotonic()
     limit = t0 + (deadline if deadline is not None else 60.0 + steps * 2.0)
     common = ["--world", str(len(tb.workers)), "--allreduce", allreduce, "--steps", str(steps), "--seed", str(seed),
@@ -249,7 +254,8 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
     runs = []
     for i, (kind, agg) in enumerate(plan):
         if progress:
-            what = {"gloo": f"{wrap.upper()} over gloo, torch.optim.SGD on every rank",
+            half = " (bf16_compress_hook)" if spec.lanes == 16 else ""
+            what = {"gloo": f"{wrap.upper()} over gloo{half}, torch.optim.SGD on every rank",
                     "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator",
                     "backend": f"{wrap.upper()} over the torch.distributed backend 'nicoffload' (the service)"}[kind]
             progress(f"training {len(tb.workers)} ranks x {steps} steps with {what} ...")
