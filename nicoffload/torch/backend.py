@@ -586,9 +586,20 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             except Exception as e:
                 store_down_since = store_down_since or now
                 if now - store_down_since > self.config.liveness:
-                    self._abort(TimeoutError_(f"rank {self._rank}: the rendezvous store is unreachable for "
-                                              f"{now - store_down_since:.0f}s ({str(e).splitlines()[0]}): rank 0's "
-                                              f"host or its torchrun agent is gone"))
+                    # A rank that stopped beating well before the store went away is the cause:
+                    # rank 0 (the store's host) saw it first and exited, taking the store along.
+                    stale = {r: store_down_since - last_change[r] for r in range(self._size)
+                             if r != self._rank and store_down_since - last_change[r] > 2 * every + 0.5}
+                    if stale and not self._closed:
+                        r = max(stale, key=stale.get)
+                        self._abort(TimeoutError_(
+                            f"rank {self._rank}: rank {r} ({self.addresses[r]}) is gone: its heartbeat stopped "
+                            f"{stale[r]:.1f}s before the rendezvous store went away too (rank 0 saw it first)"))
+                    else:
+                        self._abort(TimeoutError_(
+                            f"rank {self._rank}: the rendezvous store is unreachable for "
+                            f"{now - store_down_since:.0f}s ({str(e).splitlines()[0]}): rank 0's "
+                            f"host or its torchrun agent is gone"))
                     return
                 continue
             for r, b in enumerate(beats):

@@ -1,6 +1,6 @@
 """The soak (nicoffload.lab.soak) end to end: 1,000 consecutive AllReduces by three ranks through
-the XDP aggregator with 2% of frames dropped and 2% duplicated both ways on every link, four
-sizes (4 KiB to 4 MiB) and int32, float32 and float64, every result exact or within its bound;
+the XDP aggregator with 2% of frames dropped and 2% duplicated both ways on every link, three
+sizes (4 KiB to 1 MiB) and int32, float32 and float64, every result exact or within its bound;
 and a soak that cannot go on stops naming the call and the ranks instead of hanging."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def assert_left_clean(tb) -> None:
 
 def test_a_thousand_allreduces_under_drop_and_duplication_on_every_link(make_testbed):
     tb = make_testbed(3)
-    cfg = soak.SoakConfig(calls=1000, sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB), dtypes=("int32", "float32", "float64"),
+    cfg = soak.SoakConfig(calls=1000, sizes=(4 * KiB, 64 * KiB, MiB), dtypes=("int32", "float32", "float64"),
                           drop=0.02, dup=0.02, seed=11)
     t0 = time.monotonic()
     s = soak.run(tb, cfg)
@@ -34,7 +34,7 @@ def test_a_thousand_allreduces_under_drop_and_duplication_on_every_link(make_tes
     assert s.count == 1000 and not s.error
     pairs = {(b, d) for b in cfg.sizes for d in cfg.dtypes}
     assert {(r.bytes, r.dtype) for r in s.records} == pairs
-    assert all(row["count"] in (83, 84) for row in soak.time_table(s.records) if row["dtype"] != "all")
+    assert all(row["count"] in (111, 112) for row in soak.time_table(s.records) if row["dtype"] != "all")
     # the injector really dropped and duplicated, both ways on every link (the aggregator's too)
     assert set(s.faults) == {h.name for h in tb.hosts}
     for host, st in s.faults.items():
