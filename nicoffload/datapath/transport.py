@@ -129,6 +129,7 @@ class Transport:
     # --- receive ---------------------------------------------------------------------------
     def _setup_rx(self) -> None:
         self.rx = np.zeros(MAX_MSGS * SLOT_BYTES, dtype=np.uint8)
+        self.rx.fill(0)  # faulted in now, not by the first call's first burst
         self._rx_ctrl = np.zeros(MAX_MSGS * _CMSG_SPACE_INT, dtype=np.uint8)
         self._rx_iov = (_Iovec * MAX_MSGS)()
         self._rx_msgs = (_Mmsghdr * MAX_MSGS)()

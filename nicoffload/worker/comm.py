@@ -190,28 +190,28 @@ class Communicator:
         st.own_blocks = len(mine)
         if K:
             base = self._s.reserve(K)
-            send = self._buf.get("send", len(mine) * self._rec, np.uint8)
+            send = self._s.send_buffer(len(mine))
             tmpl = self._s.template(proto.TYPE_CONTRIB)
             if half:
                 shifts = quant.shifts_for(gexp[blocks], W, 16).astype(np.int32)
                 single = x.dtype == np.float32
 
-                def encode(j0: int, j1: int) -> None:
+                def encode(j0: int, j1: int, at: int) -> None:
                     kernels.encode_half(send, self._rec, self.elems, tmpl, flat, mine[j0:j1], base, self.slots,
-                                        blocks, masks, shifts, self._s.bias16, single, j0)
+                                        blocks, masks, shifts, self._s.bias16, single, at)
             elif is_float:
                 shifts = quant.shifts_for(gexp[blocks], W, 32).astype(np.int32)
                 single = x.dtype == np.float32
 
-                def encode(j0: int, j1: int) -> None:
+                def encode(j0: int, j1: int, at: int) -> None:
                     kernels.encode_float(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
-                                         masks, shifts, self._s.bias, single, j0, proto.OP_SUM64)
+                                         masks, shifts, self._s.bias, single, at, proto.OP_SUM64)
             else:
                 shifts = self._buf.get("noshift", K, np.int32)
 
-                def encode(j0: int, j1: int) -> None:
+                def encode(j0: int, j1: int, at: int) -> None:
                     kernels.encode_int(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
-                                       masks, proto.OP_SUM, j0)
+                                       masks, proto.OP_SUM, at)
             kind = (pump.KIND_HALF32 if x.dtype == np.float32 else pump.KIND_HALF64) if half else KIND[x.dtype]
             self._s.run(base, K, blocks, masks, mine, shifts, send, kind, res, encode)
             st.results = K
@@ -249,12 +249,12 @@ class Communicator:
         blocks = np.arange(nb, dtype=np.int64)
         masks = np.full(nb, np.int64(self._all), dtype=np.int64)
         base = self._s.reserve(nb)
-        send = self._buf.get("send", nb * self._rec, np.uint8)
+        send = self._s.send_buffer(nb)
         tmpl = self._s.template(proto.TYPE_CONTRIB)
 
-        def encode(j0: int, j1: int) -> None:
+        def encode(j0: int, j1: int, at: int) -> None:
             kernels.encode_int(send, self._rec, E, tmpl, keys, blocks[j0:j1], base, self.slots, blocks, masks,
-                               proto.OP_MAX, j0)
+                               proto.OP_MAX, at)
 
         res = self._buf.get("xres", n, np.int32)
         self._s.run(base, nb, blocks, masks, blocks, self._buf.get("noshift", nb, np.int32), send, pump.KIND_INT32,
@@ -304,13 +304,13 @@ class Communicator:
         masks = np.full(nb, np.int64(self._all), dtype=np.int64)
         shifts = optim.step_shifts(gexp, self.world).astype(np.int32)
         base = self._s.reserve(nb)
-        send = self._buf.get("send", nb * self._rec, np.uint8)
+        send = self._s.send_buffer(nb)
         tmpl = self._s.template(proto.TYPE_CONTRIB)
         single = g.dtype == np.float32
 
-        def encode(j0: int, j1: int) -> None:
+        def encode(j0: int, j1: int, at: int) -> None:
             kernels.encode_float(send, self._rec, E, tmpl, flat, blocks[j0:j1], base, self.slots, blocks, masks,
-                                 shifts, self._s.bias, single, j0, proto.OP_SGD)
+                                 shifts, self._s.bias, single, at, proto.OP_SGD)
 
         kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
         self._s.run(base, nb, blocks, masks, blocks, shifts, send, kind, res, encode)

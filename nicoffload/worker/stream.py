@@ -50,6 +50,16 @@ class CallStats:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
+def ring_spans(j0: int, j1: int, cap: int):
+    """Records j0 .. j1 - 1 of a stream kept in a ring of ``cap`` records, as (position, count)
+    spans that do not cross the ring's end."""
+    while j0 < j1:
+        a = j0 % cap
+        c = min(j1 - j0, cap - a)
+        yield a, c
+        j0 += c
+
+
 class Buffers:
     """Per-communicator memory, grown on demand and reused across calls."""
 
@@ -109,6 +119,13 @@ class RoundStream:
         self._stash_round = np.full(h, -1, np.int64)
         self._stash_lens = np.zeros(h, np.uint32)
         self._stash_segs = np.zeros(h, np.int64)
+        self._stash.fill(0)  # faulted in now, not during the first call
+        # this rank's records in flight: a ring of SEND_RING records, reused by every call (a record is
+        # needed until its round has its result, and at most the window's rounds plus one encode
+        # chunk are between the head and the last record written)
+        self.send_ring = -(-(window + self.ENCODE_CHUNK) // self.ENCODE_CHUNK) * self.ENCODE_CHUNK
+        self._send = np.zeros(self.send_ring * self._rec, np.uint8)
+        self._send.fill(0)
         # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent;
         # [1], [2]: results taken over this communicator's life as first deliveries, and as answers
         self._gate = np.zeros(3, np.int64)
@@ -258,13 +275,23 @@ class RoundStream:
     #: records encoded ahead of the sends at a time: the kernel copies them while they are in cache
     ENCODE_CHUNK = 256
 
+    def send_buffer(self, records: int) -> np.ndarray:
+        """The buffer ``encode`` writes this rank's records into: the send ring (at most
+        ``send_ring`` records, whatever the tensor's size)."""
+        return self._send[:min(records, self.send_ring) * self._rec]
+
     def run(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res,
                 encode=None) -> None:
         """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
-        (``mine``: indices of its rounds, its records in that order in ``send``, written by
-        ``encode(j0, j1)`` just before they go out; None: already written), collect every
-        round's result into ``res``, recover losses; return when every round has its result."""
+        (``mine``: indices of its rounds). With ``encode``, ``send`` is a ring
+        (:meth:`send_buffer`): ``encode(j0, j1, at)`` writes records j0 .. j1 - 1 at record
+        ``at`` of it just before they go out; without, ``send`` holds every record, in order.
+        Collect every round's result into ``res``, recover losses; return when every round has
+        its result."""
         t, rec, S = self._t, self._rec, self.slots
+        cap = len(send) // rec if encode is not None else len(mine)  # records the buffer holds
+        if encode is not None and cap < len(mine) and cap < self.window + self.ENCODE_CHUNK:
+            raise ValueError(f"a send ring of {cap} records cannot hold a window of {self.window}")
         st = self.last
         dest = (self.aggregator, self.port)
         done = self._buf.get("done", K, np.uint8)
@@ -276,7 +303,7 @@ class RoundStream:
         pos = self._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
         pos[:] = -1
         pos[mine] = np.arange(len(mine))
-        recs = send[:len(mine) * rec].reshape(-1, rec)
+        recs = send[:min(cap, len(mine)) * rec].reshape(-1, rec)
         ack_col, flags_col = ack_column(recs), flags_column(recs)
         out_i = res.view(np.int32) if kind == pump.KIND_INT32 else np.empty(0, np.int32)
         out_f32 = res if res.dtype == np.float32 else np.empty(0, np.float32)
@@ -299,7 +326,7 @@ class RoundStream:
         heard_at = time.monotonic()
 
         def resend(rounds: np.ndarray) -> None:
-            self._resend(rounds, pos, flags_col, ack_col, send, base + head, base, masks, dest)
+            self._resend(rounds, pos, cap, flags_col, ack_col, send, base + head, base, masks, dest)
 
         while ndone < K:
             st.loops += 1
@@ -309,12 +336,13 @@ class RoundStream:
             if hi < lim:
                 j_end = int(np.searchsorted(mine, lim)) if not dense else lim
                 if j_end > j_sent:
-                    while j_enc < j_end:
-                        j1 = min(len(mine), j_enc + self.ENCODE_CHUNK)
-                        encode(j_enc, j1)
+                    while j_enc < j_end:  # chunks that never cross the ring's end
+                        j1 = min(len(mine), j_enc + self.ENCODE_CHUNK, (j_enc // cap + 1) * cap)
+                        encode(j_enc, j1, j_enc % cap)
                         j_enc = j1
-                    ack_col[j_sent:j_end] = (base + head) & 0xFFFFFFFF
-                    t.send_records(send, j_sent, j_end - j_sent, dest)
+                    for a, c in ring_spans(j_sent, j_end, cap):
+                        ack_col[a:a + c] = (base + head) & 0xFFFFFFFF
+                        t.send_records(send, a, c, dest)
                     st.packets_sent += j_end - j_sent
                     self._acked = max(self._acked, base + head)
                     j_sent = j_end
@@ -365,15 +393,15 @@ class RoundStream:
                 t.wait(timer.wait(head, hi, sent_at, now))
         st.rounds += K
 
-    def _resend(self, rounds: np.ndarray, pos, flags_col, ack_col, send, head_abs: int, base: int, masks,
-                dest) -> None:
+    def _resend(self, rounds: np.ndarray, pos, cap: int, flags_col, ack_col, send, head_abs: int, base: int,
+                masks, dest) -> None:
         """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the
         Tx spot if the round is complete) and pull the others' results."""
         if not len(rounds):
             return
         st, rec = self.last, self._rec
         p = pos[rounds]
-        own = p[p >= 0]
+        own = p[p >= 0] % cap  # where in the ring (rounds not yet done: their records are still there)
         if len(own):
             flags_col[own] |= proto.FLAG_RETX
             ack_col[own] = head_abs & 0xFFFFFFFF

@@ -84,9 +84,9 @@ def test_loss_and_duplication_give_bit_identical_results(make_testbed, tmp_path,
     Half of each rank's blocks are zero, so results also come back to ranks that did not
     contribute (pulls) and acknowledgements gate the reuse of sets."""
     rng = np.random.default_rng(4)
-    arrays = [rng.standard_normal(2000 * E).astype(np.float32) for _ in range(4)]
+    arrays = [rng.standard_normal(3000 * E).astype(np.float32) for _ in range(4)]
     for a in arrays:
-        a.reshape(-1, E)[rng.random(2000) < 0.5] = 0
+        a.reshape(-1, E)[rng.random(3000) < 0.5] = 0
     tb = make_testbed(4)
     ins, clean_outs = save(tmp_path, arrays, "c")
     run_job(tb, ins, clean_outs, "xdp", timeout=20, mode=mode)
