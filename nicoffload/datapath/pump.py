@@ -68,6 +68,10 @@ KIND_PARAMS64 = 4  # ... -> float64
 KIND_HALF32 = 5  # 16-bit offset-binary lanes (op SUM16, 2 * elems per record) -> float32
 KIND_HALF64 = 6  # ... -> float64
 
+#: a round's shift that says: an int32 metadata round (copied into out_i) in a run of float
+#: rounds (a speculative call sends its exponents and its data in one run; no real shift is this)
+META_SHIFT = -(1 << 30)
+
 # decode_results return codes (besides the count of new results)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
 D_EPOCH, D_WAITING = proto.DETAIL["epoch"], proto.DETAIL["waiting"]
@@ -176,7 +180,11 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
             lo = blocks[i] * per
             p = (o + HDR) // 4
             lanes = wi[p:p + cnt]  # slices, not computed indices: LLVM vectorises these loops
-            if half:
+            if shifts[i] == META_SHIFT:
+                dst = out_i[lo:lo + cnt]
+                for k in range(cnt):
+                    dst[k] = lanes[k]
+            elif half:
                 mask = _be32(buf, o + O_MASK)
                 c = 0
                 while mask:

@@ -12,6 +12,10 @@ One call on a tensor of B blocks of ``elems`` elements:
 2. A metadata round, only when needed: MAX of the block exponents (floats: the fixed-point
    scale of each block) and OR of per-block contributor bits (sparse mode: who has data where).
    Dense int32 needs none. The metadata is 4 bytes per block and rank (0.4% of the data).
+   Speculation (small float tensors, up to SPECULATE_BLOCKS blocks): the data rounds go out in
+   the same run as the metadata rounds, scaled by the exponents (and waiting for the
+   contributors) the last call of the same size had; blocks whose metadata turns out the same
+   have their exact result after one round trip, the others go again (step 3).
 3. The data rounds: one per block that is non-zero somewhere, in block order; a rank sends a
    record only for the blocks where it has data (OmniReduce: its own zero blocks cost nothing),
    and the round's mask tells the aggregator exactly whom to wait for. Floats go as offset-binary
@@ -40,6 +44,11 @@ from nicoffload.worker.stream import Buffers, CallStats, RoundStream
 
 __all__ = ["Communicator", "CallStats", "DTYPES", "communicator"]
 
+#: float tensors of at most this many blocks are sent speculatively (Communicator.speculate)
+SPECULATE_BLOCKS = 256
+#: exponent vectors remembered for speculation (distinct tensor sizes of a training step)
+SPECULATE_SIZES = 512
+
 
 
 @dataclass
@@ -65,6 +74,10 @@ class Communicator:
     silence: float | None = None   # seconds without any answer from the aggregator that mean it is gone
     delivery: str = DEFAULT.delivery  # multicast: results come to ``group``; unicast: to this rank's address
     lanes: int = DEFAULT.lanes     # bits per fixed-point lane of float sums (16: half the bytes); ints: 32
+    # small float tensors (up to SPECULATE_BLOCKS blocks) go out scaled by the exponents the last
+    # call of their size had, beside this call's exponent round: one round trip where those hold.
+    # Every rank of a job must use the same setting.
+    speculate: bool = True
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -94,6 +107,7 @@ class Communicator:
                               timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf,
                               silence=self.silence, delivery=self.delivery)
         self._rec = self._s.record_size
+        self._guesses: dict = {}  # (blocks, dtype) -> the global block exponents of the last such call
 
     def close(self) -> None:
         self._s.close()
@@ -165,7 +179,18 @@ class Communicator:
             bits = self._buf.get("bits", nb, np.int32)
             bits[:] = 0
             bits[nonzero] = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
+        key = (nb, x.dtype.str)
+        speculative = is_float and not half and self.speculate and nb <= SPECULATE_BLOCKS
+        guess = self._guesses.get(key) if speculative else None
+        if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
+            gexp, gbits, blocks, masks = self._speculative(x, flat, res, exps, bits, guess)
+            self._remember(key, gexp, gbits)
+            st.blocks_skipped = int(np.count_nonzero(gexp == quant.ZERO_EXP))
+            mine = np.flatnonzero(masks >> self.rank & 1)
+            return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
         gexp, gbits = self._meta(exps if is_float else None, bits)
+        if speculative:
+            self._remember(key, gexp, gbits)
         if is_float:
             active = gexp != quant.ZERO_EXP
         if self.sparse:
@@ -184,9 +209,16 @@ class Communicator:
             if len(blocks) < nb:  # blocks zero on every rank get no round: their output is zero
                 words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
                 kernels.zero_blocks(words, active, E)
-        K = len(blocks)
-        st.blocks_skipped = nb - K
+        st.blocks_skipped = nb - len(blocks)
         mine = np.flatnonzero(masks >> self.rank & 1)
+        return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, half, E, t0, st, sys0, foreign0)
+
+    def _data(self, x, flat, out, res, blocks, masks, mine, gexp, W, half, E, t0, st, sys0, foreign0) -> np.ndarray:
+        """The data rounds of a sum into ``res`` (the flat view of ``out``, which it returns): one
+        per block of ``blocks``, this rank's records those of ``mine``; floats scaled by the
+        blocks' global exponents ``gexp``."""
+        is_float = x.dtype.kind == "f"
+        K = len(blocks)
         st.own_blocks = len(mine)
         if K:
             base = self._s.reserve(K)
@@ -214,12 +246,104 @@ class Communicator:
                                        masks, proto.OP_SUM, at)
             kind = (pump.KIND_HALF32 if x.dtype == np.float32 else pump.KIND_HALF64) if half else KIND[x.dtype]
             self._s.run(base, K, blocks, masks, mine, shifts, send, kind, res, encode)
-            st.results = K
+            st.results += K
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
         st.foreign = self._s.foreign - foreign0
         self.stats.add(st)
         return out
+
+    def _remember(self, key, gexp: np.ndarray, gbits: np.ndarray | None) -> None:
+        if len(self._guesses) >= SPECULATE_SIZES and key not in self._guesses:
+            self._guesses.clear()
+        self._guesses[key] = (gexp.copy(), None if gbits is None else gbits.copy())
+
+    def _speculative(self, x: np.ndarray, flat: np.ndarray, res: np.ndarray, exps: np.ndarray,
+                     bits: np.ndarray | None, guess: tuple) -> tuple:
+        """One run of rounds: this call's metadata rounds (MAX of the exponents; in sparse jobs
+        OR of the contributor bits too), then a data round per block the last call of this size
+        had non-zero, scaled by that call's global exponents and waiting for that call's
+        contributors (``guess``). Every rank makes the same guess: the last call's results are
+        the same everywhere. A block whose exponent and contributors are the guessed ones got
+        exactly the result a normal call gives it (the same scale, the same round); the others
+        are returned for data rounds of their own (those zero everywhere are zeroed here). A rank
+        whose values outgrow the guessed scale, or that has none any more where it was guessed to
+        contribute, sends zeros there: the metadata then differs from the guess, and the block
+        goes again. Returns (exponents, contributor bits or None, blocks to redo, their masks)."""
+        E, W, S, rec = self.elems, self.world, self.slots, self._rec
+        st = self.last
+        nb = len(exps)
+        full = np.int64(self._all)
+        gexp0, gbits0 = guess
+        per = -(-nb // E)
+        parts = [(exps, proto.OP_MAX)] + ([(bits, proto.OP_OR)] if bits is not None else [])
+        k = per * len(parts)  # metadata rounds
+        spec = np.flatnonzero(gexp0 != quant.ZERO_EXP)
+        K = len(spec)
+        n = k + K
+        base = self._s.reserve(n)
+        values = self._buf.get("meta_in", k * E, np.int32)
+        for p, (v, op) in enumerate(parts):
+            seg = values[p * per * E:(p + 1) * per * E]
+            seg[:nb] = v
+            seg[nb:] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        blocks = self._buf.get("spec_blocks", n, np.int64)
+        blocks[:k] = np.arange(k)
+        blocks[k:] = spec
+        masks = self._buf.get("spec_masks", n, np.int64)
+        masks[:k] = full
+        masks[k:] = gbits0[spec].astype(np.int64) & full if gbits0 is not None else full
+        shifts = self._buf.get("spec_shifts", n, np.int32)
+        shifts[:k] = pump.META_SHIFT
+        shifts[k:] = quant.shifts_for(gexp0[spec], W, 32)
+        mine = np.concatenate([np.arange(k, dtype=np.int64),
+                               k + np.flatnonzero(masks[k:] >> self.rank & 1)])
+        src = flat
+        over = spec[exps[spec] > gexp0[spec]]
+        if len(over):  # this rank's values there do not fit the guessed scale: zeros instead
+            src = flat.copy()
+            keep = np.ones(nb, dtype=bool)
+            keep[over] = False
+            kernels.zero_blocks(src.view(np.int64) if src.dtype.itemsize == 8 else src.view(np.int32), keep, E)
+        send = self._s.send_buffer(len(mine))
+        tmpl = self._s.template(proto.TYPE_CONTRIB)
+        single = x.dtype == np.float32
+        bias = self._s.bias
+
+        def encode(j0: int, j1: int, at: int) -> None:
+            while j0 < j1 and j0 < k:  # metadata records, one op per part
+                p = j0 // per
+                m1 = min(j1, (p + 1) * per)
+                kernels.encode_int(send, rec, E, tmpl, values, mine[j0:m1], base, S, blocks, masks, parts[p][1], at)
+                at += m1 - j0
+                j0 = m1
+            if j0 < j1:
+                kernels.encode_float(send, rec, E, tmpl, src, mine[j0:j1], base, S, blocks, masks, shifts, bias,
+                                     single, at, proto.OP_SUM64)
+
+        meta_out = self._buf.get("meta_out", k * E, np.int32)
+        self._s.run(base, n, blocks, masks, mine, shifts, send, KIND[x.dtype], res, encode, meta_out=meta_out)
+        st.meta_rounds += k
+        gexp = meta_out[:nb]
+        gbits = meta_out[per * E:per * E + nb] if bits is not None else None
+        hit = np.zeros(nb, dtype=bool)
+        hit[spec] = gexp[spec] == gexp0[spec]
+        if gbits is not None:
+            hit[spec] &= gbits[spec] == gbits0[spec]
+            masks_all = gbits.astype(np.int64) & full
+            active = masks_all != 0
+        else:
+            active = gexp != quant.ZERO_EXP
+        hits = int(np.count_nonzero(hit))
+        st.spec_blocks += K
+        st.spec_missed += K - hits
+        st.results += hits
+        if (~active & ~hit).any():  # zero everywhere now, and no round gave it a result
+            words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
+            kernels.zero_blocks(words, hit | active, E)
+        redo = np.flatnonzero(~hit & active)
+        masks_redo = masks_all[redo] if gbits is not None else np.full(len(redo), full, dtype=np.int64)
+        return gexp, gbits, redo, masks_redo
 
     def _extreme(self, array: np.ndarray, out: np.ndarray | None, op: str) -> np.ndarray:
         """MAX or MIN over the ranks, exact: each element becomes an int32 key whose signed order

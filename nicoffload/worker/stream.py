@@ -39,6 +39,8 @@ class CallStats:
     meta_rounds: int = 0
     blocks_skipped: int = 0     # blocks zero on every rank: no round at all
     own_blocks: int = 0         # blocks this rank sent data for
+    spec_blocks: int = 0        # blocks sent speculatively, scaled by the last call's exponents
+    spec_missed: int = 0        # ... whose exponent had changed: sent again at the right scale
     seconds: float = 0.0
     timeouts: int = 0
     loops: int = 0              # iterations of the send/receive loop
@@ -281,12 +283,13 @@ class RoundStream:
         return self._send[:min(records, self.send_ring) * self._rec]
 
     def run(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res,
-                encode=None) -> None:
+                encode=None, meta_out: np.ndarray | None = None) -> None:
         """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
         (``mine``: indices of its rounds). With ``encode``, ``send`` is a ring
         (:meth:`send_buffer`): ``encode(j0, j1, at)`` writes records j0 .. j1 - 1 at record
         ``at`` of it just before they go out; without, ``send`` holds every record, in order.
-        Collect every round's result into ``res``, recover losses; return when every round has
+        Collect every round's result into ``res`` (rounds whose shift is pump.META_SHIFT: int32
+        into ``meta_out``, at their block's offset), recover losses; return when every round has
         its result."""
         t, rec, S = self._t, self._rec, self.slots
         cap = len(send) // rec if encode is not None else len(mine)  # records the buffer holds
@@ -305,7 +308,8 @@ class RoundStream:
         pos[mine] = np.arange(len(mine))
         recs = send[:min(cap, len(mine)) * rec].reshape(-1, rec)
         ack_col, flags_col = ack_column(recs), flags_column(recs)
-        out_i = res.view(np.int32) if kind == pump.KIND_INT32 else np.empty(0, np.int32)
+        out_i = res.view(np.int32) if kind == pump.KIND_INT32 else \
+            meta_out if meta_out is not None else np.empty(0, np.int32)
         out_f32 = res if res.dtype == np.float32 else np.empty(0, np.float32)
         out_f64 = res if res.dtype == np.float64 else np.empty(0, np.float64)
         dense = len(mine) == K

@@ -1,0 +1,109 @@
+"""Speculation (``Communicator.speculate``): a small float tensor goes out scaled by the block
+exponents the last call of its size had, in the same run as this call's exponent rounds. The
+results are the non-speculative call's, bit for bit, whatever the guess got wrong: exponents that
+grew or shrank, blocks that became zero everywhere or stopped being zero, a rank whose own values
+outgrew the guess, a partial last block, float64, and 2% loss and duplication on every link."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from nicoffload.agg import AggSpec, Aggregator
+from nicoffload.lab import reference
+from nicoffload.wire import proto
+from nicoffload.worker import Communicator
+
+E = proto.DEFAULT_ELEMS
+
+
+def calls(world: int) -> list[list[np.ndarray]]:
+    """Per call, each rank's tensor: a sequence that hits, misses and changes in every way."""
+    rng = np.random.default_rng(17)
+    nb = 40
+    base = [(rng.standard_normal(nb * E) * 10.0 ** rng.integers(-3, 4, nb * E)).astype(np.float32)
+            for _ in range(world)]
+    seq = [base, base, [a * np.float32(3) for a in base]]  # the same: hits; then every exponent grows
+    moved = [a.copy() for a in base]
+    for r, a in enumerate(moved):
+        b = a.reshape(nb, E)
+        b[0:5] = 0                      # zero on every rank now
+        b[5:10] *= np.float32(2 ** -7)  # exponents shrink
+        if r == 1:
+            b[10] *= np.float32(1e3)    # one rank outgrows the guess
+        if r == 2:
+            b[11] = 0                   # one rank stops contributing (sparse jobs: the round's mask changes)
+    seq += [moved, moved]
+    back = [a.copy() for a in base]     # blocks 0..4 non-zero again: they had no speculative round
+    seq += [back]
+    odd = [(rng.standard_normal(nb * E - 77)).astype(np.float32) for _ in range(world)]  # partial last block
+    seq += [odd, odd, [a * np.float32(0.5) for a in odd]]
+    f64 = [(rng.standard_normal(9 * E) * 1e-310).astype(np.float64) for _ in range(world)]  # subnormal sums
+    seq += [f64, f64]
+    return seq
+
+
+def run(comms, seq, world):
+    outs = [[None] * len(seq) for _ in range(world)]
+    stats = [[None] * len(seq) for _ in range(world)]
+    errs = []
+
+    def one(r):
+        try:
+            for i, xs in enumerate(seq):
+                outs[r][i] = comms[r].allreduce(xs[r])
+                stats[r][i] = comms[r].last
+        except BaseException as e:
+            errs.append((r, e))
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs, errs
+    return outs, stats
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse):
+    world = 3
+    tb = make_testbed(world)
+    seq = calls(world)
+    agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, world, slots=128, port=tb.port,
+                                  group=tb.mcast_group, worker_ips=[w.ip for w in tb.workers]))
+    comms = []
+    try:
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(Communicator(r, world, tb.agg.ip, group=tb.mcast_group, local_ip=w.ip, port=tb.port,
+                                          slots=128, timeout=60, speculate=False, sparse=sparse))
+        plain, pstats = run(comms, seq, world)
+        assert not any(s.spec_blocks for st in pstats for s in st)
+        for i, xs in enumerate(seq):
+            want = reference.quantized(xs, E)
+            for r in range(world):
+                c = want.check(plain[r][i])
+                assert c.within_bound, (i, r, c.reason)
+        for c in comms:
+            c.speculate = True
+        tb.faults.configure(drop=0.02, dup=0.02, seed=3)
+        # twice: the first pass guesses from the plain pass's last call of each size
+        for _ in range(2):
+            spec, sstats = run(comms, seq, world)
+            for i in range(len(seq)):
+                for r in range(world):
+                    assert spec[r][i].tobytes() == plain[r][i].tobytes(), (i, r, sstats[r][i])
+        tb.faults.configure()
+        st = sstats[0]
+        assert st[1].spec_blocks == 40 and st[1].spec_missed == 0       # the same tensor again: all hits
+        assert st[2].spec_missed == 40                                  # every exponent grew
+        assert st[4].spec_missed == 0 and st[3].spec_missed >= 12       # the moved blocks, then hits
+        assert st[5].spec_blocks == 35 and st[5].results == 40          # 5 blocks had no guess
+        assert sum(s.retransmissions + s.pulls for st in sstats for s in st) > 0, "the faults did not bite"
+        assert agg.stats()["mismatch"] == 0
+    finally:
+        for c in comms:
+            c.close()
+        agg.close()
