@@ -322,7 +322,10 @@ class Communicator:
                                      single, at, proto.OP_SUM64)
 
         meta_out = self._buf.get("meta_out", k * E, np.int32)
-        self._s.run(base, n, blocks, masks, mine, shifts, send, KIND[x.dtype], res, encode, meta_out=meta_out)
+        # results into a scratch array: a block the guess got wrong must not overwrite the input
+        # (an in-place call) before its own round sends it again
+        got = self._buf.get("spec_out", res.size, res.dtype)
+        self._s.run(base, n, blocks, masks, mine, shifts, send, KIND[x.dtype], got, encode, meta_out=meta_out)
         st.meta_rounds += k
         gexp = meta_out[:nb]
         gbits = meta_out[per * E:per * E + nb] if bits is not None else None
@@ -335,6 +338,9 @@ class Communicator:
         else:
             active = gexp != quant.ZERO_EXP
         hits = int(np.count_nonzero(hit))
+        if hits:
+            take = np.repeat(hit, E)[:res.size]
+            res[take] = got[take]
         st.spec_blocks += K
         st.spec_missed += K - hits
         st.results += hits
