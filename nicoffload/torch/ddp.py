@@ -75,6 +75,8 @@ class HookStats:
     packets_sent: int = 0
     retransmissions: int = 0
     blocks_skipped: int = 0
+    spec_blocks: int = 0       # blocks sent speculatively (Communicator.speculate) ...
+    spec_missed: int = 0       # ... and of those, sent again because their exponent had changed
     input_absmax: float = 0.0  # largest |gradient| handed to the hook (before averaging); resettable
 
 
@@ -161,6 +163,8 @@ class NicoffloadHookState:
             st.packets_sent += self.comm.last.packets_sent
             st.retransmissions += self.comm.last.retransmissions
             st.blocks_skipped += self.comm.last.blocks_skipped
+            st.spec_blocks += self.comm.last.spec_blocks
+            st.spec_missed += self.comm.last.spec_missed
             if not direct:
                 buf.copy_(work)
             return buf

@@ -48,6 +48,9 @@ __all__ = ["Communicator", "CallStats", "DTYPES", "communicator"]
 SPECULATE_BLOCKS = 256
 #: exponent vectors remembered for speculation (distinct tensor sizes of a training step)
 SPECULATE_SIZES = 512
+#: after a guess that missed, calls of that size without speculation: 1, 3, 7, ... up to this
+#: (a miss costs the missed blocks' bytes twice; every rank sees the same misses, so all agree)
+SPECULATE_BACKOFF = 63
 
 
 
@@ -108,6 +111,7 @@ class Communicator:
                               silence=self.silence, delivery=self.delivery)
         self._rec = self._s.record_size
         self._guesses: dict = {}  # (blocks, dtype) -> the global block exponents of the last such call
+        self._backoff: dict = {}  # (blocks, dtype) -> (calls left without speculating, current backoff)
 
     def close(self) -> None:
         self._s.close()
@@ -182,9 +186,16 @@ class Communicator:
         key = (nb, x.dtype.str)
         speculative = is_float and not half and self.speculate and nb <= SPECULATE_BLOCKS
         guess = self._guesses.get(key) if speculative else None
+        if guess is not None:
+            left, backoff = self._backoff.get(key, (0, 0))
+            if left:  # the last guess for this size missed: wait a while (every rank alike)
+                self._backoff[key] = (left - 1, backoff)
+                guess = None
         if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
             gexp, gbits, blocks, masks = self._speculative(x, flat, res, exps, bits, guess)
             self._remember(key, gexp, gbits)
+            backoff = min(2 * backoff + 1, SPECULATE_BACKOFF) if st.spec_missed else 0
+            self._backoff[key] = (backoff, backoff)
             st.blocks_skipped = int(np.count_nonzero(gexp == quant.ZERO_EXP))
             mine = np.flatnonzero(masks >> self.rank & 1)
             return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
@@ -256,6 +267,7 @@ class Communicator:
     def _remember(self, key, gexp: np.ndarray, gbits: np.ndarray | None) -> None:
         if len(self._guesses) >= SPECULATE_SIZES and key not in self._guesses:
             self._guesses.clear()
+            self._backoff.clear()
         self._guesses[key] = (gexp.copy(), None if gbits is None else gbits.copy())
 
     def _speculative(self, x: np.ndarray, flat: np.ndarray, res: np.ndarray, exps: np.ndarray,

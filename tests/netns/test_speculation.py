@@ -2,7 +2,8 @@
 exponents the last call of its size had, in the same run as this call's exponent rounds. The
 results are the non-speculative call's, bit for bit, whatever the guess got wrong: exponents that
 grew or shrank, blocks that became zero everywhere or stopped being zero, a rank whose own values
-outgrew the guess, a partial last block, float64, and 2% loss and duplication on every link."""
+outgrew the guess, a partial last block, float64, and 2% loss and duplication on every link; and
+a size whose guesses keep missing is guessed less and less often (every rank alike)."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +15,7 @@ from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.lab import reference
 from nicoffload.wire import proto
 from nicoffload.worker import Communicator
+from nicoffload.worker import comm as comm_module
 
 E = proto.DEFAULT_ELEMS
 
@@ -68,7 +70,7 @@ def run(comms, seq, world):
 
 
 @pytest.mark.parametrize("sparse", [True, False])
-def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse):
+def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse, monkeypatch):
     world = 3
     tb = make_testbed(world)
     seq = calls(world)
@@ -89,6 +91,7 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse)
                 assert c.within_bound, (i, r, c.reason)
         for c in comms:
             c.speculate = True
+        monkeypatch.setattr(comm_module, "SPECULATE_BACKOFF", 0)  # speculate on every call, misses or not
         tb.faults.configure(drop=0.02, dup=0.02, seed=3)
         # twice: the first pass guesses from the plain pass's last call of each size
         for _ in range(2):
@@ -104,6 +107,18 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse)
         assert st[5].spec_blocks == 35 and st[5].results == 40          # 5 blocks had no guess
         assert sum(s.retransmissions + s.pulls for st in sstats for s in st) > 0, "the faults did not bite"
         assert agg.stats()["mismatch"] == 0
+        # with the backoff, a size whose guesses keep missing is sent speculatively less and less
+        # often: calls 0, 2, 6, 14, ... of an alternation that misses every time
+        monkeypatch.undo()
+        alt = [seq[0] if i % 2 else seq[2] for i in range(16)]
+        for c in comms:
+            c.speculate = False
+        plain, _ = run(comms, alt, world)
+        for c in comms:
+            c.speculate = True
+        spec, sstats = run(comms, alt, world)
+        assert [i for i, s in enumerate(sstats[0]) if s.spec_blocks] == [0, 2, 6, 14]
+        assert all(spec[r][i].tobytes() == plain[r][i].tobytes() for r in range(world) for i in range(len(alt)))
     finally:
         for c in comms:
             c.close()

@@ -283,6 +283,7 @@ def _run_summary(run: Run) -> dict:
             "step_ms_each": [float(v * 1e3) for v in run.step_seconds()],
             "allreduce_ms": _median_ms(run.allreduce_seconds()),
             "packets_sent": hook.get("packets_sent"), "retransmissions": hook.get("retransmissions"),
+            "spec_blocks": hook.get("spec_blocks"), "spec_missed": hook.get("spec_missed"),
             "memory": r0.get("memory"), "shadow": _shadow(r0),
             "param_max": max(r0["param_max"]) if r0.get("param_max") else None,
             "seconds": run.seconds}
