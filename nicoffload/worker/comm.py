@@ -334,9 +334,10 @@ class Communicator:
                                      single, at, proto.OP_SUM64)
 
         meta_out = self._buf.get("meta_out", k * E, np.int32)
-        # results into a scratch array: a block the guess got wrong must not overwrite the input
-        # (an in-place call) before its own round sends it again
-        got = self._buf.get("spec_out", res.size, res.dtype)
+        # an in-place call's results go to a scratch array: a block the guess got wrong must not
+        # overwrite the input before its own round sends it again (elsewhere the redo overwrites it)
+        inplace = np.may_share_memory(res, flat)
+        got = self._buf.get("spec_out", res.size, res.dtype) if inplace else res
         self._s.run(base, n, blocks, masks, mine, shifts, send, KIND[x.dtype], got, encode, meta_out=meta_out)
         st.meta_rounds += k
         gexp = meta_out[:nb]
@@ -350,7 +351,9 @@ class Communicator:
         else:
             active = gexp != quant.ZERO_EXP
         hits = int(np.count_nonzero(hit))
-        if hits:
+        if inplace and hits == nb:
+            res[:] = got
+        elif inplace and hits:
             take = np.repeat(hit, E)[:res.size]
             res[take] = got[take]
         st.spec_blocks += K
