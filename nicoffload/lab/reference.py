@@ -108,18 +108,24 @@ def quantized(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems, lanes: i
     return Expected(exact, quantization_bound(arrays, elems, lanes) + _half_ulp(exact, dtype))
 
 
-def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
-    """What a host summing in the inputs' own dtype must return."""
-    exp = _integer(arrays)
-    if exp is not None:
-        return exp
-    xs = _flat(arrays)
+def _sums(xs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 sum of the inputs and the sum of their magnitudes."""
     exact = np.zeros(xs[0].size, dtype=np.float64)
     abs_sum = np.zeros(xs[0].size, dtype=np.float64)
     for x in xs:
         x64 = np.asarray(x, dtype=np.float64)
         exact += x64
         abs_sum += np.abs(x64)
+    return exact, abs_sum
+
+
+def host_sum(arrays: Sequence[np.ndarray]) -> Expected:
+    """What a host summing in the inputs' own dtype must return."""
+    exp = _integer(arrays)
+    if exp is not None:
+        return exp
+    xs = _flat(arrays)
+    exact, abs_sum = _sums(xs)
     u = np.finfo(xs[0].dtype).eps / 2
     return Expected(exact, len(xs) * u * abs_sum + _half_ulp(exact, xs[0].dtype))
 
@@ -138,12 +144,7 @@ def half_sum(arrays: Sequence[np.ndarray], half: str) -> Expected:
     absolute: N casts, N - 1 additions, one cast back... counted generously) and half an ulp of
     the inputs' dtype."""
     xs = _flat(arrays)
-    exact = np.zeros(xs[0].size, dtype=np.float64)
-    abs_sum = np.zeros(xs[0].size, dtype=np.float64)
-    for x in xs:
-        x64 = np.asarray(x, dtype=np.float64)
-        exact += x64
-        abs_sum += np.abs(x64)
+    exact, abs_sum = _sums(xs)
     n = len(xs)
     return Expected(exact, (n + 2) * HALF_UNIT[half] * abs_sum + (2 * n + 1) * HALF_TINY[half] +
                     _half_ulp(exact, xs[0].dtype))

@@ -294,11 +294,7 @@ class Communicator:
         K = len(spec)
         n = k + K
         base = self._s.reserve(n)
-        values = self._buf.get("meta_in", k * E, np.int32)
-        for p, (v, op) in enumerate(parts):
-            seg = values[p * per * E:(p + 1) * per * E]
-            seg[:nb] = v
-            seg[nb:] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        values = self._meta_values(parts, nb, per)
         blocks = self._buf.get("spec_blocks", n, np.int64)
         blocks[:k] = np.arange(k)
         blocks[k:] = spec
@@ -469,6 +465,17 @@ class Communicator:
         self.allreduce(np.zeros(1, dtype=np.int32))
 
     # --- metadata ---------------------------------------------------------------------------
+    def _meta_values(self, parts: list, nb: int, per: int) -> np.ndarray:
+        """The metadata rounds' input: ``per`` records per part (values, op), each part padded
+        with its op's identity."""
+        E = self.elems
+        values = self._buf.get("meta_in", per * len(parts) * E, np.int32)
+        for p, (v, op) in enumerate(parts):
+            seg = values[p * per * E:(p + 1) * per * E]
+            seg[:nb] = v
+            seg[nb:] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        return values
+
     def _meta(self, exps: np.ndarray | None, bits: np.ndarray | None) -> tuple:
         """Combine one int32 per block over every rank, in one stream of rounds: MAX of the
         block exponents (``exps``) and OR of the contributor bits (``bits``), ``elems`` blocks
@@ -481,12 +488,7 @@ class Communicator:
         parts = [(v, op) for v, op in ((exps, proto.OP_MAX), (bits, proto.OP_OR)) if v is not None]
         k = per * len(parts)
         base = self._s.reserve(k)
-        # one input array of k records: each part padded with its op's identity
-        values = self._buf.get("meta_in", k * E, np.int32)
-        for p, (v, op) in enumerate(parts):
-            seg = values[p * per * E:(p + 1) * per * E]
-            seg[:nb] = v
-            seg[nb:] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        values = self._meta_values(parts, nb, per)
         blocks = np.arange(k, dtype=np.int64)
         masks = np.full(k, np.int64(self._all), dtype=np.int64)
         send = self._buf.get("meta_send", k * self._rec, np.uint8)

@@ -1,8 +1,10 @@
 """Helpers the end-to-end tests of the collectives share (tests/netns/test_worker_e2e.py,
-test_ring_e2e.py): the command line's argv, and each rank's input saved as a .npy file."""
+test_ring_e2e.py, ...): the command line's argv, each rank's input saved as a .npy file, and ranks
+run as threads of the test."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
@@ -16,3 +18,22 @@ def save(tmp_path, arrays, tag=""):
     for a, p in zip(arrays, ins):
         np.save(p, a)
     return ins, outs
+
+
+def run_ranks(fn, world: int, timeout: float = 120.0):
+    """``fn(r)`` for every rank r at once, each in a thread; returns (results by rank, the
+    (rank, exception) pairs of the ranks that raised)."""
+    outs, errs = [None] * world, []
+
+    def one(r):
+        try:
+            outs[r] = fn(r)
+        except BaseException as e:
+            errs.append((r, e))
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    return outs, errs

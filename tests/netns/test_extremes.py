@@ -4,32 +4,15 @@ told how long the aggregator may stay silent (``silence``) fails within that tim
 aggregator, when it is unloaded under a call, instead of waiting out the progress timeout."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from e2ekit import run_ranks
 
 from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.errors import TimeoutError_
 from nicoffload.worker import Communicator
-
-
-def run_ranks(tb, fn, world):
-    outs, errs = [None] * world, []
-
-    def one(r):
-        try:
-            outs[r] = fn(r)
-        except BaseException as e:
-            errs.append((r, e))
-
-    ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return outs, errs
 
 
 def test_max_and_min_are_exact_and_a_silent_aggregator_is_named(make_testbed):
@@ -55,7 +38,7 @@ def test_max_and_min_are_exact_and_a_silent_aggregator_is_named(make_testbed):
             f, i = xs[r]
             return [comms[r].allreduce(a, op=op) for op in ("max", "min") for a in (f, i)]
 
-        outs, errs = run_ranks(tb, extremes, world)
+        outs, errs = run_ranks(extremes, world, 60)
         assert not errs, errs
         for which, (op, k) in enumerate([(np.maximum, 0), (np.maximum, 1), (np.minimum, 0), (np.minimum, 1)]):
             want = xs[0][k]

@@ -6,10 +6,9 @@ outgrew the guess, a partial last block, float64, and 2% loss and duplication on
 a size whose guesses keep missing is guessed less and less often (every rank alike)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
+from e2ekit import run_ranks
 
 from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.lab import reference
@@ -47,26 +46,18 @@ def calls(world: int) -> list[list[np.ndarray]]:
 
 
 def run(comms, seq, world):
-    outs = [[None] * len(seq) for _ in range(world)]
-    stats = [[None] * len(seq) for _ in range(world)]
-    errs = []
+    """Every call of ``seq`` on every rank (in place every other call): (outputs, stats) by rank."""
+    def calls_of(r):
+        outs, stats = [], []
+        for i, xs in enumerate(seq):
+            x = xs[r].copy()
+            outs.append(comms[r].allreduce(x, out=x if i % 2 else None))
+            stats.append(comms[r].last)
+        return outs, stats
 
-    def one(r):
-        try:
-            for i, xs in enumerate(seq):
-                x = xs[r].copy()
-                outs[r][i] = comms[r].allreduce(x, out=x if i % 2 else None)  # in place every other call
-                stats[r][i] = comms[r].last
-        except BaseException as e:
-            errs.append((r, e))
-
-    ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
+    got, errs = run_ranks(calls_of, world)
     assert not errs, errs
-    return outs, stats
+    return [g[0] for g in got], [g[1] for g in got]
 
 
 @pytest.mark.parametrize("sparse", [True, False])
