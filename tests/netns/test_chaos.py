@@ -112,18 +112,24 @@ def test_agg_load_killed_at_each_step_is_cleaned_by_unload(make_testbed, tmp_pat
         return bpf.xdp_prog_id(ifc, ns) is not None
 
     for step in LOAD_STEPS:
-        t0 = time.monotonic()
-        p = subprocess.Popen(CLI + [str(a) for a in agg_load_args(tb)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-        reached, slices = {
-            "starting": (lambda: time.monotonic() - t0 > 0.05, None),
-            "compiling": (pdir.exists, None),
-            "loading": ((pdir / "ar_stats").exists, None),
-            "attached": (attached, lambda: holds_program(p.pid)),
-            "saving": (attached, lambda: holds_program(p.pid)),
-        }[step]
-        assert kill_when(p, reached, slices), f"{step}: agg load ended first: {p.stderr.read()}"
-        p.stderr.close()
+        for attempt in range(5):
+            t0 = time.monotonic()
+            p = subprocess.Popen(CLI + [str(a) for a in agg_load_args(tb)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+            reached, slices = {
+                "starting": (lambda: time.monotonic() - t0 > 0.05, None),
+                "compiling": (pdir.exists, None),
+                "loading": ((pdir / "ar_stats").exists, None),
+                "attached": (attached, lambda: holds_program(p.pid)),
+                "saving": (attached, lambda: holds_program(p.pid)),
+            }[step]
+            assert kill_when(p, reached, slices), f"{step}: agg load ended first: {p.stderr.read()}"
+            p.stderr.close()
+            if not (step in ("attached", "saving") and sf.exists()):
+                break
+            # the kill landed after the state was saved: on a busy machine this test's 1 ms slices
+            # can stretch past the window between attach and save; that load is whole, so again
+            aggregator.unload(ns, ifc)
         if step == "saving":
             # a kill inside the state file's write (microseconds: too narrow to hit) leaves this too
             sf.with_suffix(".tmp").write_text('{"netns": "')
