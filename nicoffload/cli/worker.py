@@ -159,7 +159,8 @@ def _demo(args) -> int:
 
     def say(kind: str) -> None:
         if not args.json:
-            print(f"running {args.workers} workers x {args.size} float32 through the {kind} {what} ...",
+            lanes = " in 16-bit lanes" if spec.lanes == 16 else ""
+            print(f"running {args.workers} workers x {args.size} float32{lanes} through the {kind} {what} ...",
                   file=sys.stderr, flush=True)
 
     summary = demo(args.workers, parse_size(args.size), args.sparsity, args.reps, args.seed, progress=say, mode=mode,

@@ -117,7 +117,8 @@ def demo_ok(summary: dict) -> bool:
 def describe_demo(summary: dict, reps: int) -> str:
     rows = summary["runs"]
     what = "ring" if summary.get("mode") == "ring" else "aggregator"
-    lines = [f"\n{summary['workers']} workers, {summary['bytes'] / 2**20:.1f} MiB float32 each, "
+    lanes = " in 16-bit lanes" if summary.get("lanes") == 16 else ""
+    lines = [f"\n{summary['workers']} workers, {summary['bytes'] / 2**20:.1f} MiB float32 each{lanes}, "
              f"{summary['sparsity']:.0%} zero blocks (median of {reps})",
              f"{what:<11} {'time':>10} {'goodput':>12} {'max |err|':>11} {'in bound':>9} {'packets':>9} "
              f"{'retx':>6}"]
