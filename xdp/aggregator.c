@@ -711,6 +711,17 @@ static __always_inline struct ar_counters *stats_row(u32 row)
     return ar_stats.lookup(&row);
 }
 
+/* The job a record names (wire order), and its row of the job table in *ji; NULL if none. */
+static __always_inline struct ar_job *job_of(u32 job_wire, u32 *ji)
+{
+    u32 job_id = bpf_ntohl(job_wire);
+    u32 *jidx = ar_job_index.lookup(&job_id);
+    if (!jidx)
+        return NULL;
+    *ji = *jidx;
+    return ar_jobs.lookup(ji);
+}
+
 /* A frame rejected as a whole counts as one record of its row. */
 static __always_inline int reject(struct ar_counters *st, u32 reason)
 {
@@ -748,14 +759,12 @@ static __always_inline u32 identify(struct ar_hdr *h, struct iphdr *ip, struct s
         return AR_STAT_BAD_MAGIC;
     if (h->version != AR_VERSION)
         return AR_STAT_BAD_VERSION;
-    u32 job_id = bpf_ntohl(h->job);
-    u32 *jidx = ar_job_index.lookup(&job_id);
-    if (!jidx)
+    u32 ji = 0;
+    struct ar_job *job = job_of(h->job, &ji);
+    if (!job)
         return AR_STAT_BAD_JOB;
-    u32 ji = *jidx;
-    struct ar_job *job = ar_jobs.lookup(&ji);
     struct ar_counters *st = stats_row(ji + 1);
-    if (!job || !st || !job->configured)
+    if (!st || !job->configured)
         return AR_STAT_BAD_JOB;
     s->job = job;
     s->st = st;
@@ -952,12 +961,8 @@ int ar_fanout(struct __sk_buff *skb)
     if (eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != AR_IPV4_IHL || ip->protocol != IPPROTO_UDP ||
         udp->source != bpf_htons(AR_PORT) || h->magic != bpf_htons(AR_MAGIC))
         return TC_ACT_OK;
-    u32 job_id = bpf_ntohl(h->job);
-    u32 *jidx = ar_job_index.lookup(&job_id);
-    if (!jidx)
-        return TC_ACT_OK;
-    u32 ji = *jidx;
-    struct ar_job *job = ar_jobs.lookup(&ji);
+    u32 ji = 0;
+    struct ar_job *job = job_of(h->job, &ji);
     if (!job || job->delivery != AR_DELIVERY_UNICAST || ip->daddr != job->mcast_ip || ip->saddr != job->agg_ip)
         return TC_ACT_OK;
     struct ar_counters *st = stats_row(ji + 1);

@@ -22,9 +22,9 @@ One call on a tensor of B blocks of ``elems`` elements:
    fixed point (op SUM64: the aggregator adds two lanes per 64-bit word); int32 as it is (SUM).
 The rounds run through :class:`nicoffload.worker.stream.RoundStream` (window, loss recovery, timeouts).
 
-The hot path allocates nothing per call: send buffer, receive buffer and per-round state are
-kept by the communicator and grow only when a larger tensor comes along; results are written
-straight into the output.
+The hot path allocates no buffer per call: the send ring (the records in flight, a fixed size)
+and the receive buffers are faulted in when the communicator is built, per-round state is kept
+and grows only when a larger tensor comes along; results are written straight into the output.
 """
 from __future__ import annotations
 

@@ -101,21 +101,13 @@ class HierCommunicator:
     def last(self):
         from nicoffload.worker.stream import CallStats
 
-        st = CallStats()
-        for c in (self.leaf, self.root):
-            if c is not None:
-                st.add(c.last)
-        return st
+        return CallStats.total(c.last for c in (self.leaf, self.root) if c is not None)
 
     @property
     def stats(self):
         from nicoffload.worker.stream import CallStats
 
-        st = CallStats()
-        for c in (self.leaf, self.root):
-            if c is not None:
-                st.add(c.stats)
-        return st
+        return CallStats.total(c.stats for c in (self.leaf, self.root) if c is not None)
 
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
                   lanes: int | None = None) -> np.ndarray:

@@ -76,19 +76,13 @@ class ShardedCommunicator:
         """The call statistics of the last call, summed over the shards."""
         from nicoffload.worker.stream import CallStats
 
-        st = CallStats()
-        for c in self.comms:
-            st.add(c.last)
-        return st
+        return CallStats.total(c.last for c in self.comms)
 
     @property
     def stats(self):
         from nicoffload.worker.stream import CallStats
 
-        st = CallStats()
-        for c in self.comms:
-            st.add(c.stats)
-        return st
+        return CallStats.total(c.stats for c in self.comms)
 
     def join(self) -> None:
         self._each(lambda c: c.join())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nicoffload.datapath import kernels, pump
-from nicoffload.datapath.transport import SLOT_BYTES, Transport
+from nicoffload.datapath.transport import SLOT_BYTES, Transport, faulted_in
 from nicoffload.errors import InputError, ProtocolError, TimeoutError_
 from nicoffload.wire import proto, quant
 from nicoffload.worker.records import RankRecords, ack_column, flags_column, read_join_reply
@@ -50,6 +50,14 @@ class CallStats:
     def add(self, other: "CallStats") -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    @classmethod
+    def total(cls, many) -> "CallStats":
+        """The sum of several communicators' statistics (shards, levels)."""
+        st = cls()
+        for other in many:
+            st.add(other)
+        return st
 
 
 def ring_spans(j0: int, j1: int, cap: int):
@@ -117,17 +125,15 @@ class RoundStream:
         self._records = RankRecords(rank, job, world)
         # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
         h = 2 * slots
-        self._stash = np.zeros(h * self._rec, np.uint8)
+        self._stash = faulted_in(h * self._rec, np.uint8)
         self._stash_round = np.full(h, -1, np.int64)
         self._stash_lens = np.zeros(h, np.uint32)
         self._stash_segs = np.zeros(h, np.int64)
-        self._stash.fill(0)  # faulted in now, not during the first call
         # this rank's records in flight: a ring of SEND_RING records, reused by every call (a record is
         # needed until its round has its result, and at most the window's rounds plus one encode
         # chunk are between the head and the last record written)
         self.send_ring = -(-(window + self.ENCODE_CHUNK) // self.ENCODE_CHUNK) * self.ENCODE_CHUNK
-        self._send = np.zeros(self.send_ring * self._rec, np.uint8)
-        self._send.fill(0)
+        self._send = faulted_in(self.send_ring * self._rec, np.uint8)
         # the job's gate (absolute round; from results): no round at or beyond gate + 2S is sent;
         # [1], [2]: results taken over this communicator's life as first deliveries, and as answers
         self._gate = np.zeros(3, np.int64)

@@ -37,3 +37,25 @@ def run_ranks(fn, world: int, timeout: float = 120.0):
     for t in ts:
         t.join(timeout)
     return outs, errs
+
+
+def xdp_comms(tb, world: int, slots: int, **kw):
+    """An XDP aggregator loaded for a job of ``world`` ranks on ``tb`` and a Communicator per
+    rank (``kw`` to each): (aggregator, communicators); the caller closes both."""
+    from nicoffload.agg import AggSpec, Aggregator
+    from nicoffload.worker import Communicator
+
+    agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, world, slots=slots, port=tb.port,
+                                  group=tb.mcast_group, worker_ips=[w.ip for w in tb.workers]))
+    comms = []
+    try:
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(Communicator(r, world, tb.agg.ip, group=tb.mcast_group, local_ip=w.ip, port=tb.port,
+                                          slots=slots, timeout=60, **kw))
+    except BaseException:
+        for c in comms:
+            c.close()
+        agg.close()
+        raise
+    return agg, comms

@@ -8,11 +8,9 @@ import time
 
 import numpy as np
 import pytest
-from e2ekit import run_ranks
+from e2ekit import run_ranks, xdp_comms
 
-from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.errors import TimeoutError_
-from nicoffload.worker import Communicator
 
 
 def test_max_and_min_are_exact_and_a_silent_aggregator_is_named(make_testbed):
@@ -25,15 +23,8 @@ def test_max_and_min_are_exact_and_a_silent_aggregator_is_named(make_testbed):
         f = (rng.standard_normal(5000) * 10.0 ** rng.integers(-30, 30, 5000)).astype(np.float32)
         f[:8] = np.roll(special, r)
         xs.append((f, rng.integers(-2 ** 31, 2 ** 31 - 1, 3001, dtype=np.int64).astype(np.int32)))
-    agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, world, slots=64, port=tb.port,
-                                  group=tb.mcast_group, worker_ips=[w.ip for w in tb.workers]))
-    comms = []
+    agg, comms = xdp_comms(tb, world, 64, silence=2.0)
     try:
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(Communicator(r, world, tb.agg.ip, group=tb.mcast_group, local_ip=w.ip, port=tb.port,
-                                          slots=64, timeout=60, silence=2.0))
-
         def extremes(r):
             f, i = xs[r]
             return [comms[r].allreduce(a, op=op) for op in ("max", "min") for a in (f, i)]

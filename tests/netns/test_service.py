@@ -12,6 +12,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from e2ekit import run_ranks
 
 from nicoffload.errors import CapacityError, InputError, PrivilegeError
 from nicoffload.lab.train.torchrun import ServiceProcess, wait_for, write_token
@@ -29,6 +30,21 @@ def raw(tb, method: str, url: str, body: bytes | None = None, headers: dict | No
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null")
+
+
+def granted_sum(tb, grant, xs: list) -> list:
+    """Every testbed worker's Communicator for the job the service granted sums its xs[r]; the
+    results by rank (None where a rank raised)."""
+    comms = []
+    for r, w in enumerate(tb.workers):
+        with tb.in_host(w):
+            comms.append(Communicator.from_spec(r, len(xs), grant.aggregator, grant.spec(10.0), local_ip=w.ip))
+    try:
+        outs, _errs = run_ranks(lambda r: comms[r].allreduce(xs[r]), len(xs), 30)
+    finally:
+        for c in comms:
+            c.close()
+    return outs
 
 
 def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path):
@@ -69,20 +85,7 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers], owner="t")))
         assert g.slots == 1024 and g.aggregator == tb.agg.ip and g.port == tb.port
         xs = [np.arange(5000, dtype=np.int32) * (r + 1) for r in range(2)]
-        comms = []
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(Communicator.from_spec(r, 2, g.aggregator, g.spec(10.0), local_ip=w.ip))
-        import threading
-
-        outs = [None, None]
-        ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, comms[r].allreduce(xs[r]))) for r in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
-        for cm in comms:
-            cm.close()
+        outs = granted_sum(tb, g, xs)
         assert all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
         listed = call(lambda c: c.jobs())["jobs"]
         assert [j["job"] for j in listed] == [g.job] and listed[0]["owner"] == "t"
@@ -153,8 +156,6 @@ def test_a_service_without_multicast_grants_unicast_jobs(make_testbed, tmp_path)
     """``agg serve --no-multicast`` on a fabric that drops multicast: jobs get unicast delivery
     by default (what the torch backend asks for), a multicast one is refused, and the granted
     job sums exactly."""
-    import threading
-
     tb = make_testbed(2, multicast=False)
     token_file = write_token(tmp_path)
     svc = ServiceProcess(tb, token_file, extra=["--no-multicast"]).start()
@@ -175,17 +176,7 @@ def test_a_service_without_multicast_grants_unicast_jobs(make_testbed, tmp_path)
         g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers])))
         assert g.delivery == "unicast" and g.spec(10).delivery == "unicast"
         xs = [np.random.default_rng(r).standard_normal(70_000).astype(np.float32) for r in range(2)]
-        comms, outs = [], [None, None]
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(Communicator.from_spec(r, 2, g.aggregator, g.spec(10.0), local_ip=w.ip))
-        ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, comms[r].allreduce(xs[r]))) for r in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
-        for cm in comms:
-            cm.close()
+        outs = granted_sum(tb, g, xs)
         from nicoffload.lab import reference
 
         want = reference.quantized(xs)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from e2ekit import run_ranks
+from e2ekit import run_ranks, xdp_comms
 
-from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.lab import reference
 from nicoffload.wire import proto
-from nicoffload.worker import Communicator
 from nicoffload.worker import comm as comm_module
 
 E = proto.DEFAULT_ELEMS
@@ -65,14 +63,8 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse,
     world = 3
     tb = make_testbed(world)
     seq = calls(world)
-    agg = Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, world, slots=128, port=tb.port,
-                                  group=tb.mcast_group, worker_ips=[w.ip for w in tb.workers]))
-    comms = []
+    agg, comms = xdp_comms(tb, world, 128, speculate=False, sparse=sparse)
     try:
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(Communicator(r, world, tb.agg.ip, group=tb.mcast_group, local_ip=w.ip, port=tb.port,
-                                          slots=128, timeout=60, speculate=False, sparse=sparse))
         plain, pstats = run(comms, seq, world)
         assert not any(s.spec_blocks for st in pstats for s in st)
         for i, xs in enumerate(seq):
