@@ -91,8 +91,11 @@ def test_sixteen_bit_lanes_under_drop_and_duplication_are_bit_identical(make_tes
     xs = adversarial(world, 150 * H, np.float32, seed=3)
     ins, clean = save(tmp_path, xs)
     tb.faults.configure(drop=0.02, dup=0.02, seed=7)
-    res = run_job(tb, ins, clean, "userspace", HALF, reps=2)
-    assert res.totals("retransmissions") > 0  # the faults bit
+    run_job(tb, ins, clean, "userspace", HALF, reps=2)
+    # the faults bit: the links dropped and duplicated packets (a rank's report holds only its last
+    # call's counters, and with few, batched packets per rep the drops can all land in the first)
+    fs = [d for link in tb.faults.stats().values() for d in link.values()]
+    assert sum(d["dropped"] for d in fs) > 0 and sum(d["duplicated"] for d in fs) > 0
     want = model(xs)
     for r in range(world):
         assert np.load(clean[r]).tobytes() == want.tobytes(), r
