@@ -83,20 +83,27 @@ struct ar_slot {
  * control plane can change the learning rate between steps without touching the epoch state. */
 struct ar_hyper {
     u32 opt;                   /* AR_OPT_*: AR_OPT_NONE, the rounds' results are the sums */
-    u32 flags;                 /* AR_OPT_NESTEROV */
+    u32 flags;                 /* AR_OPT_NESTEROV, AR_OPT_AMSGRAD, AR_OPT_MAXIMIZE */
     u32 meta_slots;            /* slots [0, meta_slots) of the job's share carry exponent rounds (MAX) */
     u32 bias;                  /* the offset of each contributor's offset-binary lanes */
-    u64 lr;                    /* AR_OPT_FRAC fractional bits, each <= 1.0 */
+    u64 lr;                    /* AR_OPT_FRAC fractional bits, each <= 1.0 (AdamW: AR_ADAM_EPS_FRAC) */
     u64 momentum;
     u64 dampening;
     u64 weight_decay;
+    u64 beta1, beta2;          /* AdamW (AR_OPT_FRAC fractional bits), and 1 - beta1, 1 - beta2 */
+    u64 omb1, omb2;
+    u64 eps;                   /* AdamW: AR_ADAM_EPS_FRAC fractional bits */
 };
 
 /* Optimizer state of one block (the block of pool slot i is entry i): master weights and momentum
- * in fixed point with AR_OPT_FRAC fractional bits, and the updates applied so far. */
+ * in fixed point with AR_OPT_FRAC fractional bits, and the updates applied so far. AdamW: m is the
+ * first moment, s the square root of the second and smax its running maximum (amsgrad), all
+ * three with AR_ADAM_FRAC fractional bits. */
 struct ar_opt {
     s64 w[AR_ELEMS];
     s64 m[AR_ELEMS];
+    s64 s[AR_ELEMS];
+    s64 smax[AR_ELEMS];
     u32 steps;
     u32 pad;
 };

@@ -206,11 +206,160 @@ struct sgd_scratch {
     u64 mu, damp, wd, lr, mu_n;
     s64 nest;                  /* all ones: Nesterov */
     u64 any;                   /* the OR of |w|: its bit length is that of max |w| */
+    /* AdamW (ar_adamw): per block and step */
+    u64 b1, b2, omb1, omb2;    /* beta1, beta2, 1 - beta1, 1 - beta2 (AR_OPT_FRAC) */
+    u64 eps;                   /* AR_ADAM_EPS_FRAC fractional bits (c->lr too, for AdamW) */
+    u64 alpha;                 /* lr * sqrt(bc2) / bc1 = alpha * 2^-(AR_OPT_FRAC + ashift) */
+    u64 epsd;                  /* eps * sqrt(bc2), AR_ADAM_FRAC fractional bits (>= 1) */
+    u64 lrwd;                  /* lr * weight_decay (AR_OPT_FRAC) */
+    s64 neg;                   /* all ones: maximize */
+    u64 ams;                   /* all ones: amsgrad */
+    u32 ashift, adam;          /* adam: phase 0 is AdamW's (ar_sgd dispatches to adamw_chunk) */
 };
 BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
 /* elements per callback: the lookups and the call are paid once per chunk */
 #define SGD_CHUNK 8
 #define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
+
+/* Branch-free helpers for values below 2^63 (BPF has no conditional moves: a branch per element
+ * would multiply the paths the verifier walks). The empty asm hides the sign mask from clang,
+ * which would otherwise see through it and emit a compare and branch. */
+#define opaque(x) asm volatile("" : "+r"(x))
+static __always_inline u64 signmask(s64 x) { opaque(x); return (u64)(x >> 63); }
+static __always_inline u64 nonzero63(u64 v) { s64 n = -(s64)v; opaque(n); return (u64)n >> 63; }
+static __always_inline u64 min63(u64 a, u64 b) { u64 d = a - b; return b + (d & signmask((s64)d)); }
+static __always_inline u64 max63(u64 a, u64 b) { u64 d = a - b; return a - (d & signmask((s64)d)); }
+static __always_inline s64 relu(s64 x) { return x & ~(s64)signmask(x); }
+static __always_inline u64 bitlen63(u64 v)
+{
+    u64 n = 0, sh;
+    sh = nonzero63(v >> 32) << 5; v >>= sh; n += sh;
+    sh = nonzero63(v >> 16) << 4; v >>= sh; n += sh;
+    sh = nonzero63(v >> 8) << 3; v >>= sh; n += sh;
+    sh = nonzero63(v >> 4) << 2; v >>= sh; n += sh;
+    sh = nonzero63(v >> 2) << 1; v >>= sh; n += sh;
+    sh = nonzero63(v >> 1); v >>= sh; n += sh;
+    return n + v;
+}
+
+/* floor(sqrt(t)), digit by digit: t < 2^62 with bit = 2^60 and n = 31, t <= 2^62 with 2^62, 32 */
+static __always_inline u64 isqrt_bits(u64 t, u64 bit, const int n)
+{
+    u64 r = 0;
+#pragma nounroll
+    for (int i = 0; i < n; i++) {
+        u64 c = r + bit;
+        u64 ge = ~signmask((s64)(t - c));
+        t -= c & ge;
+        r = (r >> 1) + (bit & ge);
+        bit >>= 2;
+    }
+    return r;
+}
+#define isqrt62(t) isqrt_bits((t), 1ULL << 60, 31)
+#define isqrt64(t) isqrt_bits((t), 1ULL << 62, 32)
+
+#define ADAM_CHUNK 4
+#define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)
+#define ADAM_QMAX (1ULL << 52)
+
+/* b^t with AR_OPT_FRAC fractional bits, by squaring, floored after each product */
+static __always_inline u64 pow_fixed(u64 b, u32 t)
+{
+    u64 r = 1ULL << AR_OPT_FRAC;
+#pragma nounroll
+    for (int i = 0; i < 32; i++) {
+        u64 on = t & 1;
+        opaque(on);
+        on = -on;
+        r = (((r * b) >> 32) & on) | (r & ~on);
+        b = (b * b) >> 32;
+        t >>= 1;
+    }
+    return r;
+}
+
+/* The per-block constants of AdamW's update number t (1-based), from the hyperparameters that
+ * sgd_apply copied into the scratch (run by the first chunk's callback: its own stack). */
+static __always_inline void adamw_constants(struct sgd_scratch *c, u32 t)
+{
+    u64 one = 1ULL << AR_OPT_FRAC;
+    u64 bc1 = one - pow_fixed(c->b1, t);
+    u64 bc2 = one - pow_fixed(c->b2, t);
+    u64 sq = isqrt64(bc2 << 30) << 1;            /* sqrt(bc2), AR_OPT_FRAC fractional bits */
+    u64 x = (u64)mulfrac((s64)c->lr, sq);        /* lr * sqrt(bc2), 62 fractional bits */
+    u64 a62 = (1ULL << 62) - 1;
+    if (bc1) {
+        u64 hi = x / bc1;
+        if (hi < (1ULL << 30)) {
+            u64 lo = ((x % bc1) << 32) / bc1;
+            u64 v = (hi << 32) + lo;
+            a62 = v < a62 ? v : a62;
+        }
+    }
+    u32 r = (u32)relu((s64)bitlen63(a62) - 32);
+    c->alpha = a62 >> (r & 63);
+    c->ashift = 30 - r;
+    u64 epsd = (u64)mulfrac((s64)c->eps, sq) >> (AR_ADAM_EPS_FRAC - AR_ADAM_FRAC);
+    c->epsd = epsd ? epsd : 1;
+    c->lrwd = (u64)mulfrac((s64)c->lr, c->wd) >> (AR_ADAM_EPS_FRAC - AR_OPT_FRAC);
+}
+
+/* AdamW on elements [i * ADAM_CHUNK, (i + 1) * ADAM_CHUNK) of a completed round,
+ * as torch.optim.AdamW (nicoffload/optim/adamw.py is the model, bit for bit, and derives each
+ * step): decoupled weight decay, m = b1 m + (1 - b1) g, s = sqrt(b2 s^2 + (1 - b2) g^2) on
+ * operands normalised to 31 bits, w -= alpha * m / (s + eps') with the quotient normalised to
+ * 31 significant bits. Phase 0 of ar_sgd for an AdamW job (one bpf_loop callback for both: the
+ * loader links a function's callback references to one next function); its phase 1 writes the
+ * result lanes as for SGD. */
+static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_slot *slot, struct ar_opt *o)
+{
+    if (i >= ADAM_CHUNKS)
+        return 1;
+    if (i == 0)
+        adamw_constants(c, o->steps + 1);
+    u32 *lane = (u32 *)slot->set[c->set & 1].acc;
+    u64 any = 0;
+#pragma unroll
+    for (int j = 0; j < ADAM_CHUNK; j++) {
+        u64 k = i * ADAM_CHUNK + j;
+        if (k >= AR_ELEMS)
+            break;
+        s64 live = ((s64)k - (s64)c->cnt) >> 63;
+        s64 q = (s64)lane[k] - c->offset;
+        s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
+        g = (g ^ c->neg) - c->neg;
+        s64 w = o->w[k];
+        w -= mulfrac(w, c->lrwd);
+        s64 m = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
+        u64 ag = (u64)((g ^ (g >> 63)) - (g >> 63));
+        u64 sv = (u64)o->s[k];
+        u64 nsh = (u64)relu((s64)bitlen63(max63(sv, ag)) - 31);
+        u64 s1 = sv >> nsh, g1 = ag >> nsh;
+        u64 t = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
+        sv = isqrt62(t) << nsh;
+        o->s[k] = (s64)sv;
+        u64 smax = (u64)o->smax[k];
+        smax = (max63(sv, smax) & c->ams) | (smax & ~c->ams);
+        o->smax[k] = (s64)smax;
+        u64 d = ((smax & c->ams) | (sv & ~c->ams)) + c->epsd;
+        u64 am = (u64)((m ^ (m >> 63)) - (m >> 63));
+        u64 L = 62 - bitlen63(am);
+        u64 sd = (u64)relu((s64)bitlen63(d) - 31);
+        u64 Q = (am << L) / (d >> sd);
+        s64 kk = (s64)(L + sd) - 32;
+        u64 kpos = (u64)relu(kk), kneg = (u64)relu(-kk);
+        u64 qa = min63(Q >> kpos, ADAM_QMAX >> kneg) << kneg;
+        s64 sgn = m >> 63;
+        s64 qs = ((s64)qa ^ sgn) - sgn;
+        w -= mulfrac(qs, c->alpha) >> (c->ashift & 63);
+        o->m[k] = m;
+        o->w[k] = w;
+        any |= (u64)((w ^ (w >> 63)) - (w >> 63));
+    }
+    c->any |= any;
+    return 0;
+}
 
 /* bpf_loop callback: element k of an update (phase 0: the SGD step; phase 1: the result lane).
  * The round of block o is complete: its set's acc holds the SUM64 lanes of the ranks'
@@ -224,12 +373,16 @@ long ar_sgd(u64 i)
 {
     u32 zero = 0;
     struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
-    if (!c || i >= SGD_CHUNKS)
+    if (!c || i >= ADAM_CHUNKS)
         return 1;
     u32 idx = c->slot;
     struct ar_slot *slot = ar_slots.lookup(&idx);
     struct ar_opt *o = ar_opt.lookup(&idx);
     if (!slot || !o)
+        return 1;
+    if (c->adam && !c->phase)
+        return adamw_chunk(i, c, slot, o);
+    if (i >= SGD_CHUNKS)
         return 1;
     u32 *lane = (u32 *)slot->set[c->set & 1].acc;
     u64 any = 0;
@@ -270,7 +423,8 @@ static __always_inline u32 sgd_apply(struct ar_job *job, struct ar_hyper *hp, st
     if (!c)
         return 0xffff;
     s32 gexp = (s16)bpf_ntohs(s->exp);           /* gradient value = lane sum * 2^-gexp */
-    s32 sh = AR_OPT_FRAC - gexp;                 /* to AR_OPT_FRAC fractional bits */
+    /* to AR_OPT_FRAC fractional bits (AdamW: AR_ADAM_FRAC) */
+    s32 sh = (hp->opt == AR_OPT_ADAMW ? AR_ADAM_FRAC : AR_OPT_FRAC) - gexp;
     u32 first = o->steps == 0;
     c->slot = idx;
     c->set = set;
@@ -287,7 +441,15 @@ static __always_inline u32 sgd_apply(struct ar_job *job, struct ar_hyper *hp, st
     c->cnt = s->count;
     c->any = 0;
     c->phase = 0;
-    bpf_loop(SGD_CHUNKS, ar_sgd, 0, 0);
+    c->adam = hp->opt == AR_OPT_ADAMW;
+    c->b1 = hp->beta1;
+    c->b2 = hp->beta2;
+    c->omb1 = hp->omb1;
+    c->omb2 = hp->omb2;
+    c->eps = hp->eps;
+    c->neg = (hp->flags & AR_OPT_MAXIMIZE) ? -1 : 0;
+    c->ams = (hp->flags & AR_OPT_AMSGRAD) ? ~0ULL : 0;
+    bpf_loop(c->adam ? ADAM_CHUNKS : SGD_CHUNKS, ar_sgd, 0, 0);
     o->steps += 1;
     u32 bits = bit_length(c->any);
     c->out = bits > 31 ? bits - 31 : 0;          /* |lane| < 2^31 */

@@ -90,12 +90,19 @@
 /* optimizers a job can be registered with (nicoffload/optim.py has the arithmetic) */
 #define AR_OPT_NONE 0
 #define AR_OPT_SGD 1
+#define AR_OPT_ADAMW 2
 /* optimizer flags */
 #define AR_OPT_NESTEROV 1
+#define AR_OPT_AMSGRAD 2
+#define AR_OPT_MAXIMIZE 4
 /* fractional bits of the master weights, the momentum and the hyperparameters (int64 fixed point) */
 #define AR_OPT_FRAC 32
 /* gradients and parameters an optimizer job accepts: |value| < 2^AR_OPT_RANGE */
 #define AR_OPT_RANGE 20
+/* AdamW: fractional bits of the first moment m and of s = sqrt(second moment) (|m|, s < 2^62) */
+#define AR_ADAM_FRAC 42
+/* AdamW: fractional bits of eps (eps < 1) */
+#define AR_ADAM_EPS_FRAC 62
 
 /* STATUS details */
 /* the round has not completed: mask = who has contributed */

@@ -93,7 +93,7 @@ class AggMaps:
         spec = e.spec
         if spec is not None:
             v.opt = optim.KINDS[spec.kind]
-            v.flags = optim.NESTEROV if spec.nesterov else 0
+            v.flags = spec.flags
             v.meta_slots = optim.meta_slots(e.params, elems)
             v.bias = 1 << (30 - quant.headroom_bits(e.workers))
             for k, c in spec.fixed().items():
@@ -114,35 +114,44 @@ class AggMaps:
         meta = optim.meta_slots(e.params, elems)
         return t, range(e.slot_base + meta, e.slot_base + e.slot_count)
 
+    #: the per-element arrays of an ar_opt entry (s and smax: AdamW's)
+    STATE = ("w", "m", "s", "smax")
+
     def write_state(self, e: JobEntry, elems: int, w: np.ndarray, m: np.ndarray | None = None,
-                    steps: np.ndarray | None = None) -> None:
-        """Master weights (and momentum, and updates applied, per block) in fixed point."""
+                    steps: np.ndarray | None = None, s: np.ndarray | None = None,
+                    smax: np.ndarray | None = None) -> None:
+        """Master weights (and momentum or AdamW's moments, and updates applied, per block) in
+        fixed point; what is not given is 0."""
         t, slots = self._opt_table(e, elems)
         nb = len(slots)
-        wp = np.zeros(nb * elems, np.int64)
-        wp[:w.size] = w
-        mp = np.zeros(nb * elems, np.int64)
-        if m is not None:
-            mp[:m.size] = m
+        arrays = {}
+        for name, a in zip(self.STATE, (w, m, s, smax)):
+            p = np.zeros(nb * elems, np.int64)
+            if a is not None:
+                p[:a.size] = a
+            arrays[name] = p
         for b, i in enumerate(slots):
             v = t.Leaf()
-            v.w[:] = wp[b * elems:(b + 1) * elems].tolist()
-            v.m[:] = mp[b * elems:(b + 1) * elems].tolist()
+            for name, p in arrays.items():
+                getattr(v, name)[:] = p[b * elems:(b + 1) * elems].tolist()
             v.steps = int(steps[b]) if steps is not None else 0
             self._write(t, i, v)
 
-    def read_state(self, e: JobEntry, elems: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(w, m) in fixed point, e.params each, and the updates applied per block."""
+    def read_state(self, e: JobEntry, elems: int, *, full: bool = False):
+        """(w, m) in fixed point, e.params each, and the updates applied per block; ``full``:
+        a dict of every array of the entry (w, m, s, smax) and ``steps``."""
         t, slots = self._opt_table(e, elems)
-        w = np.empty(len(slots) * elems, np.int64)
-        m = np.empty_like(w)
+        out = {name: np.empty(len(slots) * elems, np.int64) for name in self.STATE}
         steps = np.empty(len(slots), np.int64)
         for b, i in enumerate(slots):
             v = t[t.Key(i)]
-            w[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.w)
-            m[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(v.m)
+            for name, a in out.items():
+                a[b * elems:(b + 1) * elems] = np.ctypeslib.as_array(getattr(v, name))
             steps[b] = v.steps
-        return w[:e.params], m[:e.params], steps
+        out = {k: a[:e.params] for k, a in out.items()}
+        if full:
+            return {**out, "steps": steps}
+        return out["w"], out["m"], steps
 
     # --- slots -----------------------------------------------------------------------------
     def clear_slots(self, slots: range) -> None:

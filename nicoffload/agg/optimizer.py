@@ -38,11 +38,20 @@ class OptimizerControl:
         return optim.from_fixed(self.maps.read_state(e, self.spec.elems)[0])
 
     def optimizer_state(self, job: int) -> dict:
-        """Master weights and momentum (fixed point and float), updates per block, hyperparameters."""
+        """Master weights and momentum (fixed point and float), updates per block, hyperparameters;
+        for AdamW also s = sqrt(second moment) and its running maximum (``s_fixed``, ``smax_fixed``,
+        AR_ADAM_FRAC fractional bits, and ``m`` in that scale)."""
         e = self._opt_entry(job)
-        w, m, steps = self.maps.read_state(e, self.spec.elems)
-        return {"optimizer": e.optimizer, "params": e.params, "w_fixed": w, "m_fixed": m, "steps": steps,
-                "w": optim.from_fixed(w), "m": optim.from_fixed(m), "frac_bits": optim.FRAC}
+        st = self.maps.read_state(e, self.spec.elems, full=True)
+        out = {"optimizer": e.optimizer, "params": e.params, "w_fixed": st["w"], "m_fixed": st["m"],
+               "steps": st["steps"], "w": optim.from_fixed(st["w"]), "frac_bits": optim.FRAC}
+        if e.spec.kind == "adamw":
+            scale = 2.0 ** -optim.adamw.FA
+            out.update(m=st["m"] * scale, s_fixed=st["s"], smax_fixed=st["smax"], s=st["s"] * scale,
+                       moment_frac_bits=optim.adamw.FA)
+        else:
+            out["m"] = optim.from_fixed(st["m"])
+        return out
 
     def set_lr(self, job: int, lr: float) -> None:
         """A new learning rate, from the next update on (between steps: a schedule)."""
@@ -53,22 +62,29 @@ class OptimizerControl:
             self.maps.set_lr(e, spec.fixed()["lr"])
 
     def save_optimizer(self, job: int, path: Path) -> Path:
-        """Checkpoint: hyperparameters, master weights, momentum and update counts, to .npz."""
-        st = self.optimizer_state(job)
+        """Checkpoint: hyperparameters, master weights, moments and update counts, to .npz."""
+        e = self._opt_entry(job)
+        st = self.maps.read_state(e, self.spec.elems, full=True)
         path = Path(path)
-        np.savez(path, w=st["w_fixed"], m=st["m_fixed"], steps=st["steps"], frac_bits=optim.FRAC,
-                 elems=self.spec.elems, optimizer=json.dumps(st["optimizer"]))
+        np.savez(path, w=st["w"], m=st["m"], s=st["s"], smax=st["smax"], steps=st["steps"], frac_bits=optim.FRAC,
+                 moment_frac_bits=optim.adamw.FA, elems=self.spec.elems, optimizer=json.dumps(e.optimizer))
         return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
     def load_optimizer(self, job: int, path: Path) -> None:
-        """Restore a checkpoint of :meth:`save_optimizer` into a registered job of the same shape."""
+        """Restore a checkpoint of :meth:`save_optimizer` into a registered job of the same shape
+        and optimizer."""
         e = self._opt_entry(job)
         with np.load(path) as z:
             if int(z["frac_bits"]) != optim.FRAC or int(z["elems"]) != self.spec.elems or z["w"].size != e.params:
                 raise InputError(f"{path}: checkpoint of {z['w'].size} parameters, {int(z['elems'])} per record, "
                                  f"{int(z['frac_bits'])} fractional bits does not fit job {job} ({e.params}, "
                                  f"{self.spec.elems}, {optim.FRAC})")
-            self.maps.write_state(e, self.spec.elems, z["w"], z["m"], z["steps"])
             saved = OptimizerSpec(**json.loads(str(z["optimizer"])))
+            if saved.kind != e.spec.kind:
+                raise InputError(f"{path}: a checkpoint of {saved.kind}, job {job} runs {e.spec.kind}")
+            if "s" in z.files and int(z["moment_frac_bits"]) != optim.adamw.FA:
+                raise InputError(f"{path}: moments with {int(z['moment_frac_bits'])} fractional bits, this "
+                                 f"aggregator keeps {optim.adamw.FA}")
+            extra = {k: z[k] for k in ("s", "smax") if k in z.files}
+            self.maps.write_state(e, self.spec.elems, z["w"], z["m"], z["steps"], **extra)
         self.set_lr(job, saved.lr)
-

@@ -286,10 +286,10 @@ class UserspaceAggregator(EpochState):
 
     def _update(self, slot: int, s: _Set, acc: np.ndarray) -> None:
         """The round's sum is the averaged gradient of block slot - meta: apply the optimizer and
-        make the result the updated parameters (optim.sgd_update, bit for bit the XDP program's)."""
+        make the result the updated parameters (optim.apply_update, bit for bit the XDP program's)."""
         m = self._opt
-        res, e = optim.sgd_update(m.states[slot - self._meta], acc.view(np.uint32), self.workers * m.bias, s.exp,
-                                  self._hyper, m.spec.nesterov, s.count)
+        res, e = optim.apply_update(m.spec, m.states[slot - self._meta], acc.view(np.uint32), self.workers * m.bias,
+                                    s.exp, self._hyper, s.count)
         acc[:] = res
         s.exp = e
         self.stats["updated"] += 1

@@ -1,6 +1,6 @@
 """The optimizer an aggregator applies for a job (OptimusNIC): SGD with momentum, dampening,
-Nesterov and weight decay, as torch.optim.SGD defines them, in the fixed point the XDP program
-computes in. This module is the one Python home of that arithmetic: the user-space aggregator
+Nesterov and weight decay, as torch.optim.SGD defines them, and AdamW as torch.optim.AdamW does
+(:mod:`.adamw`), in the fixed point the XDP program computes in. This module is the one Python home of that arithmetic: the user-space aggregator
 runs it, the tests hold the XDP program to it bit for bit, and docs/optimizer.md derives its
 error against float64.
 
@@ -27,13 +27,15 @@ import numpy as np
 
 from nicoffload.wire import proto, quant
 
-from .errors import InputError
+from ..errors import InputError
+from . import adamw
+from .adamw import AdamWBound  # noqa: F401  (re-exported)
 
 FRAC = proto.C["AR_OPT_FRAC"]
 ONE = 1 << FRAC
 #: |gradient| and |parameter| stay below 2^RANGE (checked where they enter)
 RANGE = proto.C["AR_OPT_RANGE"]
-KINDS = {"sgd": proto.C["AR_OPT_SGD"]}
+KINDS = {"sgd": proto.C["AR_OPT_SGD"], "adamw": proto.C["AR_OPT_ADAMW"]}
 NESTEROV = proto.C["AR_OPT_NESTEROV"]
 #: records of an aggregator with optimizer state hold at most this many elements (beyond, the
 #: program's two copies of the slot algorithm exceed the verifier's budget of 1M instructions)
@@ -42,7 +44,9 @@ MAX_ELEMS = 256
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """torch.optim.SGD's hyperparameters (each in [0, 1] here)."""
+    """The optimizer of a job: torch.optim.SGD's hyperparameters (kind "sgd": lr, momentum,
+    dampening, weight_decay, nesterov, each in [0, 1]) or torch.optim.AdamW's (kind "adamw": lr,
+    betas, eps, weight_decay, amsgrad, maximize; :meth:`adamw` has torch's defaults)."""
 
     kind: str = "sgd"
     lr: float = 0.01
@@ -50,6 +54,19 @@ class OptimizerSpec:
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    amsgrad: bool = False
+    maximize: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(self.betas))  # a list from JSON
+
+    @classmethod
+    def adamw(cls, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+              amsgrad: bool = False, maximize: bool = False) -> "OptimizerSpec":
+        return cls("adamw", lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, amsgrad=amsgrad,
+                   maximize=maximize).validate()
 
     def validate(self) -> "OptimizerSpec":
         if self.kind not in KINDS:
@@ -61,17 +78,49 @@ class OptimizerSpec:
                                  f"bits), not {v}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InputError("Nesterov momentum requires a momentum and zero dampening (as torch.optim.SGD)")
+        if self.kind == "adamw":
+            self._validate_adamw()
+        elif self.amsgrad or self.maximize:
+            raise InputError("amsgrad and maximize are AdamW's (the aggregator's SGD has neither)")
         return self
+
+    def _validate_adamw(self) -> None:
+        if self.momentum or self.dampening or self.nesterov:
+            raise InputError("momentum, dampening and nesterov are SGD's: AdamW takes betas")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b <= 1 - 2 ** -20
+                                           for b in self.betas):
+            raise InputError(f"betas must be two numbers in [0, 1 - 2^-20], not {self.betas}")
+        if not (isinstance(self.eps, (int, float)) and 1e-10 <= self.eps < 1):
+            raise InputError(f"eps must be in [1e-10, 1) (fixed point with {adamw.FA} fractional bits), not {self.eps}")
+        if self.lr > 1 - self.betas[0]:
+            raise InputError(f"lr must be at most 1 - beta1 = {1 - self.betas[0]:g} (the step factor "
+                             f"lr * sqrt(1 - beta2^t) / (1 - beta1^t) stays below 1), not {self.lr}")
 
     def fixed(self) -> dict[str, int]:
         """The hyperparameters in fixed point (dampening only matters with momentum, as in torch)."""
+        if self.kind == "adamw":
+            return adamw.hyper(self)
         out = {k: fixed_hyper(getattr(self, k)) for k in ("lr", "momentum", "dampening", "weight_decay")}
         if not self.momentum:
             out["dampening"] = 0
         return out
 
+    @property
+    def flags(self) -> int:
+        return (NESTEROV if self.nesterov else 0) | (adamw.AMSGRAD if self.amsgrad else 0) \
+            | (adamw.MAXIMIZE if self.maximize else 0)
+
+    def describe(self) -> str:
+        if self.kind == "adamw":
+            return (f"adamw lr {self.lr:g} betas {self.betas[0]:g},{self.betas[1]:g} eps {self.eps:g} weight decay "
+                    f"{self.weight_decay:g}{' amsgrad' if self.amsgrad else ''}{' maximize' if self.maximize else ''}")
+        return (f"sgd lr {self.lr:g} momentum {self.momentum:g} dampening {self.dampening:g} weight decay "
+                f"{self.weight_decay:g}{' nesterov' if self.nesterov else ''}")
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
 
 
 def fixed_hyper(v: float) -> int:
@@ -123,11 +172,20 @@ def bit_length(v: int) -> int:
 
 @dataclass
 class BlockState:
-    """One block's master weights, momentum and count of updates."""
+    """One block's master weights, momentum (AdamW: first moment) and count of updates; AdamW's
+    s = sqrt(second moment) and its running maximum (amsgrad), AR_ADAM_FRAC fractional bits."""
 
     w: np.ndarray
     m: np.ndarray
     steps: int = 0
+    s: np.ndarray | None = None
+    smax: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.s is None:
+            self.s = np.zeros_like(self.m)
+        if self.smax is None:
+            self.smax = np.zeros_like(self.m)
 
 
 def sgd_update(state: BlockState, lanes: np.ndarray, offset: int, gexp: int, hyper: dict[str, int],
@@ -157,9 +215,23 @@ def sgd_update(state: BlockState, lanes: np.ndarray, offset: int, gexp: int, hyp
     d = g + mulfrac(m, hyper["momentum"]) if nesterov else m
     w = state.w - mulfrac(d, hyper["lr"])
     state.w, state.m, state.steps = w, m, state.steps + 1
+    return result_lanes(w)
+
+
+def result_lanes(w: np.ndarray) -> tuple[np.ndarray, int]:
+    """The updated parameters as the aggregator sends them: int32 lanes and one exponent."""
     bits = bit_length(int(np.bitwise_or.reduce(np.abs(w).astype(np.uint64)))) if w.size else 0
     out = max(0, bits - 31)
     return (w >> np.int64(out)).astype(np.int32), out - FRAC
+
+
+def apply_update(spec: OptimizerSpec, state: BlockState, lanes: np.ndarray, offset: int, gexp: int,
+                 hyper: dict[str, int], count: int) -> tuple[np.ndarray, int]:
+    """The job's optimizer on one completed round of a block: its result (lanes, exponent)."""
+    if spec.kind == "adamw":
+        adamw.update(state, lanes, offset, gexp, hyper, spec.flags, count)
+        return result_lanes(state.w)
+    return sgd_update(state, lanes, offset, gexp, hyper, spec.nesterov, count)
 
 
 # --- a whole job, in numpy (the user-space aggregator's and the tests' model) ---------------
@@ -203,7 +275,7 @@ class JobModel:
         hyper = self.spec.fixed()
         for b, st in enumerate(self.states):
             count = min(E, self.n - b * E)
-            res, e = sgd_update(st, lanes[b], self.world * self.bias, int(sh[b]), hyper, self.spec.nesterov, count)
+            res, e = apply_update(self.spec, st, lanes[b], self.world * self.bias, int(sh[b]), hyper, count)
             out.append((res, e))
             values[b * E:(b + 1) * E] = np.ldexp(res.astype(np.float64), e)
         return out, values[:self.n]
