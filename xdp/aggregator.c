@@ -242,22 +242,33 @@ static __always_inline u64 bitlen63(u64 v)
     return n + v;
 }
 
-/* floor(sqrt(t)), digit by digit: t < 2^62 with bit = 2^60 and n = 31, t <= 2^62 with 2^62, 32 */
-static __always_inline u64 isqrt_bits(u64 t, u64 bit, const int n)
+/* floor(sqrt(t)), digit by digit, branch-free: t < 2^62 (31 result bits; unrolled: once per
+ * element), and t <= 2^62 (32 bits; a loop: once per block). */
+#define ISQRT_STEP(t, r, bit) do {                     \
+        u64 c_ = (r) + (bit);                          \
+        u64 ge_ = ~signmask((s64)((t) - c_));          \
+        (t) -= c_ & ge_;                               \
+        (r) = ((r) >> 1) + ((bit) & ge_);              \
+        (bit) >>= 2;                                   \
+    } while (0)
+
+static __always_inline u64 isqrt62(u64 t)
 {
-    u64 r = 0;
-#pragma nounroll
-    for (int i = 0; i < n; i++) {
-        u64 c = r + bit;
-        u64 ge = ~signmask((s64)(t - c));
-        t -= c & ge;
-        r = (r >> 1) + (bit & ge);
-        bit >>= 2;
-    }
+    u64 r = 0, bit = 1ULL << 60;
+#pragma unroll
+    for (int i = 0; i < 31; i++)
+        ISQRT_STEP(t, r, bit);
     return r;
 }
-#define isqrt62(t) isqrt_bits((t), 1ULL << 60, 31)
-#define isqrt64(t) isqrt_bits((t), 1ULL << 62, 32)
+
+static __always_inline u64 isqrt64(u64 t)
+{
+    u64 r = 0, bit = 1ULL << 62;
+#pragma nounroll
+    for (int i = 0; i < 32; i++)
+        ISQRT_STEP(t, r, bit);
+    return r;
+}
 
 #define ADAM_CHUNK 4
 #define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)

@@ -335,7 +335,7 @@ def _register_bench(asub) -> None:
     JobSpec.add_arguments(q, only=("elems",))
     q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
     q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
-    q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizer's update")
+    q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizers' updates (SGD, AdamW)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_bench)
 
@@ -351,7 +351,8 @@ def _bench(args) -> int:
     if args.optimizer:
         out["optimizer"] = xdpbench.optimizer_costs(args.workers, elems)
         if not args.no_live:
-            out["optimizer_live"] = xdpbench.optimizer_live_cost(args.workers, elems=elems)
+            out["optimizer_live"] = [xdpbench.optimizer_live_cost(args.workers, elems=elems, kind=k)
+                                     for k in xdpbench.BENCH_SPECS]
     if not args.no_live:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))

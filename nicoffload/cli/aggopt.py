@@ -13,18 +13,38 @@ from nicoffload.errors import InputError
 from nicoffload.optim import KINDS, OptimizerSpec
 
 _DEFAULT = OptimizerSpec()
+_ADAMW = OptimizerSpec.adamw()
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        b = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        b = ()
+    if len(b) != 2:
+        raise InputError(f"--betas takes two numbers, B1,B2 (like 0.9,0.999), not {text!r}")
+    return b
 
 
 def optimizer_arguments(q) -> None:
     """--optimizer and its hyperparameters, --params and --init (agg load, agg job add)."""
     q.add_argument("--optimizer", choices=sorted(KINDS), default=None,
-                   help="the aggregator keeps the job's parameters and applies this optimizer: workers send "
-                        "gradients (Communicator.step) and get the updated parameters back")
-    q.add_argument("--lr", type=float, default=_DEFAULT.lr, help=f"learning rate, 0..1 (default {_DEFAULT.lr})")
-    q.add_argument("--momentum", type=float, default=_DEFAULT.momentum, help="0..1 (default 0)")
-    q.add_argument("--dampening", type=float, default=_DEFAULT.dampening, help="0..1 (default 0)")
-    q.add_argument("--weight-decay", type=float, default=_DEFAULT.weight_decay, help="0..1 (default 0)")
-    q.add_argument("--nesterov", action="store_true", help="Nesterov momentum (torch.optim.SGD's)")
+                   help="the aggregator keeps the job's parameters and applies this optimizer (torch.optim.SGD's "
+                        "or torch.optim.AdamW's update): workers send gradients (Communicator.step) and get the "
+                        "updated parameters back")
+    q.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate, 0..1 (default {_DEFAULT.lr} for sgd, {_ADAMW.lr} for adamw; adamw: at most "
+                        "1 - beta1)")
+    q.add_argument("--momentum", type=float, default=_DEFAULT.momentum, help="sgd: 0..1 (default 0)")
+    q.add_argument("--dampening", type=float, default=_DEFAULT.dampening, help="sgd: 0..1 (default 0)")
+    q.add_argument("--weight-decay", type=float, default=None,
+                   help=f"0..1 (default {_DEFAULT.weight_decay} for sgd, {_ADAMW.weight_decay} for adamw: decoupled)")
+    q.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (torch.optim.SGD's)")
+    q.add_argument("--betas", type=str, default=None, metavar="B1,B2",
+                   help=f"adamw: the moments' decay rates (default {_ADAMW.betas[0]},{_ADAMW.betas[1]})")
+    q.add_argument("--eps", type=float, default=_ADAMW.eps, help=f"adamw: 1e-10..1 (default {_ADAMW.eps:g})")
+    q.add_argument("--amsgrad", action="store_true", help="adamw: the running maximum of the second moment")
+    q.add_argument("--maximize", action="store_true", help="adamw: ascend instead of descend")
     q.add_argument("--params", type=int, default=0, help="parameters of the job (an optimizer job's share follows)")
     q.add_argument("--init", type=Path, default=None, help=".npy with the initial parameters (default: zeros)")
 
@@ -35,7 +55,17 @@ def optimizer_from(args) -> OptimizerSpec | None:
             if getattr(args, flag):
                 raise InputError(f"--{flag} belongs to an optimizer job: give --optimizer too")
         return None
-    return OptimizerSpec(args.optimizer, args.lr, args.momentum, args.dampening, args.weight_decay,
+    if args.optimizer == "adamw":
+        if args.momentum or args.dampening or args.nesterov:
+            raise InputError("--momentum, --dampening and --nesterov are sgd's: adamw takes --betas")
+        return OptimizerSpec.adamw(lr=_ADAMW.lr if args.lr is None else args.lr,
+                                   betas=_ADAMW.betas if args.betas is None else _betas(args.betas), eps=args.eps,
+                                   weight_decay=_ADAMW.weight_decay if args.weight_decay is None else args.weight_decay,
+                                   amsgrad=args.amsgrad, maximize=args.maximize)
+    if args.betas is not None or args.amsgrad or args.maximize or args.eps != _ADAMW.eps:
+        raise InputError("--betas, --eps, --amsgrad and --maximize are adamw's (--optimizer adamw)")
+    return OptimizerSpec(args.optimizer, _DEFAULT.lr if args.lr is None else args.lr, args.momentum, args.dampening,
+                         _DEFAULT.weight_decay if args.weight_decay is None else args.weight_decay,
                          args.nesterov).validate()
 
 
@@ -89,16 +119,18 @@ def _show(args) -> int:
            "updates": {"min": int(st["steps"].min()), "max": int(st["steps"].max())},
            "w": {"min": float(st["w"].min()), "max": float(st["w"].max()), "norm": float(np.linalg.norm(st["w"]))},
            "momentum": {"norm": float(np.linalg.norm(st["m"]))}}
+    if "s" in st:
+        out["second_moment_sqrt"] = {"norm": float(np.linalg.norm(st["s"])), "max": float(st["s"].max())}
     if args.json:
         print(json.dumps(out))
     else:
-        o = out["optimizer"]
-        print(f"job {args.job}: {o['kind']} lr {o['lr']:g} momentum {o['momentum']:g} dampening {o['dampening']:g} "
-              f"weight decay {o['weight_decay']:g}{' nesterov' if o['nesterov'] else ''}; {out['params']} parameters "
-              f"(int64, {out['frac_bits']} fractional bits)")
+        spec = OptimizerSpec(**out["optimizer"])
+        print(f"job {args.job}: {spec.describe()}; {out['params']} parameters (int64, {out['frac_bits']} fractional bits)")
+        m = "first moment" if spec.kind == "adamw" else "momentum"
+        extra = f", |sqrt(v)| {out['second_moment_sqrt']['norm']:.6g}" if "second_moment_sqrt" in out else ""
         print(f"  updates applied per block: {out['updates']['min']}..{out['updates']['max']}; "
               f"w in [{out['w']['min']:.6g}, {out['w']['max']:.6g}], |w| {out['w']['norm']:.6g}, "
-              f"|momentum| {out['momentum']['norm']:.6g}")
+              f"|{m}| {out['momentum']['norm']:.6g}{extra}")
     return 0
 
 

@@ -95,18 +95,32 @@ def live_cost(workers: int = 4, size: int = LIVE_SIZE, elems: int = DEFAULT.elem
 
 
 
-def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 256 * 512) -> dict:
-    """The in-kernel cost of the optimizer (BPF_PROG_TEST_RUN, one record per frame, medians less
-    the timer overhead): a round's last contribution in an optimizer job (the sum, then SGD with
-    momentum, Nesterov and weight decay on the block, and the result lanes) against the same
-    contribution of a plain SUM64 round, per element; and the earlier contributions, which are
-    the same SUM64 additions in both."""
+#: the optimizers ``agg bench --optimizer`` measures (torch's update each, in the aggregator)
+BENCH_SPECS = {"sgd": dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=True),
+               "adamw": dict(kind="adamw", lr=1e-3, weight_decay=1e-2)}
+
+
+def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 256 * 512,
+                    kinds=tuple(BENCH_SPECS)) -> dict:
+    """The in-kernel cost of the optimizers (BPF_PROG_TEST_RUN, one record per frame, medians
+    less the timer overhead): a round's last contribution in an optimizer job (the sum, then the
+    update on the block: SGD with momentum, Nesterov and weight decay; AdamW with weight decay,
+    and the result lanes) against the same contribution of a plain SUM64 round, per element; and
+    the earlier contributions, which are the same SUM64 additions in all. Keys ``<kind>_add``,
+    ``<kind>_complete``."""
+    out: dict = {"params": params}
+    for kind in kinds:
+        out.update(_optimizer_cost(kind, workers, elems, params))
+    return out
+
+
+def _optimizer_cost(kind: str, workers: int, elems: int, params: int) -> dict:
     from nicoffload.agg.control import Aggregator
     from nicoffload.packets import generators as gen
 
     from ..optim import OptimizerSpec, share
 
-    spec = OptimizerSpec(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=True)
+    spec = OptimizerSpec(**BENCH_SPECS[kind]).validate()
     rng = np.random.default_rng(0)
     grads = [(rng.standard_normal(params) * 1e-2 / workers).astype(np.float32) for _ in range(workers)]
     agg = Aggregator.for_test(workers, slots=share(params, elems), elems=elems, agg_ip=gen.AGG_IP,
@@ -120,22 +134,23 @@ def optimizer_costs(workers: int = 4, elems: int = DEFAULT.elems, params: int = 
         foreign = hostile_frame()
         single = float(np.median([libbpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
         overhead = max(0.0, single - float(libbpf.test_run(fd, foreign, repeat=100000).duration_ns))
-        out: dict = {"params": params, "timer_overhead": overhead}
         for step in range(2):  # the first update initialises the momentum: take the second
             meta, data = gen.optimizer_contributions(grads, epoch=epoch, step=step, params=params, elems=elems)
             for r in range(workers):
                 for f in meta[r]:
                     libbpf.test_run(fd, f)
             times = [[libbpf.test_run(fd, f).duration_ns for f in data[r]] for r in range(workers)]
-        out["sgd_add"] = max(0.0, float(np.median(times[1:-1] or times[:1])) - overhead)
-        out["sgd_complete"] = max(0.0, float(np.median(times[-1])) - overhead)
-        return out
+        return {"timer_overhead": overhead,
+                f"{kind}_add": max(0.0, float(np.median(times[1:-1] or times[:1])) - overhead),
+                f"{kind}_complete": max(0.0, float(np.median(times[-1])) - overhead)}
     finally:
         agg.close()
 
 
-def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5, elems: int = DEFAULT.elems) -> dict:
-    """Optimizer steps of ``params`` float32 parameters on a testbed with kernel bpf stats on
+def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5, elems: int = DEFAULT.elems,
+                        kind: str = "sgd") -> dict:
+    """Optimizer steps (``kind``: sgd or adamw, :data:`BENCH_SPECS`) of ``params`` float32
+    parameters on a testbed with kernel bpf stats on
     (ranks as threads, one Communicator each): the XDP program's time per record and element,
     updates included, and the time per step."""
     import threading
@@ -153,7 +168,7 @@ def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5,
         with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=P, elems=elems, port=tb.port,
                                      optimizer=True)) as agg:
             agg.add_job(1, workers, tb.mcast_group, [w.ip for w in tb.workers],
-                        optimizer=OptimizerSpec(lr=0.01, momentum=0.9), params=params,
+                        optimizer=OptimizerSpec(**BENCH_SPECS[kind]).validate(), params=params,
                         initial=rng.uniform(-1, 1, params))
             comms = []
             for r, w in enumerate(tb.workers):
@@ -179,7 +194,7 @@ def optimizer_live_cost(workers: int = 4, params: int = 1 << 20, steps: int = 5,
             records = agg.stats(1)["records"]
             for c in comms:
                 c.close()
-    return {"params": params, "steps": steps, "records": records, "run_time_ns": st.run_time_ns,
+    return {"kind": kind, "params": params, "steps": steps, "records": records, "run_time_ns": st.run_time_ns,
             "per_record": st.run_time_ns / records if records else None,
             "per_element": st.run_time_ns / (records * elems) if records else None,
             "step_s": float(np.median(times))}
@@ -192,11 +207,16 @@ def hostile_frame() -> bytes:
 
 
 def describe_optimizer(opt: dict, plain: dict, elems: int) -> str:
-    per = (opt["sgd_complete"] - plain["sum64_complete"]) / elems
-    return (f"optimizer (SGD, momentum, Nesterov, weight decay; {opt['params']} parameters): a round's last "
-            f"contribution {opt['sgd_complete']:.0f} ns against {plain['sum64_complete']:.0f} ns for a plain SUM64 "
-            f"round -> the update costs {per:.2f} ns per element; earlier contributions {opt['sgd_add']:.0f} ns "
-            f"(SUM64 {plain['sum64_add']:.0f} ns)")
+    lines = []
+    for kind, what in (("sgd", "SGD, momentum, Nesterov, weight decay"), ("adamw", "AdamW, weight decay")):
+        if f"{kind}_complete" not in opt:
+            continue
+        per = (opt[f"{kind}_complete"] - plain["sum64_complete"]) / elems
+        lines.append(f"optimizer ({what}; {opt['params']} parameters): a round's last contribution "
+                     f"{opt[f'{kind}_complete']:.0f} ns against {plain['sum64_complete']:.0f} ns for a plain SUM64 "
+                     f"round -> the update costs {per:.2f} ns per element; earlier contributions "
+                     f"{opt[f'{kind}_add']:.0f} ns (SUM64 {plain['sum64_add']:.0f} ns)")
+    return "\n".join(lines)
 
 
 def describe(out: dict) -> str:
@@ -211,9 +231,8 @@ def describe(out: dict) -> str:
                  f"foreign pass {t['pass']:.1f}")
     if "optimizer" in out:
         lines.append(describe_optimizer(out["optimizer"], t, out["elems"]))
-    if "optimizer_live" in out:
-        ol = out["optimizer_live"]
-        lines.append(f"live optimizer steps ({ol['params']} parameters, {ol['steps']} steps, kernel bpf stats): "
+    for ol in out.get("optimizer_live") or []:
+        lines.append(f"live {ol['kind']} steps ({ol['params']} parameters, {ol['steps']} steps, kernel bpf stats): "
                      f"{ol['per_record']:.0f} ns per record, {ol['per_element']:.2f} ns per element (the update "
                      f"included), {ol['step_s'] * 1e3:.1f} ms per step")
     if "live" in out:

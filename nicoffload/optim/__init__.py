@@ -68,6 +68,20 @@ class OptimizerSpec:
         return cls("adamw", lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, amsgrad=amsgrad,
                    maximize=maximize).validate()
 
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "OptimizerSpec":
+        """From a request's or a user's dict, validated; an adamw without lr or weight_decay gets
+        torch.optim.AdamW's defaults (1e-3, 1e-2), an sgd torch.optim.SGD-like ones (see fields)."""
+        d = dict(d or {})
+        if d.get("kind") == "adamw":
+            d.setdefault("lr", 1e-3)
+            d.setdefault("weight_decay", 1e-2)
+        try:
+            return cls(**d).validate()
+        except TypeError as e:
+            raise InputError(f"optimizer: {e}") from None
+
     def validate(self) -> "OptimizerSpec":
         if self.kind not in KINDS:
             raise InputError(f"optimizer {self.kind!r} is not one the aggregator has: {', '.join(KINDS)}")

@@ -24,7 +24,7 @@ MAX_LEASE = 7 * 24 * 3600.0
 DELIVERIES = ("multicast", "unicast")
 
 _FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery"}
-_OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov"}
+_OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps", "amsgrad", "maximize"}
 
 
 def _int(d: dict, name: str, lo: int, hi: int, default=None) -> int | None:
@@ -110,9 +110,15 @@ class JobRequest:
                 raise InputError(f"optimizer kind {o.get('kind')!r} is not one the aggregator has: {', '.join(KINDS)}")
             for k in ("lr", "momentum", "dampening", "weight_decay"):
                 _number(o, k, 0.0, 1.0)
-            if not isinstance(o.get("nesterov", False), bool):
-                raise InputError("optimizer.nesterov must be true or false")
-            opt = OptimizerSpec(**o).validate()
+            _number(o, "eps", 0.0, 1.0)
+            for k in ("nesterov", "amsgrad", "maximize"):
+                if not isinstance(o.get(k, False), bool):
+                    raise InputError(f"optimizer.{k} must be true or false")
+            betas = o.get("betas", [0.9, 0.999])
+            if not (isinstance(betas, list) and len(betas) == 2 and all(
+                    isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+                raise InputError("optimizer.betas must be a list of two numbers")
+            opt = OptimizerSpec.from_dict(o)  # torch.optim.AdamW's defaults where not given
         params = _int(d, "params", 0, 1 << 28, 0)
         if opt is not None and params < 1:
             raise InputError("an optimizer job needs params (its parameter count)")

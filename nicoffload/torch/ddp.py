@@ -255,8 +255,10 @@ class OffloadedOptimizer:
     aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's.
 
     Under the ``"nicoffload"`` torch.distributed backend nothing else is needed:
-    ``OffloadedOptimizer(model.parameters(), optimizer=dict(lr=0.05, momentum=0.9))`` asks the
-    backend's aggregator service for an optimizer job holding rank 0's parameters."""
+    ``OffloadedOptimizer(model.parameters(), optimizer=dict(lr=0.05, momentum=0.9))`` (SGD) or
+    ``optimizer=OptimizerSpec.adamw(lr=1e-3)`` / ``dict(kind="adamw", ...)`` (torch.optim.AdamW's
+    update and defaults) asks the backend's aggregator service for an optimizer job holding rank
+    0's parameters."""
 
     def __init__(self, params, aggregator: str | None = None, *, group: str = DEFAULT.group,
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
@@ -273,8 +275,7 @@ class OffloadedOptimizer:
             pg = dist.distributed_c10d._get_default_group()
         if communicator is None and aggregator is None and pg is not None and hasattr(pg, "optimizer_job"):
             # under the "nicoffload" backend: the service sets the job up, with rank 0's parameters
-            spec = optimizer if isinstance(optimizer, optim.OptimizerSpec) else \
-                optim.OptimizerSpec(**(optimizer or {})).validate()
+            spec = optimizer if isinstance(optimizer, optim.OptimizerSpec) else optim.OptimizerSpec.from_dict(optimizer)
             communicator = pg.optimizer_job(flat_params(self.params), spec)
         if communicator is None:
             if aggregator is None:

@@ -14,6 +14,7 @@ from nicoffload.optim import OptimizerSpec
 from nicoffload.worker.comm import Communicator
 
 SPEC = OptimizerSpec(lr=0.1, momentum=0.9, weight_decay=1e-4)
+ADAMW = OptimizerSpec.adamw(lr=1e-2, weight_decay=1e-2, amsgrad=True)
 N, E = 5000, 256
 
 
@@ -52,8 +53,9 @@ def steps(rng, world, k):
     return [[(rng.standard_normal(N) * 0.01 / world).astype(np.float32) for _ in range(world)] for _ in range(k)]
 
 
-@pytest.mark.parametrize("faults", [False, True], ids=["clean", "drop2-dup2"])
-def test_workers_get_the_models_parameters_from_xdp(make_testbed, faults):
+@pytest.mark.parametrize("faults, spec", [(False, SPEC), (True, SPEC), (True, ADAMW)],
+                         ids=["clean", "drop2-dup2", "adamw-drop2-dup2"])
+def test_workers_get_the_models_parameters_from_xdp(make_testbed, faults, spec):
     tb = make_testbed(3)
     ranks = tb.workers
     rng = np.random.default_rng(5)
@@ -62,14 +64,14 @@ def test_workers_get_the_models_parameters_from_xdp(make_testbed, faults):
     grads = steps(rng, len(ranks), k)
     P = optim.share(N, E)
     with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=P, optimizer=True)) as agg:
-        agg.add_job(1, len(ranks), tb.mcast_group, [h.ip for h in ranks], optimizer=SPEC, params=N, initial=init)
+        agg.add_job(1, len(ranks), tb.mcast_group, [h.ip for h in ranks], optimizer=spec, params=N, initial=init)
         if faults:
             tb.faults.configure(None, drop=0.02, dup=0.02, seed=11)
         got = run_steps(tb, ranks, grads, P)
         st = agg.stats(1)
         final = agg.params(1)
         hit = tb.faults.stats() if faults else {}
-    model = optim.JobModel(SPEC, init, len(ranks), E)
+    model = optim.JobModel(spec, init, len(ranks), E)
     for i, g in enumerate(grads):
         _, want = model.step(g)
         for r in range(len(ranks)):
@@ -103,7 +105,8 @@ def test_checkpoint_and_restore_continue_the_same_run(make_testbed, tmp_path):
     assert np.array_equal(got[0][-1], want.astype(np.float32)) and np.array_equal(got[1][-1], got[0][-1])
 
 
-def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed):
+@pytest.mark.parametrize("spec", [SPEC, ADAMW], ids=["sgd", "adamw"])
+def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed, spec):
     from nicoffload.userspace.aggregator import UserspaceAggregator
 
     tb = make_testbed(2)
@@ -114,10 +117,10 @@ def test_the_userspace_aggregator_applies_the_same_optimizer(make_testbed):
     P = optim.share(N, E)
     with tb.in_host(tb.agg):
         ua = UserspaceAggregator(2, port=tb.port, elems=E, group=tb.mcast_group, local_ip=tb.agg.ip,
-                                 worker_ips=[h.ip for h in ranks], optimizer=SPEC, params=init)
+                                 worker_ips=[h.ip for h in ranks], optimizer=spec, params=init)
     with ua:
         got = run_steps(tb, ranks, grads, P)
-    model = optim.JobModel(SPEC, init, 2, E)
+    model = optim.JobModel(spec, init, 2, E)
     for i, g in enumerate(grads):
         _, want = model.step(g)
         assert np.array_equal(got[0][i], want.astype(np.float32)) and np.array_equal(got[1][i], got[0][i]), i
@@ -146,7 +149,7 @@ def test_the_optimizer_commands(make_testbed, tmp_path):
 
     P = optim.share(N, E)
     try:
-        r = run("load", "--slots", str(P), "--workers", "2", "--group", tb.mcast_group, "--optimizer", "sgd",
+        r = run("load", "--slots", str(2 * P), "--job-slots", str(P), "--workers", "2", "--group", tb.mcast_group, "--optimizer", "sgd",
                 "--lr", "0.1", "--momentum", "0.9", "--params", str(N), "--init", str(tmp_path / "init.npy"),
                 "--worker-ip", ranks[0].ip, "--worker-ip", ranks[1].ip)
         assert r.returncode == 0, r.stderr
@@ -169,5 +172,15 @@ def test_the_optimizer_commands(make_testbed, tmp_path):
         assert json.loads(run("opt", "show", "--job", "1", "--json").stdout)["updates"]["max"] == 1
         r = run("job", "add", "--job", "2", "--workers", "1", "--optimizer", "sgd", "--lr", "2")
         assert r.returncode == 2 and "--lr must be in [0, 1]" in r.stderr, r.stderr
+        r = run("job", "add", "--job", "2", "--workers", "1", "--optimizer", "adamw", "--lr", "0.5")
+        assert r.returncode == 2 and "at most 1 - beta1" in r.stderr, r.stderr
+        r = run("job", "add", "--job", "2", "--workers", "1", "--optimizer", "adamw", "--betas", "0.9")
+        assert r.returncode == 2 and "--betas takes two numbers" in r.stderr, r.stderr
+        r = run("job", "add", "--job", "2", "--workers", "1", "--group", "239.77.0.42", "--worker-ip", ranks[0].ip,
+                "--optimizer", "adamw", "--betas", "0.8,0.99", "--amsgrad", "--params", str(N), "--slots", str(P))
+        assert r.returncode == 0, r.stderr
+        shown = json.loads(run("opt", "show", "--job", "2", "--json").stdout)["optimizer"]
+        assert shown["kind"] == "adamw" and shown["betas"] == [0.8, 0.99] and shown["amsgrad"]
+        assert shown["lr"] == 1e-3 and shown["weight_decay"] == 1e-2  # torch.optim.AdamW's defaults
     finally:
         unload(tb.agg.netns, tb.agg.iface, missing_ok=True)
