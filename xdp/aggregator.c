@@ -270,7 +270,7 @@ static __always_inline u64 isqrt64(u64 t)
     return r;
 }
 
-#define ADAM_CHUNK 4
+#define ADAM_CHUNK 2
 #define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)
 #define ADAM_QMAX (1ULL << 52)
 
@@ -331,24 +331,48 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         adamw_constants(c, o->steps + 1);
     u32 *lane = (u32 *)slot->set[c->set & 1].acc;
     u64 any = 0;
+    u64 t[ADAM_CHUNK], nsh[ADAM_CHUNK], r[ADAM_CHUNK];
+    u64 k0 = i * ADAM_CHUNK;
+    if (k0 + ADAM_CHUNK > AR_ELEMS)
+        return 1;
+    /* the moments' recurrences up to the square root's operand */
 #pragma unroll
     for (int j = 0; j < ADAM_CHUNK; j++) {
-        u64 k = i * ADAM_CHUNK + j;
-        if (k >= AR_ELEMS)
-            break;
+        u64 k = k0 + j;
         s64 live = ((s64)k - (s64)c->cnt) >> 63;
         s64 q = (s64)lane[k] - c->offset;
         s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
         g = (g ^ c->neg) - c->neg;
         s64 w = o->w[k];
-        w -= mulfrac(w, c->lrwd);
-        s64 m = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
+        o->w[k] = w - mulfrac(w, c->lrwd);
+        o->m[k] = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
         u64 ag = (u64)((g ^ (g >> 63)) - (g >> 63));
         u64 sv = (u64)o->s[k];
-        u64 nsh = (u64)relu((s64)bitlen63(max63(sv, ag)) - 31);
-        u64 s1 = sv >> nsh, g1 = ag >> nsh;
-        u64 t = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
-        sv = isqrt62(t) << nsh;
+        nsh[j] = (u64)relu((s64)bitlen63(max63(sv, ag)) - 31);
+        u64 s1 = sv >> nsh[j], g1 = ag >> nsh[j];
+        t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
+        r[j] = 0;
+    }
+    /* the square roots, interleaved: ADAM_CHUNK independent dependency chains */
+    u64 bit = 1ULL << 60;
+#pragma unroll
+    for (int n = 0; n < 31; n++) {
+#pragma unroll
+        for (int j = 0; j < ADAM_CHUNK; j++) {
+            u64 cc = r[j] + bit;
+            u64 ge = ~signmask((s64)(t[j] - cc));
+            t[j] -= cc & ge;
+            r[j] = (r[j] >> 1) + (bit & ge);
+        }
+        bit >>= 2;
+    }
+    /* the step */
+#pragma unroll
+    for (int j = 0; j < ADAM_CHUNK; j++) {
+        u64 k = k0 + j;
+        s64 m = o->m[k];
+        s64 w = o->w[k];
+        u64 sv = r[j] << nsh[j];
         o->s[k] = (s64)sv;
         u64 smax = (u64)o->smax[k];
         smax = (max63(sv, smax) & c->ams) | (smax & ~c->ams);
@@ -364,7 +388,6 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         s64 sgn = m >> 63;
         s64 qs = ((s64)qa ^ sgn) - sgn;
         w -= mulfrac(qs, c->alpha) >> (c->ashift & 63);
-        o->m[k] = m;
         o->w[k] = w;
         any |= (u64)((w ^ (w >> 63)) - (w >> 63));
     }
