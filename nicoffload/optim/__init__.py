@@ -156,6 +156,15 @@ def share(params: int, elems: int) -> int:
     return meta_slots(params, elems) + blocks(params, elems)
 
 
+def shards(params: int, elems: int, k: int) -> list[tuple[int, int]]:
+    """An optimizer job over ``k`` aggregators (its state sharded like ZeRO's, over NICs): the
+    parameter range [start, stop) each holds, whole blocks, contiguous. The update is per block,
+    so the shards together compute exactly what one aggregator would."""
+    nb = blocks(params, elems)
+    cuts = [min(params, (i * nb // k) * elems) for i in range(k + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(k)]
+
+
 # --- fixed point ----------------------------------------------------------------------------
 def to_fixed(values: np.ndarray) -> np.ndarray:
     """Parameters to int64 with FRAC fractional bits (rounded); |value| < 2^RANGE."""

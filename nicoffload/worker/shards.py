@@ -39,7 +39,7 @@ def shard_specs(spec: JobSpec, k: int) -> list[JobSpec]:
 
 
 class ShardedCommunicator:
-    """The API of :class:`Communicator` (``allreduce``, ``barrier``, ``close``, context manager)
+    """The API of :class:`Communicator` (``allreduce``, ``step``, ``barrier``, ``close``, context manager)
     over ``aggregators`` (one address each, the job ``specs[k]`` on aggregator k)."""
 
     def __init__(self, rank: int, world: int, aggregators: Sequence[str], specs: Sequence[JobSpec] | JobSpec,
@@ -121,6 +121,24 @@ class ShardedCommunicator:
 
         self._each(one)
         res[:] = dst.reshape(-1)[:n]
+        return out
+
+    def step(self, grads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """One optimizer step of a job whose optimizer state is sharded over the aggregators:
+        aggregator k holds parameters ``optim.shards(n, elems, K)[k]`` (register each shard's job
+        with that slice), and the ranks' shards run at once (:meth:`Communicator.step`)."""
+        from nicoffload import optim
+
+        g, out = call_arrays(grads, out, DTYPES[1:], "optimizer steps take float32 or float64 gradients",
+                             "the gradients'")
+        flat, res = g.reshape(-1), out.reshape(-1)
+        cuts = optim.shards(flat.size, self.elems, len(self.comms))
+        for c, (a, b) in zip(self.comms, cuts):
+            if b > a and c.slots != optim.share(b - a, self.elems):
+                raise InputError(f"rank {self.rank}: the shard of aggregator {c.aggregator} is parameters {a}..{b} "
+                                 f"({optim.share(b - a, self.elems)} slots, optim.shards), its job has {c.slots}")
+        self._each(lambda c, k: c.step(flat[cuts[k][0]:cuts[k][1]], out=res[cuts[k][0]:cuts[k][1]])
+                   if cuts[k][1] > cuts[k][0] else None)
         return out
 
     def barrier(self) -> None:

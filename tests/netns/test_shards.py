@@ -18,6 +18,7 @@ from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job
 from nicoffload.wire import proto
 from nicoffload.worker import ShardedCommunicator
+from nicoffload.worker.shards import shard_specs
 
 E = proto.DEFAULT_ELEMS
 
@@ -89,6 +90,52 @@ def test_an_aggregator_that_goes_away_is_named(make_testbed):
         for e in errs:
             assert isinstance(e, TimeoutError_) and f"aggregator {tb.aggs[1].ip}:{tb.port}" in str(e), e
             assert tb.aggs[0].ip not in str(e)
+    finally:
+        for c in comms:
+            c.close()
+        for a in aggs:
+            a.close()
+
+
+def test_adamw_state_sharded_over_two_aggregators_is_one_aggregators_bit_for_bit(make_testbed):
+    """The optimizer's state sharded like ZeRO's over the aggregators' NICs: each holds AdamW's
+    weights and moments of its contiguous shard of the parameters (optim.shards), and the ranks'
+    parameters after every step are the single-job model's."""
+    from nicoffload import optim
+
+    world, n = 2, 9 * E + 5
+    tb = make_testbed(world, aggregators=2)
+    spec = optim.OptimizerSpec.adamw(lr=1e-2, weight_decay=0.01)
+    rng = np.random.default_rng(4)
+    init = rng.uniform(-1, 1, n)
+    cuts = optim.shards(n, E, 2)
+    aggs, comms = [], []
+    try:
+        for a, (lo, hi) in zip(tb.aggs, cuts):
+            agg = Aggregator.load(AggSpec(a.netns, a.iface, slots=optim.share(hi - lo, E), port=tb.port,
+                                          optimizer=True))
+            aggs.append(agg)
+            agg.add_job(DEFAULT.job, world, tb.mcast_group, [w.ip for w in tb.workers], optimizer=spec,
+                        params=hi - lo, initial=init[lo:hi])
+        base = DEFAULT.replace(port=tb.port, group=tb.mcast_group, timeout=30, sparse=False)
+        specs = [s.replace(slots=optim.share(hi - lo, E)) for s, (lo, hi) in zip(shard_specs(base, 2), cuts)]
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs], specs, local_ip=w.ip))
+        model = optim.JobModel(spec, init, world, E)
+        for step in range(3):
+            grads = [(rng.standard_normal(n) * 0.01).astype(np.float32) for _ in range(world)]
+            outs = [None] * world
+            ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, comms[r].step(grads[r])))
+                  for r in range(world)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            _, want = model.step(grads)
+            for r in range(world):
+                assert outs[r] is not None and outs[r].tobytes() == want.astype(np.float32).tobytes(), (step, r)
+        assert [a.stats(DEFAULT.job)["updated"] for a in aggs] == [3 * optim.blocks(hi - lo, E) for lo, hi in cuts]
     finally:
         for c in comms:
             c.close()
