@@ -74,7 +74,7 @@ def test_torchrun_collectives_ddp_fsdp_and_the_optimizer(service, tmp_path):
     assert failed_checks(reports) == []
     assert all(o.ok for o in outcomes), [o.describe() for o in outcomes]
     names = {c["name"] for c in reports[0]["checks"]}
-    assert {"ddp-vs-gloo", "fsdp2-vs-gloo", "fsdp1-vs-gloo", "optimizer-offload-vs-sgd", "new_group",
+    assert {"ddp-vs-gloo", "fsdp2-vs-gloo", "fsdp1-vs-gloo", "optimizer-offload-vs-sgd", "optimizer-offload-vs-adamw", "new_group",
             "reduce_scatter_tensor-ReduceOp.SUM"} <= names or len(names) > 60
     assert reports[0]["backend"] == "nicoffload" and "aggregator" in reports[0]["group"]
     # every job the run asked for (the default group, the subgroup, the optimizer) is gone

@@ -249,6 +249,21 @@ def optimizer(rank: int, world: int, gloo) -> dict:
         sgd.step()
     compare("optimizer-offload-vs-sgd", m, ref, 1e-3)
     opt.close()
+    # AdamW in the aggregator (a job of its own at the service) against torch.optim.AdamW
+    m, ref = model(), model()
+    opt = OffloadedOptimizer(m.parameters(), optimizer=dict(kind="adamw", lr=1e-2))
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in batches(rank, 8):
+        for net in (m, ref):
+            net.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, group=gloo)
+            p.grad /= world
+        adamw.step()
+    compare("optimizer-offload-vs-adamw", m, ref, 1e-4)
+    opt.close()
     return {}
 
 

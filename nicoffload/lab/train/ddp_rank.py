@@ -3,15 +3,18 @@ started N times on a testbed by :mod:`nicoffload.lab.train.ddp_train`. It is als
 a training script uses the nicoffload hook: see :func:`train`.
 
 The job: a small MLP (D -> H -> H -> C, tanh) on seeded synthetic classification data (or
-scikit-learn's digits when sklearn is importable and asked for), SGD with momentum, every rank
-on its own slice of each global batch. ``--allreduce gloo`` is DDP's default all-reduce over the
-gloo process group; ``--allreduce nicoffload`` registers :func:`nicoffload.ddp.nicoffload_hook`;
-``--allreduce offload`` keeps no optimizer on the rank: the aggregator holds the parameters and
-the SGD state and sends the updated parameters back (:class:`nicoffload.ddp.OffloadedOptimizer`;
-``--shadow`` also follows float64 SGD on the same averaged gradients, over gloo, to measure the
-optimizer's own error). The gloo process group bootstraps the ranks (MASTER_ADDR/MASTER_PORT, on
-the interface GLOO_SOCKET_IFNAME); DDP broadcasts rank 0's initial parameters (the offload job
-starts from the same seeded ones, registered by the launcher).
+scikit-learn's digits when sklearn is importable and asked for), SGD with momentum; or, with
+``--optimizer adamw``, a small transformer on a seeded sequence task with AdamW
+(:mod:`nicoffload.lab.train.transformer`). Every rank trains on its own slice of each global
+batch. ``--allreduce gloo`` is DDP's default all-reduce over the gloo process group;
+``--allreduce nicoffload`` registers :func:`nicoffload.ddp.nicoffload_hook`; ``--allreduce
+offload`` keeps no optimizer on the rank: the aggregator holds the parameters and the
+optimizer's state and sends the updated parameters back
+(:class:`nicoffload.ddp.OffloadedOptimizer`; ``--shadow`` also follows the float64 torch
+optimizer on the same averaged gradients, over gloo, to measure the offloaded optimizer's own
+error). The gloo process group bootstraps the ranks (MASTER_ADDR/MASTER_PORT, on the interface
+GLOO_SOCKET_IFNAME); DDP broadcasts rank 0's initial parameters (the offload job starts from the
+same seeded ones, registered by the launcher).
 
 Each rank writes a JSON report (losses, step times, accuracy, hook counters, or the error that
 stopped it) and its final parameters as .npy; the launcher gathers them. Torch is imported only
@@ -33,6 +36,8 @@ import numpy as np
 
 from nicoffload.errors import NicoffloadError
 from nicoffload.jobspec import JobSpec
+from nicoffload.lab.train import transformer
+from nicoffload.lab.train.transformer import Shadow
 
 MASTER_PORT = 29500
 FEATURES, CLASSES = 64, 10
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp",
                    help="DistributedDataParallel, or FSDP2 (fully_shard on every Linear and the model)")
     p.add_argument("--shadow", action="store_true",
-                   help="with --allreduce offload: follow float64 SGD on the same averaged gradients")
+                   help="with --allreduce offload: follow the float64 optimizer on the same averaged gradients")
     p.add_argument("--aggregator", metavar="IP", help="the nicoffload aggregator (with --allreduce nicoffload)")
     p.add_argument("--local-ip", default=None, help="this rank's address")
     JobSpec.add_arguments(p, only=HOOK_FIELDS, timeout=TRAIN_TIMEOUT)
@@ -122,14 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size (MB)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    transformer.add_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", choices=["auto", "synthetic", "digits"], default="synthetic")
     p.add_argument("--out", type=Path, required=True, help="JSON report; parameters go to OUT.npy")
     p.add_argument("--die-at-step", type=int, default=None,
                    help="fault injection: killed (SIGKILL) in this step, after forward, before backward")
     return p
+
+
+def task(args):
+    """This run's data (xtr, ytr, xte, yte) and its seeded model (``args`` resolved)."""
+    if args.model == "transformer":
+        data = transformer.sequences(args.seed, args.seq, args.vocab)
+        return data, transformer.make_transformer(args.vocab, args.seq, args.d_model, args.layers, args.heads,
+                                                  args.seed)
+    data = load_data(args.data, args.seed)
+    return data, make_model(data[0].shape[1], args.hidden, int(data[1].max()) + 1, args.seed)
 
 
 def make_model(d: int, h: int, c: int, seed: int):
@@ -153,56 +167,29 @@ def _offloaded(args, model):
                               world=args.world)
 
 
-class Shadow:
-    """float64 torch.optim.SGD on the ranks' averaged gradients (summed over gloo in float64), to
-    measure how far the offloaded optimizer's fixed point drifts from it on the same gradients."""
-
-    def __init__(self, model, args):
-        import torch
-
-        self.params = [p.detach().to(torch.float64).clone().requires_grad_(True) for p in model.parameters()]
-        self.opt = torch.optim.SGD(self.params, lr=args.lr, momentum=args.momentum)
-        self.grad_max = 0.0
-
-    def step(self, model) -> None:
-        import torch.distributed as dist
-
-        for sp, p in zip(self.params, model.parameters()):
-            g = p.grad.detach().to(sp.dtype)
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
-            self.grad_max = max(self.grad_max, float(g.abs().max()))
-            sp.grad = g
-        self.opt.step()
-
-    def diff(self, model) -> float:
-        return max(float((sp.detach() - p.detach().to(sp.dtype)).abs().max())
-                   for sp, p in zip(self.params, model.parameters()))
-
-
 def _memory(model, opt) -> dict:
     """Bytes this rank holds, by what they are: parameters, gradients, optimizer state (read from
-    the tensors themselves), and the process's resident set."""
+    the tensors themselves; AdamW's scalar step counters left out), and the process's resident set."""
     import torch
 
     def nbytes(tensors) -> int:
         return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
 
     state = 0 if not hasattr(opt, "state") or not isinstance(opt.state, dict) else \
-        nbytes(t for st in opt.state.values() for t in st.values())
+        nbytes(t for st in opt.state.values() for t in st.values() if getattr(t, "ndim", 0))
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
             "optimizer_state": state, "rss": rss}
 
 
 def _fsdp(net):
-    """FSDP2: every Linear sharded on its own, then the model (CPU tensors)."""
+    """FSDP2: every Linear (the MLP's) or encoder layer (the transformer's) sharded on its own,
+    then the model (CPU tensors)."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
+    for unit in transformer.shard_units(net) or [m for m in net if isinstance(m, nn.Linear)]:
+        fully_shard(unit)
     return fully_shard(net)
 
 
@@ -275,7 +262,7 @@ def _step(args, step: int, model, opt, state, xb, yb, report: dict, shadow: Shad
         state.stats.input_absmax = 0.0
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(xb), yb)
+    loss = F.cross_entropy(model(xb).flatten(0, -2), yb.flatten())  # the transformer's: per token
     if step == args.die_at_step:
         os.kill(os.getpid(), signal.SIGKILL)  # a crash: no goodbye to anyone
     try:
@@ -295,15 +282,15 @@ def _step(args, step: int, model, opt, state, xb, yb, report: dict, shadow: Shad
 
 
 def _evaluate(model, xte, yte, report: dict) -> np.ndarray:
-    """Test accuracy and loss into ``report``; the final parameters, flat."""
+    """Test accuracy (per sample, or per token) and loss into ``report``; the final parameters, flat."""
     import torch
     import torch.nn.functional as F
 
     with torch.no_grad():
         net = getattr(model, "module", model).eval()
         logits = net(torch.from_numpy(xte))
-        report["accuracy"] = float((logits.argmax(1).numpy() == yte).mean())
-        report["test_loss"] = float(F.cross_entropy(logits, torch.from_numpy(yte)))
+        report["accuracy"] = float((logits.argmax(-1).numpy() == yte).mean())
+        report["test_loss"] = float(F.cross_entropy(logits.flatten(0, -2), torch.from_numpy(yte).flatten()))
         return torch.cat([_full(p.detach()).reshape(-1) for p in net.parameters()]).numpy()
 
 
@@ -316,7 +303,7 @@ def train(args, report: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)  # one core per rank: ranks share the machine
-    xtr, ytr, xte, yte = load_data(args.data, args.seed)
+    (xtr, ytr, xte, yte), net = task(args)
     backend = "nicoffload" if args.allreduce == "backend" else "gloo"
     if backend == "nicoffload":
         import nicoffload.torch  # noqa: F401  (registers the backend, if torch's plugin hook did not)
@@ -327,7 +314,6 @@ def train(args, report: dict) -> None:
     state = opt = shadow = None
     offload = args.allreduce == "offload"
     try:
-        net = make_model(xtr.shape[1], args.hidden, int(ytr.max()) + 1, args.seed)
         if offload:  # no DDP and no optimizer here: the aggregator sums and updates
             model = net
             opt = _offloaded(args, model)
@@ -336,12 +322,12 @@ def train(args, report: dict) -> None:
         elif args.wrap == "fsdp":
             model = _fsdp(net)
             state = _hook_state(args, model)
-            opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+            opt = transformer.torch_optimizer(args, model.parameters())
         else:
             model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
             state = _hook_state(args, model)
             _half_gloo(args, model)
-            opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+            opt = transformer.torch_optimizer(args, model.parameters())
         xtr_t, ytr_t = torch.from_numpy(xtr), torch.from_numpy(ytr)
         report.update(losses=[], step_seconds=[], allreduce_seconds=[], grad_max=[], param_max=[],
                       momentum_max=[], parameters=sum(p.numel() for p in model.parameters()),
@@ -352,7 +338,7 @@ def train(args, report: dict) -> None:
             if step == 0:
                 report["memory"] = _memory(model, opt)
         if shadow is not None:
-            report["shadow"] = {"max_diff": shadow.diff(model), "grad_max": shadow.grad_max}
+            report["shadow"] = shadow.report(model)
         np.save(params_path(args.out), _evaluate(model, xte, yte, report))
         if state is not None:
             report["hook"] = dict(state.stats.__dict__)
@@ -368,15 +354,15 @@ def params_path(out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = transformer.resolve(build_parser().parse_args(argv))
     if args.allreduce not in ("gloo", "backend") and not args.aggregator:
         print(f"ddp_rank: --allreduce {args.allreduce} needs --aggregator", file=sys.stderr, flush=True)
         return 2
-    args.data = resolve_data(args.data)
+    args.data = resolve_data(args.data) if args.model == "mlp" else \
+        f"sorting ({args.seq} tokens of {args.vocab})"
     report: dict = {"rank": args.rank, "world": args.world, "allreduce": args.allreduce, "wrap": args.wrap,
-                    "data": args.data,
-                    "steps": args.steps, "batch": args.batch, "hidden": args.hidden, "lr": args.lr,
-                    "momentum": args.momentum, "seed": args.seed, "error": None}
+                    "data": args.data, "model": args.model, "steps": args.steps, "batch": args.batch,
+                    "hidden": args.hidden, **transformer.hyper(args), "seed": args.seed, "error": None}
     t0 = time.perf_counter()
     rc = 0
     try:

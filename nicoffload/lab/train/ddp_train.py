@@ -2,7 +2,9 @@
 :mod:`nicoffload.lab.train.ddp_rank` (one per worker host), trained once with DDP's default gloo
 all-reduce and once through nicoffload with the same seeds, compared side by side: loss curves,
 final accuracy, time per training step, how far the parameters drifted apart; a PNG of both.
-What ``nicoffload train-demo`` and ``examples/train_ddp.py`` run."""
+What ``nicoffload train-demo`` and ``examples/train_ddp.py`` run. The model and the optimizer come
+with the ranks' arguments: the MLP with SGD by default, a transformer with AdamW after
+``--optimizer adamw`` (:mod:`nicoffload.lab.train.transformer`)."""
 from __future__ import annotations
 
 import json
@@ -17,12 +19,13 @@ import numpy as np
 from nicoffload.errors import SetupError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.aggregators import AggregatorProcess, on_testbed
-from nicoffload.lab.train.ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, params_path
+from nicoffload.lab.train import transformer
+from nicoffload.lab.train.ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, build_parser, params_path
+from nicoffload.lab.train.ddp_report import FINAL, WARMUP, format_summary, plot  # noqa: F401 (re-exported)
 from nicoffload.lab.launcher import Launch, Outcome, RankSpec, error_class, failure, program
 from nicoffload.lab.links import enable_gro
 from nicoffload.lab.train.torchrun import ServiceProcess, write_token
 
-WARMUP = 3  # steps left out of the timing: DDP's lazy set-up (step 0) and bucket rebuild (step 1)
 #: the nicoffload job of a training run, unless the caller gives one
 TRAIN_SPEC = DEFAULT.replace(timeout=TRAIN_TIMEOUT)
 
@@ -85,6 +88,7 @@ class Run:
     ranks: list[RankOutcome] = field(default_factory=list)
     seconds: float = 0.0
     lanes: int = 32                 # 16: gloo with DDP's bf16_compress_hook, nicoffload in 16-bit lanes
+    aggregator_memory: dict | None = None  # an offload run's: bytes the aggregator holds for the optimizer
 
     @property
     def label(self) -> str:
@@ -183,6 +187,7 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
             enable_gro(tb)
             if allreduce == "offload":
                 ap = OptimizerAggregator(tb, aggregator, spec, seed, data, extra or [])
+                run.aggregator_memory = ap.memory()
             elif allreduce == "nicoffload":
                 ap = AggregatorProcess(tb, aggregator, spec)
         with Launch(tb, ranks) as job:
@@ -199,21 +204,21 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
 
 class OptimizerAggregator:
     """The aggregator of an offloaded-optimizer run: the job holds the model's seeded initial
-    parameters and torch.optim.SGD's hyperparameters of the ranks (lr, momentum). ``xdp``: loaded
-    here with optimizer state; ``userspace``: a user-space aggregator thread in the aggregator's
-    namespace (the CPU-offload baseline)."""
+    parameters and the ranks' optimizer with their hyperparameters (torch.optim.SGD's lr and
+    momentum, or AdamW's lr, betas, eps and weight decay). ``xdp``: loaded here with optimizer
+    state; ``userspace``: a user-space aggregator thread in the aggregator's namespace (the
+    CPU-offload baseline)."""
 
     def __init__(self, tb, kind: str, spec: JobSpec, seed: int, data: str, extra: list[str]):
         from nicoffload.torch.ddp import flat_params
 
-        from nicoffload.optim import OptimizerSpec, share
-        from nicoffload.lab.train.ddp_rank import build_parser, load_data, make_model
+        from nicoffload.optim import share
+        from nicoffload.lab.train.ddp_rank import task
 
-        a = build_parser().parse_args(["--allreduce", "offload", "--out", "x", *extra])
-        xtr, ytr, _, _ = load_data(data, seed)
-        init = flat_params(make_model(xtr.shape[1], a.hidden, int(ytr.max()) + 1, seed).parameters())
-        opt = OptimizerSpec(lr=a.lr, momentum=a.momentum)
-        self.params, self.kind, self.agg, self.ua = init.size, kind, None, None
+        a = rank_args(["--seed", str(seed), "--data", data, *extra])
+        init = flat_params(task(a)[1].parameters())
+        opt = transformer.optimizer_spec(transformer.hyper(a))
+        self.params, self.kind, self.agg, self.ua, self.optimizer = init.size, kind, None, None, opt
         ips = [w.ip for w in tb.workers]
         if kind == "xdp":
             from nicoffload.agg.control import Aggregator, AggSpec
@@ -231,8 +236,14 @@ class OptimizerAggregator:
             self.ua.start()
 
     def memory(self) -> dict:
-        """Bytes the aggregator holds for the job's optimizer: master weights and momentum."""
-        return {"master_weights": 8 * self.params, "momentum": 8 * self.params}
+        """Bytes the aggregator holds for the job's optimizer, int64 each: master weights and the
+        momentum (SGD); master weights, the first moment and the square root of the second
+        (AdamW; with amsgrad also its running maximum)."""
+        n = self.params
+        if self.optimizer.kind == "adamw":
+            out = {"master_weights": 8 * n, "exp_avg": 8 * n, "sqrt_exp_avg_sq": 8 * n}
+            return {**out, "max_sqrt_exp_avg_sq": 8 * n} if self.optimizer.amsgrad else out
+        return {"master_weights": 8 * n, "momentum": 8 * n}
 
     def close(self) -> None:
         if self.agg is not None:
@@ -241,27 +252,36 @@ class OptimizerAggregator:
             self.ua.stop()
 
 
+def rank_args(argv):
+    """A rank's arguments (its defaults resolved) for ``argv`` (model, optimizer, seed, ...)."""
+    return transformer.resolve(build_parser().parse_args(["--allreduce", "offload", "--out", "x", *argv]))
+
+
 def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, aggregator: str = "xdp",
             seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
-            offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp") -> tuple[Run, ...]:
+            offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp",
+            train_args: list[str] | tuple[str, ...] = ()) -> tuple[Run, ...]:
     """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
     (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
-    optimizer in each of them) — the offloaded runs also follow float64 SGD on their gradients.
-    ``backend``: the nicoffload run uses the torch.distributed backend "nicoffload" (no hook; the
-    aggregator as a service); ``wrap``: ddp or fsdp (FSDP2) in both runs."""
+    optimizer in each of them) — the offloaded runs also follow the float64 torch optimizer on
+    their gradients. ``backend``: the nicoffload run uses the torch.distributed backend
+    "nicoffload" (no hook; the aggregator as a service); ``wrap``: ddp or fsdp (FSDP2) in both
+    runs; ``train_args``: the ranks' model and optimizer arguments (``--optimizer adamw --lr
+    3e-4 --d-model 64 ...``, see ``python -m nicoffload.lab.train.ddp_rank --help``)."""
+    name = transformer.torch_name(rank_args(train_args).optimizer)
     plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else
                                [("backend", "xdp")] if backend else [("nicoffload", aggregator)])
     runs = []
     for i, (kind, agg) in enumerate(plan):
         if progress:
             half = " (bf16_compress_hook)" if spec.lanes == 16 else ""
-            what = {"gloo": f"{wrap.upper()} over gloo{half}, torch.optim.SGD on every rank",
+            what = {"gloo": f"{wrap.upper()} over gloo{half}, {name} on every rank",
                     "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator",
                     "backend": f"{wrap.upper()} over the torch.distributed backend 'nicoffload' (the service)"}[kind]
             progress(f"training {len(tb.workers)} ranks x {steps} steps with {what} ...")
         runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
                            spec=spec, master_port=MASTER_PORT + i,
-                           extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap]).check())
+                           extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap, *train_args]).check())
     return tuple(runs)
 
 
@@ -276,31 +296,22 @@ def _median_ms(x: np.ndarray | None) -> float | None:
 def _run_summary(run: Run) -> dict:
     r0 = run.ranks[0].report
     hook = r0.get("hook") or {}
+    losses = run.mean_losses()
+    name = transformer.torch_name(r0.get("optimizer", "sgd"))
     return {"allreduce": run.allreduce, "aggregator": run.aggregator, "elems": run.elems,
-            "losses": [float(v) for v in run.mean_losses()],
+            "optimizer": f"the optimizer ({name.split('.')[-1]}) in the {run.aggregator} aggregator"
+            if run.allreduce == "offload" else f"{name} on every rank",
+            "losses": [float(v) for v in losses], "final_loss": float(np.mean(losses[-FINAL:])),
             "accuracy": run.accuracy, "test_loss": r0["test_loss"],
             "step_ms": _median_ms(run.step_seconds()),
             "step_ms_each": [float(v * 1e3) for v in run.step_seconds()],
             "allreduce_ms": _median_ms(run.allreduce_seconds()),
             "packets_sent": hook.get("packets_sent"), "retransmissions": hook.get("retransmissions"),
             "spec_blocks": hook.get("spec_blocks"), "spec_missed": hook.get("spec_missed"),
-            "memory": r0.get("memory"), "shadow": _shadow(r0),
+            "memory": r0.get("memory"), "aggregator_memory": run.aggregator_memory,
+            "shadow": transformer.shadow_bound(r0),
             "param_max": max(r0["param_max"]) if r0.get("param_max") else None,
             "seconds": run.seconds}
-
-
-def _shadow(report: dict) -> dict | None:
-    """The offloaded optimizer against float64 SGD on the same gradients, with the bound that
-    nicoffload.optim derives for those gradients and parameters."""
-    sh = report.get("shadow")
-    if not sh:
-        return None
-    from nicoffload.optim import OptimizerSpec, error_bound
-
-    spec = OptimizerSpec(lr=report["lr"], momentum=report["momentum"])
-    bound = error_bound(spec, report["steps"], grad_max=sh["grad_max"], world=report["world"],
-                        w_max=max(report["param_max"]) if report.get("param_max") else 1.0)
-    return {**sh, "bound": bound, "within_bound": sh["max_diff"] <= bound}
 
 
 def summarize(reference: Run, *others: Run) -> dict:
@@ -311,78 +322,14 @@ def summarize(reference: Run, *others: Run) -> dict:
         p = run.ranks[0].params
         diffs[run.label] = float(np.max(np.abs(r0.params.astype(np.float64) - p))) \
             if r0.params is not None and p is not None else None
-    return {"workers": len(reference.ranks), "steps": r0.report["steps"], "data": r0.report["data"],
-            "wrap": r0.report.get("wrap", "ddp"),
-            "parameters": r0.report["parameters"], "warmup_steps_excluded": WARMUP,
-            "max_param_diff": next(iter(diffs.values()), None), "param_diff": diffs,
-            "runs": {run.label: _run_summary(run) for run in (reference, *others)}}
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f} ms"
-
-
-def _kib(v: int | None) -> str:
-    return "-" if v is None else f"{v / 1024:.0f} KiB"
-
-
-def format_summary(s: dict, rows: int = 10) -> str:
-    runs = list(s["runs"].items())
-    labels = [lb for lb, _ in runs]
-    steps = len(runs[0][1]["losses"])
-    w = max(max(len(lb) for lb in labels), 12)
-    elems = next((r["elems"] for _, r in runs if r.get("elems")), None)
-    per = f"; nicoffload packets carry {elems} floats" if elems else ""
-    lines = [f"{s['workers']} ranks, {steps} steps, MLP with {s['parameters']} parameters on {s['data']} data{per}",
-             "", f"{'step':>5}" + "".join(f"  {'loss ' + lb:>{w + 5}}" for lb in labels)]
-    for k in sorted(set(np.linspace(0, steps - 1, min(rows, steps)).round().astype(int))):
-        lines.append(f"{k:>5}" + "".join(f"  {r['losses'][k]:>{w + 5}.4f}" for _, r in runs))
-
-    def row(name: str, fmt) -> str:
-        return f"{name:<26}" + "".join(f"  {fmt(r):>{w}}" for _, r in runs)
-
-    lines += ["", f"{'':<26}" + "".join(f"  {lb:>{w}}" for lb in labels),
-              row("final test accuracy", lambda r: f"{r['accuracy']:.4f}"),
-              row("final test loss", lambda r: f"{r['test_loss']:.4f}"),
-              row("time per step (median)", lambda r: _ms(r["step_ms"])),
-              row("  of it in nicoffload", lambda r: _ms(r["allreduce_ms"]))]
-    if any(r.get("memory") for _, r in runs):
-        lines += [row("rank memory: parameters", lambda r: _kib((r.get("memory") or {}).get("params"))),
-                  row("  gradients", lambda r: _kib((r.get("memory") or {}).get("grads"))),
-                  row("  optimizer state", lambda r: _kib((r.get("memory") or {}).get("optimizer_state")))]
-    lines.append(f"(step times: slowest rank per step, median over steps {s['warmup_steps_excluded']}.."
-                 f"{steps - 1}; the gloo all-reduce is not timed separately)")
-    for label, d in (s.get("param_diff") or {}).items():
-        if d is not None:
-            lines.append(f"largest parameter difference after {steps} steps, {label} vs {labels[0]}: {d:.3g}")
-    for label, r in runs:
-        if r.get("shadow"):
-            sh = r["shadow"]
-            lines.append(f"{label}: against float64 SGD on the same gradients {sh['max_diff']:.3g} "
-                         f"(derived bound {sh.get('bound', float('nan')):.3g})")
-    return "\n".join(lines)
-
-
-def plot(s: dict, path: Path) -> Path:
-    """Loss per step of both runs, and time per step, in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = [dict(lw=2.5, alpha=0.6), dict(lw=1.2, ls="--"), dict(lw=1.2, ls=":")]
-    for (label, r), st in zip(s["runs"].items(), styles):
-        a.plot(r["losses"], label=f"{label} (test acc {r['accuracy']:.3f})", **st)
-        b.plot(r["step_ms_each"], label=f"{label} (median {r['step_ms']:.2f} ms)", **st)
-    a.set(xlabel="step", ylabel="training loss (global batch)",
-          title=f"{s.get('wrap', 'ddp').upper()}, {s['workers']} ranks: loss per step")
-    b.set(xlabel="step", ylabel="ms", title="time per training step (slowest rank)", yscale="log")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    runs = {run.label: _run_summary(run) for run in (reference, *others)}
+    ref = runs[reference.label]["final_loss"]
+    for r in runs.values():  # the issue's measure: final loss within 1% of the reference's
+        r["final_loss_rel"] = r["final_loss"] / ref - 1.0 if ref else None
+    rep = r0.report
+    return {"workers": len(reference.ranks), "steps": rep["steps"], "data": rep["data"],
+            "wrap": rep.get("wrap", "ddp"), "model": rep.get("model", "mlp"),
+            "hyperparameters": {k: rep[k] for k in ("optimizer", "lr", "momentum", "betas", "eps", "weight_decay")
+                                if k in rep},
+            "parameters": rep["parameters"], "warmup_steps_excluded": WARMUP, "final_loss_steps": FINAL,
+            "max_param_diff": next(iter(diffs.values()), None), "param_diff": diffs, "runs": runs}
