@@ -188,6 +188,9 @@ class Shadow:
         self.opt.step()
         if self.bound is not None:
             self._bound(step_max, w_before)
+        # every rank ends its check before any starts the step: a rank's float64 shadow must not
+        # share the machine's cores with another's timed optimizer step (nor the aggregator's)
+        dist.barrier()
 
     def _w_max(self) -> float:
         return max(float(p.detach().abs().max()) for p in self.params)
