@@ -242,31 +242,24 @@ static __always_inline u64 bitlen63(u64 v)
     return n + v;
 }
 
-/* floor(sqrt(t)), digit by digit, branch-free: t < 2^62 (31 result bits; unrolled: once per
- * element), and t <= 2^62 (32 bits; a loop: once per block). */
-#define ISQRT_STEP(t, r, bit) do {                     \
+/* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
+ * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */
+#define ISQRT_DIGIT(t, r, bit) do {                    \
         u64 c_ = (r) + (bit);                          \
         u64 ge_ = ~signmask((s64)((t) - c_));          \
         (t) -= c_ & ge_;                               \
         (r) = ((r) >> 1) + ((bit) & ge_);              \
-        (bit) >>= 2;                                   \
     } while (0)
 
-static __always_inline u64 isqrt62(u64 t)
-{
-    u64 r = 0, bit = 1ULL << 60;
-#pragma unroll
-    for (int i = 0; i < 31; i++)
-        ISQRT_STEP(t, r, bit);
-    return r;
-}
-
+/* floor(sqrt(t)) for t <= 2^62 (32 result bits; a loop: once per block) */
 static __always_inline u64 isqrt64(u64 t)
 {
     u64 r = 0, bit = 1ULL << 62;
 #pragma nounroll
-    for (int i = 0; i < 32; i++)
-        ISQRT_STEP(t, r, bit);
+    for (int i = 0; i < 32; i++) {
+        ISQRT_DIGIT(t, r, bit);
+        bit >>= 2;
+    }
     return r;
 }
 
@@ -358,12 +351,8 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
 #pragma unroll
     for (int n = 0; n < 31; n++) {
 #pragma unroll
-        for (int j = 0; j < ADAM_CHUNK; j++) {
-            u64 cc = r[j] + bit;
-            u64 ge = ~signmask((s64)(t[j] - cc));
-            t[j] -= cc & ge;
-            r[j] = (r[j] >> 1) + (bit & ge);
-        }
+        for (int j = 0; j < ADAM_CHUNK; j++)
+            ISQRT_DIGIT(t[j], r[j], bit);
         bit >>= 2;
     }
     /* the step */

@@ -231,28 +231,14 @@ def fsdp(rank: int, world: int, gloo) -> dict:
     return {"fsdp2_step_s": t1, "fsdp2_gloo_step_s": t2, "fsdp1_step_s": t3, "fsdp1_gloo_step_s": t4}
 
 
-def optimizer(rank: int, world: int, gloo) -> dict:
+def offloaded_vs_torch(name: str, rank: int, world: int, gloo, optimizer: dict, reference, tol: float) -> None:
+    """8 steps with the optimizer in the aggregator (a job the service grants) against the torch
+    optimizer ``reference(params)`` on gloo-averaged gradients, from the same parameters."""
     from nicoffload.ddp import OffloadedOptimizer
 
-    m = model()
-    ref = model()
-    opt = OffloadedOptimizer(m.parameters(), optimizer=dict(lr=0.05, momentum=0.9))
-    sgd = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for x, y in batches(rank, 8):
-        for net in (m, ref):
-            net.zero_grad()
-            nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad, group=gloo)
-            p.grad /= world
-        sgd.step()
-    compare("optimizer-offload-vs-sgd", m, ref, 1e-3)
-    opt.close()
-    # AdamW in the aggregator (a job of its own at the service) against torch.optim.AdamW
     m, ref = model(), model()
-    opt = OffloadedOptimizer(m.parameters(), optimizer=dict(kind="adamw", lr=1e-2))
-    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadedOptimizer(m.parameters(), optimizer=optimizer)
+    torch_opt = reference(ref.parameters())
     for x, y in batches(rank, 8):
         for net in (m, ref):
             net.zero_grad()
@@ -261,9 +247,16 @@ def optimizer(rank: int, world: int, gloo) -> dict:
         for p in ref.parameters():
             dist.all_reduce(p.grad, group=gloo)
             p.grad /= world
-        adamw.step()
-    compare("optimizer-offload-vs-adamw", m, ref, 1e-4)
+        torch_opt.step()
+    compare(name, m, ref, tol)
     opt.close()
+
+
+def optimizer(rank: int, world: int, gloo) -> dict:
+    offloaded_vs_torch("optimizer-offload-vs-sgd", rank, world, gloo, dict(lr=0.05, momentum=0.9),
+                       lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), 1e-3)
+    offloaded_vs_torch("optimizer-offload-vs-adamw", rank, world, gloo, dict(kind="adamw", lr=1e-2),
+                       lambda ps: torch.optim.AdamW(ps, lr=1e-2), 1e-4)
     return {}
 
 
