@@ -182,17 +182,26 @@ static __always_inline s64 mulfrac(s64 x, u64 c)
     return xh * (s64)c + (s64)((xl * c) >> 32);
 }
 
-/* Bits needed to hold v (0 for 0). */
-static __always_inline u32 bit_length(u64 v)
+/* Branch-free helpers for values below 2^63 (BPF has no conditional moves: a branch per element
+ * would multiply the paths the verifier walks). The empty asm hides the sign mask from clang,
+ * which would otherwise see through it and emit a compare and branch. */
+#define opaque(x) asm volatile("" : "+r"(x))
+static __always_inline u64 signmask(s64 x) { opaque(x); return (u64)(x >> 63); }
+static __always_inline u64 nonzero63(u64 v) { s64 n = -(s64)v; opaque(n); return (u64)n >> 63; }
+static __always_inline u64 min63(u64 a, u64 b) { u64 d = a - b; return b + (d & signmask((s64)d)); }
+static __always_inline u64 max63(u64 a, u64 b) { u64 d = a - b; return a - (d & signmask((s64)d)); }
+static __always_inline s64 relu(s64 x) { return x & ~(s64)signmask(x); }
+/* Bits needed to hold v (0 for 0), any u64: each test sees a value below 2^32 */
+static __always_inline u64 bit_length(u64 v)
 {
-    u32 n = 0;
-    if (v >> 32) { n += 32; v >>= 32; }
-    if (v >> 16) { n += 16; v >>= 16; }
-    if (v >> 8) { n += 8; v >>= 8; }
-    if (v >> 4) { n += 4; v >>= 4; }
-    if (v >> 2) { n += 2; v >>= 2; }
-    if (v >> 1) { n += 1; v >>= 1; }
-    return n + (u32)v;
+    u64 n = 0, sh;
+    sh = nonzero63(v >> 32) << 5; v >>= sh; n += sh;
+    sh = nonzero63(v >> 16) << 4; v >>= sh; n += sh;
+    sh = nonzero63(v >> 8) << 3; v >>= sh; n += sh;
+    sh = nonzero63(v >> 4) << 2; v >>= sh; n += sh;
+    sh = nonzero63(v >> 2) << 1; v >>= sh; n += sh;
+    sh = nonzero63(v >> 1); v >>= sh; n += sh;
+    return n + v;
 }
 
 /* An update in progress: what the per-element callback needs. A per-CPU scratch value, not the
@@ -220,27 +229,6 @@ BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
 /* elements per callback: the lookups and the call are paid once per chunk */
 #define SGD_CHUNK 8
 #define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
-
-/* Branch-free helpers for values below 2^63 (BPF has no conditional moves: a branch per element
- * would multiply the paths the verifier walks). The empty asm hides the sign mask from clang,
- * which would otherwise see through it and emit a compare and branch. */
-#define opaque(x) asm volatile("" : "+r"(x))
-static __always_inline u64 signmask(s64 x) { opaque(x); return (u64)(x >> 63); }
-static __always_inline u64 nonzero63(u64 v) { s64 n = -(s64)v; opaque(n); return (u64)n >> 63; }
-static __always_inline u64 min63(u64 a, u64 b) { u64 d = a - b; return b + (d & signmask((s64)d)); }
-static __always_inline u64 max63(u64 a, u64 b) { u64 d = a - b; return a - (d & signmask((s64)d)); }
-static __always_inline s64 relu(s64 x) { return x & ~(s64)signmask(x); }
-static __always_inline u64 bitlen63(u64 v)
-{
-    u64 n = 0, sh;
-    sh = nonzero63(v >> 32) << 5; v >>= sh; n += sh;
-    sh = nonzero63(v >> 16) << 4; v >>= sh; n += sh;
-    sh = nonzero63(v >> 8) << 3; v >>= sh; n += sh;
-    sh = nonzero63(v >> 4) << 2; v >>= sh; n += sh;
-    sh = nonzero63(v >> 2) << 1; v >>= sh; n += sh;
-    sh = nonzero63(v >> 1); v >>= sh; n += sh;
-    return n + v;
-}
 
 /* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
  * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */
@@ -301,7 +289,7 @@ static __always_inline void adamw_constants(struct sgd_scratch *c, u32 t)
             a62 = v < a62 ? v : a62;
         }
     }
-    u32 r = (u32)relu((s64)bitlen63(a62) - 32);
+    u32 r = (u32)relu((s64)bit_length(a62) - 32);
     c->alpha = a62 >> (r & 63);
     c->ashift = 30 - r;
     u64 epsd = (u64)mulfrac((s64)c->eps, sq) >> (AR_ADAM_EPS_FRAC - AR_ADAM_FRAC);
@@ -341,7 +329,7 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         o->m[k] = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
         u64 ag = (u64)((g ^ (g >> 63)) - (g >> 63));
         u64 sv = (u64)o->s[k];
-        nsh[j] = (u64)relu((s64)bitlen63(max63(sv, ag)) - 31);
+        nsh[j] = (u64)relu((s64)bit_length(max63(sv, ag)) - 31);
         u64 s1 = sv >> nsh[j], g1 = ag >> nsh[j];
         t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
         r[j] = 0;
@@ -368,8 +356,8 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         o->smax[k] = (s64)smax;
         u64 d = ((smax & c->ams) | (sv & ~c->ams)) + c->epsd;
         u64 am = (u64)((m ^ (m >> 63)) - (m >> 63));
-        u64 L = 62 - bitlen63(am);
-        u64 sd = (u64)relu((s64)bitlen63(d) - 31);
+        u64 L = 62 - bit_length(am);
+        u64 sd = (u64)relu((s64)bit_length(d) - 31);
         u64 Q = (am << L) / (d >> sd);
         s64 kk = (s64)(L + sd) - 32;
         u64 kpos = (u64)relu(kk), kneg = (u64)relu(-kk);

@@ -31,8 +31,7 @@ from ..errors import InputError
 from . import adamw
 from .adamw import AdamWBound  # noqa: F401  (re-exported)
 
-FRAC = proto.C["AR_OPT_FRAC"]
-ONE = 1 << FRAC
+from .fixed import FRAC, ONE, fixed, mulfrac  # noqa: F401  (mulfrac: the models' product, re-exported)
 #: |gradient| and |parameter| stay below 2^RANGE (checked where they enter)
 RANGE = proto.C["AR_OPT_RANGE"]
 KINDS = {"sgd": proto.C["AR_OPT_SGD"], "adamw": proto.C["AR_OPT_ADAMW"]}
@@ -114,7 +113,7 @@ class OptimizerSpec:
         """The hyperparameters in fixed point (dampening only matters with momentum, as in torch)."""
         if self.kind == "adamw":
             return adamw.hyper(self)
-        out = {k: fixed_hyper(getattr(self, k)) for k in ("lr", "momentum", "dampening", "weight_decay")}
+        out = {k: fixed(getattr(self, k)) for k in ("lr", "momentum", "dampening", "weight_decay")}
         if not self.momentum:
             out["dampening"] = 0
         return out
@@ -135,10 +134,6 @@ class OptimizerSpec:
         d = asdict(self)
         d["betas"] = list(self.betas)
         return d
-
-
-def fixed_hyper(v: float) -> int:
-    return int(round(v * ONE))
 
 
 # --- layout of a job's share ----------------------------------------------------------------
@@ -178,15 +173,6 @@ def to_fixed(values: np.ndarray) -> np.ndarray:
 
 def from_fixed(w: np.ndarray) -> np.ndarray:
     return np.asarray(w, dtype=np.int64).astype(np.float64) / ONE
-
-
-def mulfrac(x: np.ndarray, c: int) -> np.ndarray:
-    """floor(x * c / 2^FRAC) for int64 x (|x| < 2^62) and 0 <= c <= 2^FRAC, exactly as the XDP
-    program computes it: x = xh * 2^32 + xl, 0 <= xl < 2^32."""
-    x = np.asarray(x, dtype=np.int64)
-    xh = x >> 32
-    xl = (x & 0xFFFFFFFF).astype(np.uint64)
-    return xh * np.int64(c) + ((xl * np.uint64(c)) >> np.uint64(32)).astype(np.int64)
 
 
 def bit_length(v: int) -> int:

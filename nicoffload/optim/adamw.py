@@ -26,8 +26,8 @@ import numpy as np
 
 from nicoffload.wire import proto, quant
 
-FRAC = proto.C["AR_OPT_FRAC"]
-ONE = 1 << FRAC
+from .fixed import FRAC, ONE, fixed, mulfrac, mulfrac_int
+
 FA = proto.C["AR_ADAM_FRAC"]
 EPS_FRAC = proto.C["AR_ADAM_EPS_FRAC"]
 LR_FRAC = EPS_FRAC
@@ -35,10 +35,6 @@ AMSGRAD = proto.C["AR_OPT_AMSGRAD"]
 MAXIMIZE = proto.C["AR_OPT_MAXIMIZE"]
 #: |m / (s + eps')| is clamped below 2^20 (unreachable for beta1^2 < beta2: |m| <= ~8 s)
 QMAX = 1 << 52
-
-
-def fixed(v: float, frac: int = FRAC) -> int:
-    return int(round(v * (1 << frac)))
 
 
 def hyper(spec) -> dict[str, int]:
@@ -60,10 +56,6 @@ def pow_fixed(b: int, t: int) -> int:
     return r
 
 
-def _mulfrac_int(x: int, c: int) -> int:
-    return (x >> 32) * c + (((x & 0xFFFFFFFF) * c) >> 32)
-
-
 def step_constants(h: dict[str, int], t: int) -> dict[str, int]:
     """What the program computes once per block for update number t (1-based): the step factor
     alpha = lr * sqrt(bc2) / bc1 as a 32-bit mantissa ``alpha`` and a right shift ``ashift``
@@ -74,17 +66,12 @@ def step_constants(h: dict[str, int], t: int) -> dict[str, int]:
     bc1 = ONE - pow_fixed(h["beta1"], t)
     bc2 = ONE - pow_fixed(h["beta2"], t)
     sq = isqrt(bc2 << 30) << 1
-    x = _mulfrac_int(h["lr"], sq)                                   # lr * sqrt(bc2), 62 bits
+    x = mulfrac_int(h["lr"], sq)                                   # lr * sqrt(bc2), 62 bits
     a62 = min(((x // bc1) << 32) + (((x % bc1) << 32) // bc1), (1 << 62) - 1)
     r = max(0, a62.bit_length() - 32)
-    epsd = _mulfrac_int(h["eps"], sq) >> (EPS_FRAC - FA)
+    epsd = mulfrac_int(h["eps"], sq) >> (EPS_FRAC - FA)
     return {"alpha": a62 >> r, "ashift": 30 - r, "epsd": max(1, epsd),
-            "lrwd": _mulfrac_int(h["lr"], h["weight_decay"]) >> (LR_FRAC - FRAC)}
-
-
-def _mulfrac(x: np.ndarray, c: int) -> np.ndarray:
-    x = np.asarray(x, dtype=np.int64)
-    return (x >> np.int64(32)) * np.int64(c) + ((x & 0xFFFFFFFF).astype(np.uint64) * np.uint64(c) >> np.uint64(32)).astype(np.int64)
+            "lrwd": mulfrac_int(h["lr"], h["weight_decay"]) >> (LR_FRAC - FRAC)}
 
 
 def _bitlen(x: np.ndarray) -> np.ndarray:
@@ -121,13 +108,13 @@ def update(state, lanes: np.ndarray, offset: int, gexp: int, h: dict[str, int], 
     if flags & MAXIMIZE:
         g = -g
     c = step_constants(h, state.steps + 1)
-    w = state.w - _mulfrac(state.w, c["lrwd"])
-    m = _mulfrac(state.m, h["beta1"]) + _mulfrac(g, h["omb1"])
+    w = state.w - mulfrac(state.w, c["lrwd"])
+    m = mulfrac(state.m, h["beta1"]) + mulfrac(g, h["omb1"])
     ag = np.abs(g)
     a = np.maximum(state.s, ag)
     nsh = np.maximum(0, _bitlen(a) - 31)
     s1, g1 = state.s >> nsh, ag >> nsh
-    t = _mulfrac(s1 * s1, h["beta2"]) + _mulfrac(g1 * g1, h["omb2"])
+    t = mulfrac(s1 * s1, h["beta2"]) + mulfrac(g1 * g1, h["omb2"])
     s = isqrt(t) << nsh
     su = s
     if flags & AMSGRAD:
@@ -142,7 +129,7 @@ def update(state, lanes: np.ndarray, offset: int, gexp: int, h: dict[str, int], 
     kpos, kneg = np.maximum(kk, 0), np.maximum(-kk, 0)
     qa = np.minimum(Q >> kpos, np.int64(QMAX) >> kneg) << kneg
     qs = np.where(m < 0, -qa, qa)
-    state.w = w - (_mulfrac(qs, c["alpha"]) >> np.int64(c["ashift"]))
+    state.w = w - (mulfrac(qs, c["alpha"]) >> np.int64(c["ashift"]))
     state.m, state.s, state.steps = m, s, state.steps + 1
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_optimizer import W, N, E, decode, run_step
+from test_optimizer import W, N, E, assert_results, run_step
 
 from nicoffload import optim
 from nicoffload.agg.control import Aggregator
 from nicoffload.optim import OptimizerSpec
 from nicoffload.packets import generators as gen
-from nicoffload.wire import proto
 
 SPECS = {"plain": OptimizerSpec.adamw(lr=2e-3, weight_decay=0.05),
          "amsgrad-maximize": OptimizerSpec.adamw(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, amsgrad=True, maximize=True)}
@@ -62,10 +61,7 @@ def test_updates_are_the_models_bit_for_bit(adam, joined):
         grads = adversarial(rng, step)
         got = run_step(agg, ep, step, grads)
         want, _ = model.step(grads)
-        for b, (rec, (lanes, e)) in enumerate(zip(got, want)):
-            payload, exp, typ = decode(rec)
-            assert typ == proto.TYPE_RESULT and exp == e, (step, b)
-            assert np.array_equal(payload, lanes), (step, b)
+        assert_results(got, want, step)
         st = agg.maps.read_state(agg.table.get(1), E, full=True)
         for name, arr in (("w", model.w), ("m", np.concatenate([s.m for s in model.states])[:N]),
                           ("s", np.concatenate([s.s for s in model.states])[:N]),

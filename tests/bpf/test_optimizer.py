@@ -63,6 +63,15 @@ def decode(rec: bytes) -> tuple[np.ndarray, int, int]:
     return h.payload[0].copy(), int(h.fields["exp"][0]), int(h.fields["type"][0])
 
 
+def assert_results(got: list[bytes], want: list[tuple[np.ndarray, int]], step: int) -> None:
+    """Every result record of a step is the model's: a RESULT, its lanes and exponent."""
+    assert len(got) == len(want), step
+    for b, (rec, (lanes, e)) in enumerate(zip(got, want)):
+        payload, exp, typ = decode(rec)
+        assert typ == proto.TYPE_RESULT and exp == e, (step, b)
+        assert np.array_equal(payload, lanes), (step, b)
+
+
 def grads_for(rng, scale: float) -> list[np.ndarray]:
     # pre-averaged gradients of very different magnitudes per block, some blocks zero on one rank
     g = [rng.standard_normal(N).astype(np.float32) * np.float32(scale) / W for _ in range(W)]
@@ -83,10 +92,7 @@ def test_updates_are_the_models_bit_for_bit(agg, joined):
         grads = grads_for(rng, scale)
         got = run_step(agg, ep, step, grads)
         want, values = model.step(grads)
-        for b, (rec, (lanes, e)) in enumerate(zip(got, want)):
-            payload, exp, typ = decode(rec)
-            assert typ == proto.TYPE_RESULT and exp == e, (step, b)
-            assert np.array_equal(payload, lanes), (step, b)
+        assert_results(got, want, step)
         assert np.array_equal(optim.to_fixed(agg.params(1)), model.w), step
     st = agg.stats(1)
     assert st["updated"] == 5 * optim.blocks(N, E) and st["completed"] == 5 * optim.share(N, E)
