@@ -16,7 +16,7 @@ fi
 
 # --- Debian packages -----------------------------------------------------------------------
 need=()
-for p in python3-bpfcc libbpfcc bpftool iproute2 python3-venv libbpf1 gcc; do
+for p in python3-bpfcc libbpfcc bpftool iproute2 python3-venv libbpf1 gcc libxdp-dev libbpf-dev; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 krel="$(uname -r)"

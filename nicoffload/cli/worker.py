@@ -15,6 +15,7 @@ from nicoffload.lab.aggregators import AGG_FIELDS
 def register(sub) -> None:
     _register_worker(sub)
     _register_userspace(sub)
+    _register_afxdp(sub)
     _register_allreduce(sub)
     _register_demo(sub)
 
@@ -59,6 +60,29 @@ def _register_userspace(sub) -> None:
     p.set_defaults(func=_userspace)
 
 
+def _register_afxdp(sub) -> None:
+    p = sub.add_parser("aggregator-afxdp",
+                       help="the AF_XDP aggregator engine: the same protocol in a compiled poll loop over AF_XDP "
+                            "sockets (the DPDK-style, off-path engine; root)")
+    add_examples(p, "sudo nicoffload aggregator-afxdp --workers 4 --local-ip 10.0.0.100",
+                 "sudo nicoffload aggregator-afxdp --workers 8 --iface eth1 --mode native --spin-us 0 --json")
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--local-ip", default=None, help="address to send results from (selects the interface)")
+    p.add_argument("--iface", default=None, help="the interface (default: the one holding --local-ip)")
+    p.add_argument("--worker-ip", action="append", default=[], help="registered address of rank 0, 1, ...")
+    p.add_argument("--xdp-mode", dest="xdp_mode", choices=["auto", "generic", "native"], default="auto",
+                   help="how the steering program is attached (auto: generic on veth, where batches arrive whole)")
+    p.add_argument("--spin-us", type=int, default=None,
+                   help="microseconds the loop busy-polls after the last frame before it sleeps (default 20)")
+    p.add_argument("--xsk-map", default=None,
+                   help="a pinned XSKMAP to join (the XDP aggregator's, for a job it hands off) instead of "
+                        "attaching the engine's own steering program")
+    p.add_argument("--duration", type=float, default=None, help="stop after SECONDS (default: until SIGTERM)")
+    p.add_argument("--json", action="store_true", help="print counters as JSON on exit")
+    JobSpec.add_arguments(p, only=AGG_FIELDS)
+    p.set_defaults(func=_afxdp)
+
+
 def _register_allreduce(sub) -> None:
     p = sub.add_parser("allreduce", help="sum .npy files through a namespace testbed (needs root)")
     add_examples(p, "sudo nicoffload allreduce a.npy b.npy c.npy d.npy -o sum.npy",
@@ -68,8 +92,9 @@ def _register_allreduce(sub) -> None:
                  "sudo nicoffload allreduce a.npy b.npy c.npy -o sum.npy --mode ring --aggregator userspace")
     p.add_argument("inputs", nargs="+", type=Path, help="one .npy per worker (same shape and dtype)")
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--aggregator", choices=["xdp", "userspace"], default="xdp",
-                   help="who sums: XDP or user space (the aggregator, or with --mode ring every worker)")
+    p.add_argument("--aggregator", choices=["xdp", "afxdp", "userspace"], default="xdp",
+                   help="who sums: XDP, the AF_XDP engine or user space (the aggregator; with --mode ring every "
+                        "worker: xdp or userspace)")
     p.add_argument("--drop", type=float, default=0.0, help="drop probability on every link")
     p.add_argument("--dup", type=float, default=0.0, help="duplication probability on every link")
     p.add_argument("--seed", type=int, default=1)
@@ -129,6 +154,18 @@ def _userspace(args) -> int:
     stats = serve_userspace(args.workers, JobSpec.from_args(args), args.local_ip, args.worker_ip, args.duration,
                             ready=lambda: print("ready", flush=True))
     print(json.dumps({"stats": stats}) if args.json else
+          f"completed {stats['completed']} rounds, received {stats['rx']} packets", flush=True)
+    return 0
+
+
+def _afxdp(args) -> int:
+    from nicoffload.lab.aggregators import serve_afxdp
+
+    out = serve_afxdp(args.workers, JobSpec.from_args(args), args.local_ip, args.worker_ip, args.duration,
+                      ready=lambda d: print(f"ready {json.dumps(d)}", flush=True), iface=args.iface,
+                      mode=args.xdp_mode, spin_us=args.spin_us, xsk_map=args.xsk_map)
+    stats = out["stats"]
+    print(json.dumps(out) if args.json else
           f"completed {stats['completed']} rounds, received {stats['rx']} packets", flush=True)
     return 0
 

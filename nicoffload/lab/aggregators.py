@@ -15,7 +15,7 @@ from ..wire import proto
 from . import counters
 from .launcher import CLI, Launch, RankSpec
 
-KINDS = ("xdp", "userspace")
+KINDS = ("xdp", "afxdp", "userspace")
 #: seconds the user-space aggregator may take to say it is ready (imports, first compile)
 START_TIMEOUT = 120.0
 #: the fields of a job the aggregator must know
@@ -29,11 +29,15 @@ def on_testbed(tb, spec: JobSpec) -> JobSpec:
 
 class AggregatorProcess:
     """The aggregator of one job on testbed ``tb``: ``xdp`` (loaded and attached here, in
-    ``mode``) or ``userspace`` (``nicoffload aggregator-userspace`` on the aggregator host)."""
+    ``mode``), ``afxdp`` (``nicoffload aggregator-afxdp`` on the aggregator host: the AF_XDP engine)
+    or ``userspace`` (``nicoffload aggregator-userspace`` there)."""
 
     def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", host=None,
-                 placed: bool = False):
+                 placed: bool = False, spin_us: int | None = None):
         self.tb, self.kind = tb, kind
+        self.spin_us = spin_us
+        self.engine_info: dict = {}      # what the afxdp engine said when ready (mode, copy mode, ...)
+        self.engine_counters: dict = {}  # the afxdp engine's own counters, when it stopped
         self.host = host or tb.agg  # the aggregator host (a testbed may have several: tb.aggs)
         # placed: the spec already names its port and group on this testbed (jobs side by side)
         self.spec = spec if placed else on_testbed(tb, spec)
@@ -44,6 +48,8 @@ class AggregatorProcess:
             self._load_xdp(mode)
         elif kind == "userspace":
             self._start_userspace()
+        elif kind == "afxdp":
+            self._start_afxdp()
         else:
             raise InputError(f"unknown aggregator {kind!r}: choose {' or '.join(KINDS)}")
 
@@ -75,26 +81,36 @@ class AggregatorProcess:
         self.mode = self.agg.spec.mode
 
     def _start_userspace(self) -> None:
+        self._start_process("aggregator-userspace", "the user-space aggregator")
+
+    def _start_afxdp(self) -> None:
+        self.mode = "afxdp"
+        self._start_process("aggregator-afxdp", "the AF_XDP aggregator engine", ["--spin-us", str(self.spin_us)]
+                            if self.spin_us is not None else [])
+
+    def _start_process(self, command: str, what: str, extra: list[str] | None = None) -> None:
         if len(self.tb.workers) > proto.MAX_WORKERS:
-            raise InputError(f"the user-space aggregator serves jobs of up to {proto.MAX_WORKERS} ranks; "
+            raise InputError(f"{what} serves jobs of up to {proto.MAX_WORKERS} ranks; "
                              f"{len(self.tb.workers)} need the XDP aggregator's two levels of jobs")
-        argv = CLI + ["aggregator-userspace", "--workers", str(len(self.tb.workers)), *self.spec.argv(AGG_FIELDS),
-                      "--local-ip", self.host.ip, "--json"]
+        argv = CLI + [command, "--workers", str(len(self.tb.workers)), *self.spec.argv(AGG_FIELDS),
+                      "--local-ip", self.host.ip, "--json", *(extra or [])]
         for w in self.tb.workers:
             argv += ["--worker-ip", w.ip]
-        self.launch = Launch(self.tb, [RankSpec(f"the user-space aggregator on {self.host.name}", self.host, argv)])
+        self.launch = Launch(self.tb, [RankSpec(f"{what} on {self.host.name}", self.host, argv)])
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
                 _, line = self.launch.next_line(deadline - time.monotonic())
             except queue.Empty:
                 line = None
-            if line is not None and "ready" in line:
+            if line is not None and line.startswith("ready"):
+                rest = line[len("ready"):].strip()
+                self.engine_info = json.loads(rest) if rest.startswith("{") else {}
                 return
             if line is None:  # it ended, or said nothing in time
                 o = self.launch.wait(time.monotonic() + 1.0)[0]
                 self.launch = None
-                raise o.error_class(f"the user-space aggregator did not start: {o.reason}")
+                raise o.error_class(f"{what} did not start: {o.reason}")
 
     @property
     def prog_id(self) -> int | None:
@@ -120,7 +136,9 @@ class AggregatorProcess:
             o = self.launch.stop()[0]
             self.launch = None
             for line in o.json_lines():
-                st = json.loads(line).get("stats", st)
+                d = json.loads(line)
+                st = d.get("stats", st)
+                self.engine_counters = d.get("engine", {})
         return st
 
     def __enter__(self) -> "AggregatorProcess":
@@ -128,6 +146,32 @@ class AggregatorProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,
+                worker_ips: Iterable[str] = (), duration: float | None = None,
+                ready: Callable[[dict], None] = lambda d: None, iface: str | None = None, mode: str = "auto",
+                spin_us: int | None = None, xsk_map: str | None = None) -> dict:
+    """Run the AF_XDP engine with one job in this process until SIGTERM/SIGINT (or ``duration``
+    seconds); ``ready`` gets the engine's description once it polls. Returns that description
+    with the job's counters (``stats``) and the engine's (``engine``)."""
+    from nicoffload.afxdp.engine import DEFAULT_SPIN_US, AfxdpEngine
+
+    eng = AfxdpEngine(iface, spec.port, spec.elems, mode, DEFAULT_SPIN_US if spin_us is None else spin_us,
+                      xsk_map, local_ip=local_ip)
+    try:
+        eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
+
+        def on_term(signum, frame):
+            eng.request_stop()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+        ready(eng.describe())
+        eng.serve(until=None if duration is None else time.monotonic() + duration)
+        return {**eng.describe(), "stats": eng.stats(), "engine": eng.engine_stats()}
+    finally:
+        eng.close()
 
 
 def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,

@@ -1,0 +1,1084 @@
+/* The AF_XDP aggregator engine: the DPDK-style, off-path counterpart of xdp/aggregator.c.
+ *
+ * An XDP program (xdp/afxdp.c, or the XDP aggregator itself for a job it hands off) redirects the
+ * job's frames into an XSKMAP; this poll loop owns each queue's UMEM and its four rings (fill, rx,
+ * tx, completion), takes frames batch by batch, aggregates them with the same protocol and slot
+ * algorithm as nicoffload/userspace/aggregator.py (which is the reference: every counter, answer
+ * and state transition mirrors it), and builds the result frames itself (Ethernet, IPv4 with its
+ * checksum, UDP with its checksum) into TX frames: one to the job's multicast group, or a copy per
+ * rank (unicast delivery). No socket layer on the data path; the kernel only copies frames in and
+ * out of the UMEM (copy mode: veth has no zero-copy driver).
+ *
+ * A frame larger than a UMEM chunk (a worker's UDP_SEGMENT batch, seen whole by generic XDP)
+ * arrives as a chain of descriptors (XDP_USE_SG, XDP_PKT_CONTD) and is gathered before it is
+ * parsed. Results leave as frames of at most the interface's MTU.
+ *
+ * Built by nicoffload/afxdp/build.py with gcc against libxdp (xsk API) and libbpf; driven from
+ * Python through ctypes (nicoffload/afxdp/engine.py). One thread runs afx_run(); the job table
+ * is changed under a mutex the loop holds per batch. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <linux/if_ether.h>
+#include <linux/if_xdp.h>
+#include <linux/ip.h>
+#include <linux/udp.h>
+#include <bpf/bpf.h>
+#include <net/if.h>
+#include <xdp/xsk.h>
+
+#include "nicoffload_proto.h"
+
+#ifndef XDP_USE_SG
+#define XDP_USE_SG (1 << 4)
+#endif
+#ifndef XDP_PKT_CONTD
+#define XDP_PKT_CONTD (1 << 0)
+#endif
+
+#define AFX_MAX_QUEUES 64
+#define AFX_FRAME 4096u
+#define AFX_FRAMES 4096u            /* per queue: half for the fill ring, half for tx */
+#define AFX_RING 2048u
+#define AFX_BATCH 64u
+#define AFX_MAX_FRAME_BYTES 65536u  /* a gathered frame: the largest IPv4 packet and its Ethernet header */
+
+/* engine counters (afx_engine_stats), beside the protocol's AR_STAT_* per job */
+enum {
+    AFX_E_RX_FRAMES, AFX_E_RX_DESCS, AFX_E_TX_FRAMES, AFX_E_TX_KICKS, AFX_E_TX_WAIT, AFX_E_POLLS,
+    AFX_E_BATCHES, AFX_E_NOT_OURS, AFX_E_TOO_BIG, AFX_E_SPINS, AFX_E__COUNT
+};
+
+struct afx_set {
+    uint32_t epoch, round, bitmap, mask;
+    uint16_t count;
+    int16_t exp;
+    uint8_t op, complete;
+};
+
+struct afx_job {
+    int used;
+    uint32_t id, workers, slots, mask_all, group_be, delivery, check_src;
+    uint32_t ips_be[AR_MAX_WORKERS];
+    uint8_t macs[AR_MAX_WORKERS][6];
+    uint8_t mac_known[AR_MAX_WORKERS];
+    uint32_t live, last_epoch, joined;
+    uint64_t nonces[AR_MAX_WORKERS];
+    uint32_t acks[AR_MAX_WORKERS];
+    uint32_t gate;
+    struct afx_set *sets;  /* slots x 2 */
+    int32_t *acc;          /* slots x 2 x elems */
+    uint64_t stats[AR_STAT__COUNT];
+};
+
+struct afx_queue {
+    void *area;
+    struct xsk_umem *umem;
+    struct xsk_socket *xsk;
+    struct xsk_ring_prod fill;
+    struct xsk_ring_cons comp;
+    struct xsk_ring_cons rx;
+    struct xsk_ring_prod tx;
+    uint64_t free_tx[AFX_FRAMES / 2];
+    uint32_t n_free;
+    uint32_t tx_queued;  /* produced since the last kick */
+    int fd;
+};
+
+struct afx_engine {
+    uint16_t port;
+    uint32_t elems, rsize, mtu, per_frame;
+    uint32_t local_ip_be;
+    uint8_t local_mac[6];
+    int nq;
+    int spin_us;
+    int link_fd;  /* the steering program's XDP link (ours to close), or -1 */
+    volatile int stop;
+    uint16_t ip_id;
+    struct afx_queue q[AFX_MAX_QUEUES];
+    struct afx_job jobs[AR_MAX_JOBS];
+    uint64_t stats0[AR_STAT__COUNT];
+    uint64_t estats[AFX_E__COUNT];
+    pthread_mutex_t lock;
+    uint8_t *gather;       /* a chained frame, gathered */
+    uint8_t *out;          /* records kept for an answer or a result */
+    char err[256];
+};
+
+/* --- small helpers ------------------------------------------------------------------------------ */
+
+static inline int serial_after(uint32_t a, uint32_t b)
+{
+    uint32_t d = a - b;
+    return d != 0 && d < 0x80000000u;
+}
+
+struct rec {  /* the record header, wire order */
+    uint16_t magic;
+    uint8_t version, type, flags, set;
+    uint16_t rank;
+    uint32_t job, epoch, slot, round, mask, ack;
+    uint16_t count;
+    int16_t exp;
+    uint8_t op, detail;
+    uint16_t pad;
+} __attribute__((packed));
+
+_Static_assert(sizeof(struct rec) == AR_HDR_LEN, "record header is AR_HDR_LEN bytes");
+
+static uint16_t csum_fold(uint64_t sum)
+{
+    while (sum >> 16)
+        sum = (sum & 0xffff) + (sum >> 16);
+    return (uint16_t)~sum;
+}
+
+static uint64_t csum_add(uint64_t sum, const uint8_t *p, size_t n)
+{
+    /* 16-bit words in network order, summed 32 bits at a time */
+    while (n >= 4) {
+        uint32_t w;
+        memcpy(&w, p, 4);
+        w = ntohl(w);
+        sum += (w >> 16) + (w & 0xffff);
+        p += 4;
+        n -= 4;
+    }
+    if (n >= 2) {
+        sum += ((uint32_t)p[0] << 8) | p[1];
+        p += 2;
+        n -= 2;
+    }
+    if (n)
+        sum += (uint32_t)p[0] << 8;
+    return sum;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+/* --- transmit ------------------------------------------------------------------------------------ */
+
+static void reclaim(struct afx_queue *q)
+{
+    uint32_t idx;
+    uint32_t n = xsk_ring_cons__peek(&q->comp, AFX_RING, &idx);
+    for (uint32_t i = 0; i < n; i++)
+        q->free_tx[q->n_free++] = *xsk_ring_cons__comp_addr(&q->comp, idx + i);
+    if (n)
+        xsk_ring_cons__release(&q->comp, n);
+}
+
+static void kick(struct afx_engine *e, struct afx_queue *q)
+{
+    /* copy mode sends at most 32 descriptors per call: go on while the kernel says "again" */
+    for (int tries = 0; q->tx_queued && tries < 256; tries++) {
+        e->estats[AFX_E_TX_KICKS]++;
+        int r = sendto(q->fd, NULL, 0, MSG_DONTWAIT, NULL, 0);
+        if (r >= 0) {
+            q->tx_queued = 0;
+            break;
+        }
+        if (errno != EAGAIN && errno != EBUSY && errno != ENOBUFS && errno != EINTR)
+            break;
+        reclaim(q);
+        if (*q->tx.consumer == q->tx.cached_prod) {  /* all taken */
+            q->tx_queued = 0;
+            break;
+        }
+    }
+    reclaim(q);
+}
+
+/* A free TX frame of queue q (its UMEM offset), or UINT64_MAX when the ring stays full. */
+static uint64_t tx_frame(struct afx_engine *e, struct afx_queue *q)
+{
+    if (!q->n_free)
+        reclaim(q);
+    for (int tries = 0; !q->n_free && tries < 2000; tries++) {
+        e->estats[AFX_E_TX_WAIT]++;
+        kick(e, q);
+        if (!q->n_free)
+            usleep(1);
+    }
+    if (!q->n_free)
+        return UINT64_MAX;
+    return q->free_tx[--q->n_free];
+}
+
+/* Build one frame (Ethernet, IPv4, UDP, then n bytes of records) and queue it on q's tx ring. */
+static int send_frame(struct afx_engine *e, struct afx_queue *q, const uint8_t *dmac, uint32_t dst_be,
+                      uint16_t dport_be, const uint8_t *payload, uint32_t n)
+{
+    uint64_t addr = tx_frame(e, q);
+    if (addr == UINT64_MAX)
+        return -1;
+    uint32_t idx;
+    if (xsk_ring_prod__reserve(&q->tx, 1, &idx) != 1) {
+        kick(e, q);
+        if (xsk_ring_prod__reserve(&q->tx, 1, &idx) != 1) {
+            q->free_tx[q->n_free++] = addr;
+            return -1;
+        }
+    }
+    uint8_t *f = xsk_umem__get_data(q->area, addr);
+    struct ethhdr *eth = (struct ethhdr *)f;
+    memcpy(eth->h_dest, dmac, 6);
+    memcpy(eth->h_source, e->local_mac, 6);
+    eth->h_proto = htons(ETH_P_IP);
+    struct iphdr *ip = (struct iphdr *)(eth + 1);
+    ip->version = 4;
+    ip->ihl = 5;
+    ip->tos = 0;
+    ip->tot_len = htons(20 + 8 + n);
+    ip->id = htons(e->ip_id++);
+    ip->frag_off = htons(0x4000);  /* DF */
+    ip->ttl = IN_MULTICAST(ntohl(dst_be)) ? 1 : 64;
+    ip->protocol = IPPROTO_UDP;
+    ip->check = 0;
+    ip->saddr = e->local_ip_be;
+    ip->daddr = dst_be;
+    ip->check = htons(csum_fold(csum_add(0, (uint8_t *)ip, 20)));
+    struct udphdr *udp = (struct udphdr *)(ip + 1);
+    udp->source = htons(e->port);
+    udp->dest = dport_be;
+    udp->len = htons(8 + n);
+    udp->check = 0;
+    memcpy(udp + 1, payload, n);
+    /* pseudo-header + UDP header + payload */
+    uint64_t s = csum_add(0, (uint8_t *)&ip->saddr, 8);
+    s += IPPROTO_UDP + 8 + n;
+    s = csum_add(s, (uint8_t *)udp, 8 + n);
+    uint16_t c = htons(csum_fold(s));
+    udp->check = c ? c : 0xffff;
+    struct xdp_desc *d = xsk_ring_prod__tx_desc(&q->tx, idx);
+    d->addr = addr;
+    d->len = 14 + 20 + 8 + n;
+    d->options = 0;
+    xsk_ring_prod__submit(&q->tx, 1);
+    q->tx_queued++;
+    e->estats[AFX_E_TX_FRAMES]++;
+    if (q->tx_queued >= 32)
+        kick(e, q);
+    return 0;
+}
+
+/* Records (whole, rsize each) to one destination, split into frames of at most the MTU. */
+static void send_records(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, const uint8_t *dmac,
+                         uint32_t dst_be, uint16_t dport_be, const uint8_t *recs, uint32_t n)
+{
+    uint32_t chunk = n > e->rsize ? e->per_frame * e->rsize : n;
+    for (uint32_t off = 0; off < n; off += chunk) {
+        uint32_t len = n - off < chunk ? n - off : chunk;
+        if (send_frame(e, q, dmac, dst_be, dport_be, recs + off, len))
+            (j ? j->stats : e->stats0)[AR_STAT_TX_FAILED]++;
+    }
+}
+
+static void group_mac(uint32_t group_be, uint8_t *mac)
+{
+    uint32_t g = ntohl(group_be);
+    mac[0] = 0x01; mac[1] = 0x00; mac[2] = 0x5e;
+    mac[3] = (g >> 16) & 0x7f; mac[4] = (g >> 8) & 0xff; mac[5] = g & 0xff;
+}
+
+/* A frame for every rank: to the group, or (unicast delivery) a copy to each rank's address. */
+static void to_ranks(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, uint16_t dport_be,
+                     const uint8_t *recs, uint32_t n)
+{
+    if (j->delivery == AR_DELIVERY_UNICAST) {
+        for (uint32_t r = 0; r < j->workers; r++) {
+            if (!j->mac_known[r]) {
+                j->stats[AR_STAT_TX_FAILED]++;
+                continue;
+            }
+            send_records(e, q, j, j->macs[r], j->ips_be[r], dport_be, recs, n);
+            j->stats[AR_STAT_COPIES]++;
+        }
+    } else {
+        uint8_t mac[6];
+        group_mac(j->group_be, mac);
+        send_records(e, q, j, mac, j->group_be, dport_be, recs, n);
+    }
+}
+
+/* --- the protocol (mirrors nicoffload/userspace/aggregator.py and epochs.py) --------------------- */
+
+struct sender {
+    const uint8_t *mac;  /* the frame's source MAC */
+    uint32_t ip_be;
+    uint16_t port_be;
+};
+
+static void status(struct rec *r, uint32_t bitmap, uint8_t detail)
+{
+    r->type = AR_TYPE_STATUS;
+    r->flags = 0;
+    r->mask = htonl(bitmap);
+    r->ack = 0;
+    r->count = 0;
+    r->detail = detail;
+}
+
+static void result(struct afx_job *j, struct rec *r, struct afx_set *s)
+{
+    r->type = AR_TYPE_RESULT;
+    r->flags = 0;
+    r->rank = htons(AR_RANK_AGG);
+    r->mask = htonl(s->bitmap);
+    r->ack = htonl(j->gate);
+    r->count = htons(s->count);
+    r->exp = (int16_t)htons((uint16_t)s->exp);
+    r->op = s->op;
+    r->detail = 0;
+}
+
+static uint32_t job_gate(struct afx_job *j)
+{
+    uint32_t g = j->acks[0];
+    for (uint32_t q = 1; q < j->workers; q++)
+        if (serial_after(g, j->acks[q]))
+            g = j->acks[q];
+    return g;
+}
+
+static void take_ack(struct afx_job *j, uint32_t rank, uint32_t ack)
+{
+    if (serial_after(ack, j->acks[rank]))
+        j->acks[rank] = ack;
+}
+
+static void reply(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, const struct sender *from,
+                  const uint8_t *data, uint32_t n)
+{
+    send_records(e, q, j, from->mac, from->ip_be, from->port_be, data, n);
+}
+
+static void joined(struct afx_job *j, struct rec *r, uint8_t *table)
+{
+    r->type = AR_TYPE_JOINED;
+    r->flags = 0;
+    r->epoch = htonl(j->live);
+    r->mask = htonl(j->joined);
+    r->detail = 0;
+    memcpy(table, j->nonces, sizeof(j->nonces));  /* u64 little endian, index = rank */
+}
+
+static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, uint8_t *d, uint32_t rank,
+                    const struct sender *from)
+{
+    uint64_t *st = j->stats;
+    struct rec *r = (struct rec *)d;
+    uint8_t *table = d + AR_HDR_LEN;
+    uint32_t n = AR_HDR_LEN + AR_JOIN_PAYLOAD;
+    if (ntohl(r->mask) != j->mask_all) {
+        status(r, j->mask_all, AR_DETAIL_WORLD);
+        st[AR_STAT_STATUS_SENT]++;
+        reply(e, q, j, from, d, n);
+        return;
+    }
+    uint64_t nonce = ((uint64_t)ntohl(r->ack) << 32) | ntohl(r->round);
+    uint64_t cur = j->nonces[rank];
+    uint32_t bit = 1u << rank;
+    if (j->live && nonce == cur) {
+        st[AR_STAT_JOIN]++;
+        joined(j, r, table);
+        r->flags = AR_FLAG_ANSWER;
+        reply(e, q, j, from, d, n);
+        return;
+    }
+    if (cur && nonce < cur) {
+        st[AR_STAT_STALE_JOIN]++;
+        if (r->flags & AR_FLAG_RETX) {
+            status(r, 0, AR_DETAIL_SUPERSEDED);
+            reply(e, q, j, from, d, n);
+        }
+        return;
+    }
+    st[AR_STAT_JOIN]++;
+    if (!j->live && (j->joined & bit) && nonce == cur) {
+        if (r->flags & AR_FLAG_RETX) {
+            status(r, j->joined, AR_DETAIL_JOINING);
+            reply(e, q, j, from, d, n);
+        }
+        return;
+    }
+    if (j->live) {
+        j->live = 0;
+        j->joined = 0;
+    }
+    j->nonces[rank] = nonce;
+    j->joined |= bit;
+    if (j->joined == j->mask_all) {
+        j->last_epoch = j->last_epoch + 1 ? j->last_epoch + 1 : 1;
+        j->live = j->last_epoch;
+        memset(j->acks, 0, sizeof(j->acks));
+        st[AR_STAT_EPOCH_FORMED]++;
+        st[AR_STAT_RESULT_SENT]++;
+        joined(j, r, table);
+        to_ranks(e, q, j, from->port_be, d, n);
+    }
+}
+
+static const char *check(struct afx_engine *e, struct afx_job *j, struct rec *r, uint32_t rank, int *stat)
+{
+#define BAD(x) do { *stat = (x); return "bad"; } while (0)
+    if (r->magic != htons(AR_MAGIC)) BAD(AR_STAT_BAD_MAGIC);
+    if (r->version != AR_VERSION) BAD(AR_STAT_BAD_VERSION);
+    if (r->type != AR_TYPE_CONTRIB) BAD(AR_STAT_BAD_TYPE);
+    if (r->flags & ~AR_FLAGS_KNOWN) BAD(AR_STAT_BAD_FLAGS);
+    if (ntohl(r->job) != j->id || ntohs(r->rank) != rank) BAD(AR_STAT_BAD_MIXED);
+    if (ntohl(r->slot) >= j->slots) BAD(AR_STAT_BAD_SLOT);
+    if (r->set > 1) BAD(AR_STAT_BAD_SET);
+    if (r->op >= AR_OP__COUNT) BAD(AR_STAT_BAD_OP);
+    uint32_t mask = ntohl(r->mask);
+    if (!mask || (mask & ~j->mask_all)) BAD(AR_STAT_BAD_MASK);
+    uint32_t cnt = ntohs(r->count);
+    if (r->flags & AR_FLAG_PULL) {
+        if (cnt) BAD(AR_STAT_BAD_LEN);
+        return NULL;
+    }
+    if (!(mask & (1u << rank))) BAD(AR_STAT_BAD_MASK);
+    if (r->op == AR_OP_SGD) BAD(AR_STAT_BAD_OP);  /* optimizer jobs: the XDP or the user-space aggregator */
+    if (cnt < 1 || cnt > (r->op == AR_OP_SUM16 ? 2 * e->elems : e->elems)) BAD(AR_STAT_BAD_LEN);
+    return NULL;
+#undef BAD
+}
+
+static void combine(uint8_t op, int32_t *acc, const int32_t *p, uint32_t elems)
+{
+    switch (op) {
+    case AR_OP_SUM: {
+        uint32_t *a = (uint32_t *)acc;
+        const uint32_t *b = (const uint32_t *)p;
+        for (uint32_t i = 0; i < elems; i++)
+            a[i] += b[i];  /* wraps modulo 2^32 */
+        break;
+    }
+    case AR_OP_SUM64:
+    case AR_OP_SUM16: {
+        uint64_t *a = (uint64_t *)acc;
+        uint64_t w;
+        for (uint32_t i = 0; i < elems / 2; i++) {
+            memcpy(&w, p + 2 * i, 8);
+            a[i] += w;
+        }
+        break;
+    }
+    case AR_OP_MAX:
+        for (uint32_t i = 0; i < elems; i++)
+            acc[i] = p[i] > acc[i] ? p[i] : acc[i];
+        break;
+    default:
+        for (uint32_t i = 0; i < elems; i++)
+            acc[i] |= p[i];
+    }
+}
+
+enum { OUT_NONE, OUT_MCAST, OUT_ANSWER };
+
+static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uint32_t rank)
+{
+    uint64_t *st = j->stats;
+    int32_t *p = (int32_t *)((uint8_t *)r + AR_HDR_LEN);
+    st[AR_STAT_RECORDS]++;
+    int bad = 0;
+    if (check(e, j, r, rank, &bad)) {
+        r->type = AR_TYPE_NOP;
+        st[bad]++;
+        return OUT_NONE;
+    }
+    uint8_t flags = r->flags;
+    if (!j->live || ntohl(r->epoch) != j->live) {
+        st[AR_STAT_STALE_EPOCH]++;
+        if (flags & (AR_FLAG_RETX | AR_FLAG_PULL)) {
+            status(r, 0, AR_DETAIL_EPOCH);
+            return OUT_ANSWER;
+        }
+        r->type = AR_TYPE_NOP;
+        return OUT_NONE;
+    }
+    uint32_t slot = ntohl(r->slot), v = r->set;
+    struct afx_set *s = &j->sets[2 * slot + v];
+    int32_t *acc = j->acc + (size_t)(2 * slot + v) * e->elems;
+    uint32_t rnd = ntohl(r->round);
+    uint32_t bit = 1u << rank;
+    int same = s->epoch == j->live && s->round == rnd;
+    if (flags & AR_FLAG_PULL) {
+        if (same && s->complete) {
+            memcpy(p, acc, 4 * e->elems);
+            result(j, r, s);
+            r->flags = AR_FLAG_ANSWER;
+            st[AR_STAT_PULL_ANSWERED]++;
+            return OUT_ANSWER;
+        }
+        int gone = !same && s->epoch == j->live && serial_after(s->round, rnd);
+        status(r, gone || !same ? 0 : s->bitmap, gone ? AR_DETAIL_GONE : AR_DETAIL_WAITING);
+        st[AR_STAT_STATUS_SENT]++;
+        return OUT_ANSWER;
+    }
+    if (same && (s->bitmap & bit)) {
+        if (!(flags & AR_FLAG_RETX)) {
+            st[AR_STAT_DUP_DROPPED]++;
+            r->type = AR_TYPE_NOP;
+            return OUT_NONE;
+        }
+        if (s->complete) {
+            memcpy(p, acc, 4 * e->elems);
+            result(j, r, s);
+            r->flags = AR_FLAG_ANSWER;
+            st[AR_STAT_RETX_ANSWERED]++;
+            return OUT_ANSWER;
+        }
+        status(r, s->bitmap, AR_DETAIL_WAITING);
+        st[AR_STAT_STATUS_SENT]++;
+        return OUT_ANSWER;
+    }
+    uint32_t mask = ntohl(r->mask);
+    uint16_t cnt = ntohs(r->count);
+    int16_t exp = (int16_t)ntohs((uint16_t)r->exp);
+    uint8_t op = r->op;
+    if (!same) {
+        if (s->epoch == j->live) {
+            if (!serial_after(rnd, s->round)) {
+                if (flags & AR_FLAG_RETX) {
+                    status(r, 0, AR_DETAIL_GONE);
+                    st[AR_STAT_STATUS_SENT]++;
+                    return OUT_ANSWER;
+                }
+                st[AR_STAT_STALE_ROUND]++;
+                r->type = AR_TYPE_NOP;
+                return OUT_NONE;
+            }
+            for (uint32_t q = 0; q < j->workers; q++) {
+                if (!serial_after(j->acks[q], s->round)) {
+                    st[AR_STAT_EARLY]++;
+                    r->type = AR_TYPE_NOP;
+                    return OUT_NONE;
+                }
+            }
+        }
+        s->epoch = j->live;
+        s->round = rnd;
+        s->bitmap = bit;
+        s->mask = mask;
+        s->count = cnt;
+        s->exp = exp;
+        s->op = op;
+        s->complete = 0;
+        memcpy(acc, p, 4 * e->elems);
+    } else {
+        if (s->mask != mask || s->op != op || s->exp != exp || s->count != cnt) {
+            st[AR_STAT_MISMATCH]++;
+            r->type = AR_TYPE_NOP;
+            return OUT_NONE;
+        }
+        s->bitmap |= bit;
+        combine(op, acc, p, e->elems);
+    }
+    st[AR_STAT_AGGREGATED]++;
+    if (s->bitmap != s->mask) {
+        r->type = AR_TYPE_NOP;
+        return OUT_NONE;
+    }
+    s->complete = 1;
+    st[AR_STAT_COMPLETED]++;
+    memcpy(p, acc, 4 * e->elems);
+    result(j, r, s);
+    return OUT_MCAST;
+}
+
+static struct afx_job *find_job(struct afx_engine *e, uint32_t id)
+{
+    for (int i = 0; i < AR_MAX_JOBS; i++)
+        if (e->jobs[i].used && e->jobs[i].id == id)
+            return &e->jobs[i];
+    return NULL;
+}
+
+static void reject(uint64_t *st, int reason)
+{
+    st[AR_STAT_RECORDS]++;
+    st[reason]++;
+}
+
+/* One datagram of records (the UDP payload, n bytes), writable in place. */
+static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, uint32_t n, const struct sender *from)
+{
+    if (n < AR_HDR_LEN) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_TRUNCATED);
+    }
+    struct rec *h = (struct rec *)d;
+    if (h->magic != htons(AR_MAGIC)) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_MAGIC);
+    }
+    if (h->version != AR_VERSION) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_VERSION);
+    }
+    struct afx_job *j = find_job(e, ntohl(h->job));
+    if (!j) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_JOB);
+    }
+    uint64_t *st = j->stats;
+    st[AR_STAT_RX]++;
+    uint32_t rank = ntohs(h->rank);
+    if (rank >= j->workers)
+        return reject(st, AR_STAT_BAD_RANK);
+    if (j->check_src && from->ip_be != j->ips_be[rank])
+        return reject(st, AR_STAT_BAD_SRC);
+    if (h->flags & ~AR_FLAGS_KNOWN)
+        return reject(st, AR_STAT_BAD_FLAGS);
+    memcpy(j->macs[rank], from->mac, 6);
+    j->mac_known[rank] = 1;
+    if (h->type == AR_TYPE_JOIN) {
+        if (n != AR_HDR_LEN + AR_JOIN_PAYLOAD)
+            return reject(st, AR_STAT_BAD_LEN);
+        st[AR_STAT_RECORDS]++;
+        return on_join(e, q, j, d, rank, from);
+    }
+    if (h->type == AR_TYPE_ACK) {
+        if (n != AR_HDR_LEN)
+            return reject(st, AR_STAT_BAD_LEN);
+        if (!j->live || ntohl(h->epoch) != j->live)
+            return reject(st, AR_STAT_STALE_EPOCH);
+        st[AR_STAT_RECORDS]++;
+        st[AR_STAT_ACK]++;
+        take_ack(j, rank, ntohl(h->ack));
+        if (h->flags & AR_FLAG_RETX) {  /* asks for the gate */
+            h->rank = htons(AR_RANK_AGG);
+            h->flags = 0;
+            h->ack = htonl(job_gate(j));
+            reply(e, q, j, from, d, n);
+        }
+        return;
+    }
+    if (h->type != AR_TYPE_CONTRIB)
+        return reject(st, AR_STAT_BAD_TYPE);
+    uint32_t max_records = (AR_MAX_PACKET_OFF - AR_L2L4_LEN) / e->rsize;
+    if (n % e->rsize || n / e->rsize > max_records)
+        return reject(st, AR_STAT_BAD_LEN);
+    if (j->live && ntohl(h->epoch) == j->live)
+        take_ack(j, rank, ntohl(h->ack));
+    j->gate = job_gate(j);
+    int mcast = 0, answer = 0;
+    uint32_t kept = 0;
+    for (uint32_t off = 0; off < n; off += e->rsize) {
+        struct rec *r = (struct rec *)(d + off);
+        int o = on_record(e, j, r, rank);
+        mcast |= o == OUT_MCAST;
+        answer |= o == OUT_ANSWER;
+    }
+    if (!(mcast || answer))
+        return;
+    /* the answers move to the front and the datagram ends after them */
+    for (uint32_t off = 0; off < n; off += e->rsize) {
+        struct rec *r = (struct rec *)(d + off);
+        if (r->type == AR_TYPE_NOP)
+            continue;
+        if (kept != off)
+            memmove(d + kept, d + off, e->rsize);
+        kept += e->rsize;
+    }
+    if (mcast) {
+        st[AR_STAT_RESULT_SENT]++;
+        to_ranks(e, q, j, from->port_be, d, kept);
+    } else {
+        reply(e, q, j, from, d, kept);
+    }
+}
+
+/* One frame (Ethernet on): ours if IPv4/UDP to the engine's port. */
+static void on_frame(struct afx_engine *e, struct afx_queue *q, uint8_t *f, uint32_t len)
+{
+    e->estats[AFX_E_RX_FRAMES]++;
+    if (len < 14 + 20 + 8) {
+        e->estats[AFX_E_NOT_OURS]++;
+        return;
+    }
+    struct ethhdr *eth = (struct ethhdr *)f;
+    struct iphdr *ip = (struct iphdr *)(eth + 1);
+    if (eth->h_proto != htons(ETH_P_IP) || ip->version != 4 || ip->protocol != IPPROTO_UDP) {
+        e->estats[AFX_E_NOT_OURS]++;
+        return;
+    }
+    uint32_t ihl = ip->ihl * 4u;
+    uint32_t tot = ntohs(ip->tot_len);
+    struct udphdr *udp = (struct udphdr *)((uint8_t *)ip + ihl);
+    if (ihl < 20 || 14 + ihl + 8 > len || udp->dest != htons(e->port)) {
+        e->estats[AFX_E_NOT_OURS]++;
+        return;
+    }
+    uint32_t ulen = ntohs(udp->len);
+    /* a fragment, or lengths that do not fit the frame: counted as a truncated record */
+    if ((ntohs(ip->frag_off) & 0x3fff) || tot < ihl + 8 || 14 + tot > len || ulen < 8 || ihl + ulen > tot) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_TRUNCATED);
+    }
+    struct sender from = {.mac = eth->h_source, .ip_be = ip->saddr, .port_be = udp->source};
+    on_datagram(e, q, (uint8_t *)(udp + 1), ulen - 8, &from);
+}
+
+/* --- rx: one batch of descriptors of one queue ----------------------------------------------------- */
+
+static uint32_t rx_batch(struct afx_engine *e, struct afx_queue *q)
+{
+    uint32_t idx;
+    uint32_t n = xsk_ring_cons__peek(&q->rx, AFX_BATCH, &idx);
+    if (!n)
+        return 0;
+    /* a chain's descriptors are consumed together: keep a partial chain for the next batch */
+    uint32_t whole = n;
+    while (whole && (xsk_ring_cons__rx_desc(&q->rx, idx + whole - 1)->options & XDP_PKT_CONTD))
+        whole--;
+    if (!whole) {
+        if (n < AFX_BATCH) {
+            q->rx.cached_cons -= n;
+            return 0;  /* the rest of the chain is still coming */
+        }
+        whole = n;     /* a chain longer than a batch cannot be gathered: drop it below */
+    }
+    uint32_t glen = 0;
+    int chained = 0, too_big = 0;
+    for (uint32_t i = 0; i < whole; i++) {
+        const struct xdp_desc *d = xsk_ring_cons__rx_desc(&q->rx, idx + i);
+        uint8_t *p = xsk_umem__get_data(q->area, d->addr);
+        e->estats[AFX_E_RX_DESCS]++;
+        if (d->options & XDP_PKT_CONTD || chained) {
+            if (glen + d->len <= AFX_MAX_FRAME_BYTES) {
+                memcpy(e->gather + glen, p, d->len);
+                glen += d->len;
+            } else {
+                too_big = 1;
+            }
+            chained = d->options & XDP_PKT_CONTD;
+            if (!chained) {
+                if (too_big)
+                    e->estats[AFX_E_TOO_BIG]++;
+                else
+                    on_frame(e, q, e->gather, glen);
+                glen = 0;
+                too_big = 0;
+            }
+            continue;
+        }
+        on_frame(e, q, p, d->len);
+    }
+    /* the frames go back to the fill ring */
+    uint32_t fidx = 0;
+    uint32_t got = xsk_ring_prod__reserve(&q->fill, whole, &fidx);
+    while (got != whole)  /* the fill ring has room for every frame we hold */
+        got = xsk_ring_prod__reserve(&q->fill, whole, &fidx);
+    for (uint32_t i = 0; i < whole; i++) {
+        uint64_t a = xsk_ring_cons__rx_desc(&q->rx, idx + i)->addr;
+        *xsk_ring_prod__fill_addr(&q->fill, fidx + i) = xsk_umem__extract_addr(a);
+    }
+    xsk_ring_prod__submit(&q->fill, whole);
+    xsk_ring_cons__release(&q->rx, whole);
+    q->rx.cached_cons -= n - whole;  /* peeked n: the rest of a chain waits for the next batch */
+    e->estats[AFX_E_BATCHES]++;
+    if (q->tx_queued)
+        kick(e, q);
+    return whole;
+}
+
+/* --- the API (ctypes) ------------------------------------------------------------------------------ */
+
+const char *afx_error(struct afx_engine *e) { return e ? e->err : "out of memory"; }
+
+static void close_queue(struct afx_queue *q)
+{
+    if (q->xsk)
+        xsk_socket__delete(q->xsk);
+    if (q->umem)
+        xsk_umem__delete(q->umem);
+    if (q->area)
+        munmap(q->area, (size_t)AFX_FRAMES * AFX_FRAME);
+    memset(q, 0, sizeof(*q));
+}
+
+void afx_close(struct afx_engine *e)
+{
+    if (!e)
+        return;
+    if (e->link_fd >= 0)
+        close(e->link_fd);  /* detaches the steering program before its sockets go */
+    for (int i = 0; i < e->nq; i++)
+        close_queue(&e->q[i]);
+    for (int i = 0; i < AR_MAX_JOBS; i++) {
+        free(e->jobs[i].sets);
+        free(e->jobs[i].acc);
+    }
+    free(e->gather);
+    free(e->out);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+/* Open the engine on ifname's queues 0..nq-1 (bind_flags: XDP_COPY and friends), put each socket
+ * into the XSKMAP xsks_map_fd, then (prog_fd >= 0) attach the steering program to ifname through
+ * an XDP link in xdp_flags' mode: the link is the engine's, so the program goes when the engine
+ * does, even when its process is killed. Returns NULL only when out of memory; else check *ok
+ * and afx_error(). */
+struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int prog_fd, uint32_t xdp_flags,
+                            uint16_t port, uint32_t elems, uint32_t mtu, uint32_t local_ip_be,
+                            const uint8_t *local_mac, uint16_t bind_flags, int spin_us, int *ok)
+{
+    *ok = 0;
+    struct afx_engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return NULL;
+    e->link_fd = -1;
+    pthread_mutex_init(&e->lock, NULL);
+    e->port = port;
+    e->elems = elems;
+    e->rsize = AR_HDR_LEN + 4 * elems;
+    e->mtu = mtu;
+    e->per_frame = (mtu - 28) / e->rsize;
+    e->local_ip_be = local_ip_be;
+    memcpy(e->local_mac, local_mac, 6);
+    e->spin_us = spin_us;
+    e->gather = malloc(AFX_MAX_FRAME_BYTES);
+    e->out = malloc(AFX_MAX_FRAME_BYTES);
+    if (!e->gather || !e->out) {
+        snprintf(e->err, sizeof(e->err), "out of memory");
+        return e;
+    }
+    if (nq < 1 || nq > AFX_MAX_QUEUES) {
+        snprintf(e->err, sizeof(e->err), "queues must be 1..%d, not %d", AFX_MAX_QUEUES, nq);
+        return e;
+    }
+    if (e->per_frame < 1) {
+        snprintf(e->err, sizeof(e->err), "a record of %u bytes does not fit the MTU %u", e->rsize, mtu);
+        return e;
+    }
+    for (int i = 0; i < nq; i++) {
+        struct afx_queue *q = &e->q[i];
+        e->nq = i + 1;
+        size_t size = (size_t)AFX_FRAMES * AFX_FRAME;
+        q->area = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        if (q->area == MAP_FAILED) {
+            q->area = NULL;
+            snprintf(e->err, sizeof(e->err), "mmap of %zu bytes of UMEM failed: %s", size, strerror(errno));
+            return e;
+        }
+        struct xsk_umem_config uc = {.fill_size = AFX_RING, .comp_size = AFX_RING, .frame_size = AFX_FRAME,
+                                     .frame_headroom = 0, .flags = 0};
+        int r = xsk_umem__create(&q->umem, q->area, size, &q->fill, &q->comp, &uc);
+        if (r) {
+            q->umem = NULL;
+            snprintf(e->err, sizeof(e->err), "xsk_umem__create: %s%s", strerror(-r),
+                     -r == EPERM ? " (AF_XDP needs root or CAP_NET_RAW and CAP_BPF)" : "");
+            return e;
+        }
+        struct xsk_socket_config sc = {.rx_size = AFX_RING, .tx_size = AFX_RING,
+                                       .libxdp_flags = XSK_LIBXDP_FLAGS__INHIBIT_PROG_LOAD, .xdp_flags = 0,
+                                       .bind_flags = bind_flags};
+        r = xsk_socket__create(&q->xsk, ifname, i, q->umem, &q->rx, &q->tx, &sc);
+        if (r) {
+            q->xsk = NULL;
+            snprintf(e->err, sizeof(e->err), "AF_XDP socket on %s queue %d: %s%s", ifname, i, strerror(-r),
+                     -r == EINVAL && (bind_flags & XDP_USE_SG) ? " (multi-buffer AF_XDP needs Linux 6.6 or later)" : "");
+            return e;
+        }
+        q->fd = xsk_socket__fd(q->xsk);
+        r = xsk_socket__update_xskmap(q->xsk, xsks_map_fd);
+        if (r) {
+            snprintf(e->err, sizeof(e->err), "putting the AF_XDP socket of queue %d into the XSKMAP: %s", i,
+                     strerror(-r));
+            return e;
+        }
+        /* half the frames to the fill ring, half free for tx */
+        uint32_t fidx;
+        if (xsk_ring_prod__reserve(&q->fill, AFX_FRAMES / 2, &fidx) != AFX_FRAMES / 2) {
+            snprintf(e->err, sizeof(e->err), "fill ring reservation failed");
+            return e;
+        }
+        for (uint32_t k = 0; k < AFX_FRAMES / 2; k++)
+            *xsk_ring_prod__fill_addr(&q->fill, fidx + k) = (uint64_t)k * AFX_FRAME;
+        xsk_ring_prod__submit(&q->fill, AFX_FRAMES / 2);
+        for (uint32_t k = 0; k < AFX_FRAMES / 2; k++)
+            q->free_tx[q->n_free++] = (uint64_t)(AFX_FRAMES / 2 + k) * AFX_FRAME;
+    }
+    if (prog_fd >= 0) {
+        LIBBPF_OPTS(bpf_link_create_opts, lo, .flags = xdp_flags);
+        int idx = if_nametoindex(ifname);
+        int fd = idx ? bpf_link_create(prog_fd, idx, BPF_XDP, &lo) : -ENODEV;
+        if (fd < 0) {
+            int err = fd == -1 ? errno : -fd;
+            snprintf(e->err, sizeof(e->err), "attaching the steering XDP program to %s: %s%s", ifname, strerror(err),
+                     err == EBUSY || err == EEXIST ? " (it already has an XDP program: unload it first)" : "");
+            return e;
+        }
+        e->link_fd = fd;
+    }
+    *ok = 1;
+    return e;
+}
+
+/* Register a job: ips_be (workers entries, 0 = not given: no source check) and group in wire
+ * order, delivery AR_DELIVERY_*; first_epoch seeds the epoch counter. 0, or -errno. */
+int afx_add_job(struct afx_engine *e, uint32_t id, uint32_t workers, uint32_t slots, uint32_t group_be,
+                const uint32_t *ips_be, uint32_t delivery, uint32_t first_epoch)
+{
+    if (workers < 1 || workers > AR_MAX_WORKERS || slots < 1 || slots > (1u << 24))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    int rc = -ENOSPC;
+    if (find_job(e, id)) {
+        rc = -EEXIST;
+        goto out;
+    }
+    for (int i = 0; i < AR_MAX_JOBS; i++) {
+        struct afx_job *j = &e->jobs[i];
+        if (j->used)
+            continue;
+        memset(j, 0, sizeof(*j));
+        j->sets = calloc((size_t)slots * 2, sizeof(struct afx_set));
+        j->acc = calloc((size_t)slots * 2 * e->elems, sizeof(int32_t));
+        if (!j->sets || !j->acc) {
+            free(j->sets);
+            free(j->acc);
+            j->sets = NULL;
+            j->acc = NULL;
+            rc = -ENOMEM;
+            goto out;
+        }
+        j->id = id;
+        j->workers = workers;
+        j->slots = slots;
+        j->mask_all = workers == 32 ? 0xffffffffu : (1u << workers) - 1;
+        j->group_be = group_be;
+        j->delivery = delivery;
+        j->check_src = 1;
+        for (uint32_t r = 0; r < workers; r++) {
+            j->ips_be[r] = ips_be ? ips_be[r] : 0;
+            if (!j->ips_be[r])
+                j->check_src = 0;
+        }
+        j->last_epoch = first_epoch;
+        j->used = 1;
+        rc = 0;
+        goto out;
+    }
+out:
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+int afx_remove_job(struct afx_engine *e, uint32_t id)
+{
+    pthread_mutex_lock(&e->lock);
+    struct afx_job *j = find_job(e, id);
+    int rc = -ENOENT;
+    if (j) {
+        free(j->sets);
+        free(j->acc);
+        memset(j, 0, sizeof(*j));
+        rc = 0;
+    }
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+/* A job's counters (AR_STAT__COUNT u64), or row 0's (id = UINT32_MAX). 0, or -ENOENT. */
+int afx_job_stats(struct afx_engine *e, uint32_t id, uint64_t *out)
+{
+    pthread_mutex_lock(&e->lock);
+    int rc = 0;
+    if (id == UINT32_MAX) {
+        memcpy(out, e->stats0, sizeof(e->stats0));
+    } else {
+        struct afx_job *j = find_job(e, id);
+        if (j)
+            memcpy(out, j->stats, sizeof(j->stats));
+        else
+            rc = -ENOENT;
+    }
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+/* A job's epoch state: live, joined, gate. */
+int afx_job_state(struct afx_engine *e, uint32_t id, uint32_t *out)
+{
+    pthread_mutex_lock(&e->lock);
+    struct afx_job *j = find_job(e, id);
+    if (j) {
+        out[0] = j->live;
+        out[1] = j->joined;
+        out[2] = job_gate(j);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return j ? 0 : -ENOENT;
+}
+
+void afx_engine_stats(struct afx_engine *e, uint64_t *out) { memcpy(out, e->estats, sizeof(e->estats)); }
+int afx_engine_stat_count(void) { return AFX_E__COUNT; }
+int afx_stat_count(void) { return AR_STAT__COUNT; }
+void afx_stop(struct afx_engine *e) { e->stop = 1; }
+int afx_fd(struct afx_engine *e, int queue) { return queue < e->nq ? e->q[queue].fd : -1; }
+
+/* The poll loop: until afx_stop() or until_ns (CLOCK_MONOTONIC, 0: none). Spins spin_us after the
+ * last frame (busy polling), then sleeps in poll() on every queue's socket. */
+int afx_run(struct afx_engine *e, uint64_t until_ns)
+{
+    struct pollfd pfd[AFX_MAX_QUEUES];
+    for (int i = 0; i < e->nq; i++) {
+        pfd[i].fd = e->q[i].fd;
+        pfd[i].events = POLLIN;
+    }
+    uint64_t spin_ns = (uint64_t)(e->spin_us > 0 ? e->spin_us : 0) * 1000u;
+    uint64_t last = now_ns();
+    while (!e->stop) {
+        uint32_t got = 0;
+        pthread_mutex_lock(&e->lock);
+        for (int i = 0; i < e->nq; i++)
+            got += rx_batch(e, &e->q[i]);
+        for (int i = 0; i < e->nq; i++) {
+            if (e->q[i].tx_queued)
+                kick(e, &e->q[i]);
+            else if (e->q[i].n_free < AFX_FRAMES / 2)
+                reclaim(&e->q[i]);
+        }
+        pthread_mutex_unlock(&e->lock);
+        if (got) {
+            last = 0;
+            continue;
+        }
+        uint64_t t = now_ns();
+        if (until_ns && t > until_ns)
+            break;
+        if (!last)
+            last = t;
+        if (t - last < spin_ns) {
+            e->estats[AFX_E_SPINS]++;
+            continue;
+        }
+        e->estats[AFX_E_POLLS]++;
+        int r = poll(pfd, e->nq, 50);
+        if (r < 0 && errno != EINTR) {
+            snprintf(e->err, sizeof(e->err), "poll: %s", strerror(errno));
+            return -errno;
+        }
+        last = now_ns();
+    }
+    return 0;
+}

@@ -1,0 +1,282 @@
+"""The AF_XDP aggregator engine from Python: open it on an interface (its own steering program,
+or a pinned XSKMAP of the XDP aggregator for jobs handed off to it), register jobs, run the
+poll loop in a thread (the loop is C: ctypes releases the GIL while it runs), read counters,
+close (sockets, UMEM, the XDP link: nothing stays behind, even if the process is killed)."""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from nicoffload.ebpf import loader as bpf
+from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, SetupError
+from nicoffload.jobspec import DEFAULT
+from nicoffload.wire import proto
+
+from . import build
+
+#: XDP_* bind flags (linux/if_xdp.h) and XDP_FLAGS_* attach modes (linux/if_link.h)
+XDP_COPY = 1 << 1
+XDP_ZEROCOPY = 1 << 2
+XDP_USE_SG = 1 << 4
+XDP_FLAGS = {"generic": 1 << 1, "native": 1 << 2}
+#: engine counters (enum AFX_E_* in engine.c)
+ENGINE_STATS = ["rx_frames", "rx_descs", "tx_frames", "tx_kicks", "tx_wait", "polls", "batches", "not_ours",
+                "too_big", "spins"]
+#: microseconds the loop keeps polling the rings after the last frame before it sleeps in poll():
+#: on the 2-core testbed a longer spin takes the CPU the ranks need (see the README)
+DEFAULT_SPIN_US = 20
+STEER_SOURCE = "afxdp.c"
+STEER_FN = "afx_steer"
+#: what ``--mode auto`` picks, and why
+AUTO_WHY = {
+    "veth": "generic XDP: veth hands a worker's UDP_SEGMENT batch to generic XDP whole, and the engine "
+            "gathers it from a chain of UMEM frames (multi-buffer AF_XDP, copy mode: veth has no zero-copy)",
+}
+
+
+def _ip_be(ip: str) -> int:
+    return int.from_bytes(socket.inet_aton(str(ipaddress.IPv4Address(ip))), "little")
+
+
+def iface_facts(iface: str) -> dict:
+    """Address, MAC, MTU, rx queues and driver of ``iface`` in this thread's namespace."""
+    from pyroute2 import IPRoute
+
+    from nicoffload.ebpf.iface import iface_driver
+
+    idx = socket.if_nametoindex(iface) if iface else 0
+    with IPRoute() as ipr:
+        link = ipr.get_links(idx)[0]
+        addrs = ipr.get_addr(index=idx, family=socket.AF_INET)
+    if not addrs:
+        raise NotFoundError(f"interface {iface!r} has no IPv4 address; the engine sends results from it")
+    return {"ip": addrs[0].get_attr("IFA_ADDRESS"), "mac": link.get_attr("IFLA_ADDRESS"),
+            "mtu": link.get_attr("IFLA_MTU"), "queues": link.get_attr("IFLA_NUM_RX_QUEUES") or 1,
+            "driver": iface_driver(iface, None)}
+
+
+def iface_of(local_ip: str | None) -> str:
+    """The interface that holds ``local_ip`` in this namespace (None: the only one besides lo)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        if local_ip:
+            got = ipr.get_addr(family=socket.AF_INET, address=local_ip)
+            if not got:
+                raise NotFoundError(f"no interface here has the address {local_ip}")
+            idx = got[0]["index"]
+            return ipr.get_links(idx)[0].get_attr("IFLA_IFNAME")
+        names = [lk.get_attr("IFLA_IFNAME") for lk in ipr.get_links()]
+    names = [n for n in names if n != "lo"]
+    if len(names) != 1:
+        raise InputError(f"say which interface the engine takes (--iface): this namespace has {names}")
+    return names[0]
+
+
+class AfxdpEngine:
+    """One engine on one interface, serving up to AR_MAX_JOBS jobs.
+
+    ``xsk_map``: a pinned XSKMAP to put the sockets in (the XDP aggregator's, for the jobs it hands
+    off; it steers them) instead of loading the engine's own steering program. ``mode``: how the
+    steering program is attached (auto, generic, native); ``spin_us``: busy polling after the
+    last frame before the loop sleeps; ``netns``: open it inside that network namespace."""
+
+    def __init__(self, iface: str | None = None, port: int = DEFAULT.port, elems: int = DEFAULT.elems,
+                 mode: str = "auto", spin_us: int = DEFAULT_SPIN_US, xsk_map: str | Path | None = None,
+                 netns: str | None = None, local_ip: str | None = None, zero_copy: bool | None = None):
+        if elems < 2 or elems % 2:
+            raise InputError(f"elems must be even and at least 2, not {elems}")
+        if mode not in ("auto", "generic", "native"):
+            raise InputError(f"mode must be auto, generic or native, not {mode!r}")
+        bpf.require_root("the AF_XDP engine (AF_XDP sockets and its XDP program)")
+        self.lib = build.load()
+        self.port, self.elems, self.netns = port, elems, netns
+        self._e = None
+        self._b = None
+        self._map_fd = -1
+        self._thread: threading.Thread | None = None
+        self._jobs: dict[int, dict] = {}
+        self.error: str | None = None
+        with bpf.netns(netns):
+            self.iface = iface or iface_of(local_ip)
+            f = iface_facts(self.iface)
+            self.local_ip, self.mac, self.mtu, self.queues, self.driver = (
+                f["ip"], f["mac"], f["mtu"], f["queues"], f["driver"])
+            if proto.record_size(elems) > self.mtu - 28:
+                raise InputError(f"{elems} elements per record need an MTU of {proto.mtu_for_elems(elems)}, "
+                                 f"{self.iface} has {self.mtu}")
+            if mode == "auto":
+                mode = "generic" if self.driver == "veth" else "native"
+            self.mode = mode
+            # copy mode where there is no zero-copy driver (veth, generic XDP); else let the kernel pick
+            if zero_copy is None:
+                zero_copy = False if (mode == "generic" or self.driver == "veth") else None
+            bind = XDP_USE_SG | (XDP_COPY if zero_copy is False else XDP_ZEROCOPY if zero_copy else 0)
+            self.copy_mode = zero_copy is not True
+            prog_fd = -1
+            try:
+                if xsk_map is not None:
+                    from nicoffload.ebpf import libbpf
+
+                    self._map_fd = libbpf.obj_get(Path(xsk_map))
+                    map_fd = self._map_fd
+                else:
+                    self._b = bpf.compile_bpf(STEER_SOURCE, {"AR_PORT": port, "AFX_QUEUES": max(self.queues, 1)})
+                    fn = bpf.load_func(self._b, STEER_FN, "XDP", STEER_SOURCE)
+                    prog_fd = fn.fd
+                    map_fd = self._b["afx_xsks"].map_fd
+                ok = ctypes.c_int(0)
+                mac = (ctypes.c_uint8 * 6)(*bytes.fromhex(self.mac.replace(":", "")))
+                self._e = self.lib.afx_open(self.iface.encode(), self.queues, map_fd, prog_fd, XDP_FLAGS[mode],
+                                            port, elems, self.mtu, _ip_be(self.local_ip), mac, bind, spin_us,
+                                            ctypes.byref(ok))
+                if not self._e:
+                    raise SetupError("the AF_XDP engine: out of memory")
+                if not ok.value:
+                    raise SetupError(f"the AF_XDP engine on {self.iface}: "
+                                     f"{self.lib.afx_error(self._e).decode()}")
+            except BaseException:
+                self.close()
+                raise
+
+    # --- jobs -------------------------------------------------------------------------------
+    def add_job(self, job: int = DEFAULT.job, workers: int = 1, slots: int = DEFAULT.slots,
+                group: str = DEFAULT.group, worker_ips: Sequence[str] = (), delivery: str = "multicast") -> None:
+        if not 1 <= workers <= proto.MAX_WORKERS:
+            raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {workers}")
+        if not 1 <= slots <= 1 << 24:
+            raise InputError(f"slots must be 1..{1 << 24}, not {slots}")
+        if delivery not in ("multicast", "unicast"):
+            raise InputError(f"delivery must be multicast or unicast, not {delivery!r}")
+        ips = list(worker_ips)
+        if ips and len(ips) != workers:
+            raise InputError(f"job {job}: {len(ips)} worker addresses for {workers} ranks")
+        if delivery == "unicast" and not ips:
+            raise InputError("unicast delivery sends each rank its copy at its address: give every rank's "
+                             "address (--worker-ip)")
+        g = ipaddress.IPv4Address(group)
+        if delivery == "multicast" and not g.is_multicast:
+            raise InputError(f"group {group} is not an IPv4 multicast address")
+        arr = (ctypes.c_uint32 * max(workers, 1))(*[_ip_be(ip) for ip in ips]) if ips else None
+        rc = self.lib.afx_add_job(self._e, job, workers, slots, _ip_be(group), arr,
+                                  proto.DELIVERY_UNICAST if delivery == "unicast" else proto.DELIVERY_MULTICAST,
+                                  secrets.randbits(32))
+        if rc == -17:
+            raise AlreadyExistsError(f"job {job} is already served by this engine")
+        if rc == -28:
+            raise InputError(f"this engine serves {proto.MAX_JOBS} jobs at most")
+        if rc:
+            raise SetupError(f"adding job {job}: {__import__('os').strerror(-rc)}")
+        self._jobs[job] = {"job": job, "workers": workers, "slots": slots, "group": group, "worker_ips": ips,
+                           "delivery": delivery}
+
+    def remove_job(self, job: int) -> dict:
+        if self.lib.afx_remove_job(self._e, job):
+            raise NotFoundError(f"job {job} is not served by this engine")
+        return self._jobs.pop(job)
+
+    @property
+    def jobs(self) -> list[dict]:
+        return [{**j, **self.job_state(j["job"])} for j in self._jobs.values()]
+
+    def job_state(self, job: int) -> dict:
+        out = (ctypes.c_uint32 * 3)()
+        if self.lib.afx_job_state(self._e, job, out):
+            raise NotFoundError(f"job {job} is not served by this engine")
+        return {"live_epoch": out[0], "joined": out[1], "gate": out[2]}
+
+    # --- counters -----------------------------------------------------------------------------
+    def stats(self, job: int | None = None) -> dict[str, int]:
+        """The protocol's counters (AR_STAT_*): of one job, or of every job and of traffic that
+        named none (``job=None``)."""
+        ids = [job] if job is not None else [*self._jobs, 0xFFFFFFFF]
+        out = {k: 0 for k in proto.STATS}
+        buf = (ctypes.c_uint64 * len(proto.STATS))()
+        for j in ids:
+            if self.lib.afx_job_stats(self._e, j, buf):
+                raise NotFoundError(f"job {j} is not served by this engine")
+            for i, k in enumerate(proto.STATS):
+                out[k] += buf[i]
+        return out
+
+    def unattributed(self) -> dict[str, int]:
+        return self.stats(0xFFFFFFFF)
+
+    def engine_stats(self) -> dict[str, int]:
+        buf = (ctypes.c_uint64 * len(ENGINE_STATS))()
+        self.lib.afx_engine_stats(self._e, buf)
+        return dict(zip(ENGINE_STATS, buf))
+
+    # --- the loop -------------------------------------------------------------------------------
+    def serve(self, until: float | None = None) -> None:
+        """Run the poll loop in this thread until stop() (or ``until``, time.monotonic())."""
+        until_ns = 0 if until is None else int(until * 1e9)
+        rc = self.lib.afx_run(self._e, until_ns)
+        if rc:
+            self.error = self.lib.afx_error(self._e).decode()
+            raise SetupError(f"the AF_XDP engine's loop stopped: {self.error}")
+
+    def start(self) -> "AfxdpEngine":
+        def run():
+            try:
+                self.serve()
+            except SetupError:
+                pass
+
+        self._thread = threading.Thread(target=run, name="nicoffload-afxdp", daemon=True)
+        self._thread.start()
+        return self
+
+    def request_stop(self) -> None:
+        """Make serve() return soon (safe from a signal handler)."""
+        if self._e:
+            self.lib.afx_stop(self._e)
+
+    def close(self) -> None:
+        """Stop the loop; close the sockets, the UMEM and the steering program's link."""
+        if self._e:
+            self.lib.afx_stop(self._e)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+                if self._thread.is_alive():  # pragma: no cover - the loop wakes every 50 ms
+                    raise SetupError("the AF_XDP engine's loop did not stop in 5 s")
+            self.lib.afx_close(self._e)
+            self._e = None
+        self._thread = None
+        if self._b is not None:
+            try:
+                self._b.cleanup()
+            except Exception:
+                pass
+            self._b = None
+        if self._map_fd >= 0:
+            import os
+
+            os.close(self._map_fd)
+            self._map_fd = -1
+
+    stop = close
+
+    def __enter__(self) -> "AfxdpEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> dict:
+        return {"engine": "afxdp", "iface": self.iface, "address": self.local_ip, "mode": self.mode,
+                "copy_mode": self.copy_mode, "queues": self.queues, "mtu": self.mtu, "port": self.port,
+                "elems": self.elems}
+
+
+def wait_ready(engine: AfxdpEngine, timeout: float = 1.0) -> None:
+    """Give the loop a moment to enter its poll (tests that send at once)."""
+    t = time.monotonic() + timeout
+    while time.monotonic() < t and engine._thread is not None and not engine._thread.is_alive():
+        time.sleep(0.01)
