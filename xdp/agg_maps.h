@@ -26,6 +26,8 @@
 #ifndef AR_OPT_SLOTS
 #define AR_OPT_SLOTS 1
 #endif
+/* rx queues the AF_XDP engine of handed-off jobs can take (entries of ar_xsks) */
+#define AR_XSK_QUEUES 64
 #if AR_OPT_SLOTS > 1 && AR_ELEMS > 256
 #error "an aggregator with optimizer state takes at most 256 elements per record (the verifier's budget)"
 #endif
@@ -125,5 +127,14 @@ AR_TABLE("array", u32, struct ar_slot, ar_slots, AR_SLOTS);
 AR_TABLE("percpu_array", u32, struct ar_counters, ar_stats, AR_MAX_JOBS + 1);
 AR_TABLE("array", u32, struct ar_hyper, ar_hyper, AR_MAX_JOBS);
 AR_TABLE("array", u32, struct ar_opt, ar_opt, AR_OPT_SLOTS);
+/* Jobs handed off to the AF_XDP engine (agg job add --fallback afxdp): wire job id -> 1. A frame
+ * of such a job goes to the engine's socket on the queue it arrived on (ar_xsks, which the
+ * engine fills); the XDP program neither parses nor counts it further. */
+AR_TABLE("hash", u32, u32, ar_xsk_jobs, AR_MAX_JOBS);
+#ifdef AR_PIN_DIR
+BPF_XSKMAP(ar_xsks, AR_XSK_QUEUES, AR_PIN_DIR "/ar_xsks");
+#else
+BPF_XSKMAP(ar_xsks, AR_XSK_QUEUES);
+#endif
 
 #endif

@@ -1098,6 +1098,12 @@ int ar_aggregate(struct xdp_md *ctx)
     struct sender s = {};
     int attributed;
     u32 why = identify(h, ip, &s, &attributed);
+    if (why == AR_STAT_BAD_JOB && !attributed) {
+        /* a job handed off to the AF_XDP engine: its socket on this queue takes the frame */
+        u32 id = bpf_ntohl(h->job);
+        if (ar_xsk_jobs.lookup(&id))
+            return ar_xsks.redirect_map(ctx->rx_queue_index, XDP_DROP);
+    }
     if (why)
         return attributed ? reject(s.st, why) : reject_unattributed(st0, why);
 

@@ -1078,6 +1078,14 @@ int afx_run(struct afx_engine *e, uint64_t until_ns)
             snprintf(e->err, sizeof(e->err), "poll: %s", strerror(errno));
             return -errno;
         }
+        for (int i = 0; r > 0 && i < e->nq; i++) {
+            if (pfd[i].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+                /* the interface went away (its namespace was deleted, the link removed) */
+                snprintf(e->err, sizeof(e->err), "the AF_XDP socket of queue %d failed (revents 0x%x): "
+                         "was the interface removed?", i, pfd[i].revents);
+                return -ENODEV;
+            }
+        }
         last = now_ns();
     }
     return 0;

@@ -9,7 +9,6 @@ import ipaddress
 import secrets
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -42,6 +41,22 @@ AUTO_WHY = {
 
 def _ip_be(ip: str) -> int:
     return int.from_bytes(socket.inet_aton(str(ipaddress.IPv4Address(ip))), "little")
+
+
+def open_xsk_map(ref: str | Path) -> int:
+    """An fd of the XSKMAP ``ref`` names: ``id:N`` (a map id: works from any mount namespace,
+    ``ip netns exec`` hides the BPF filesystem) or a pinned path."""
+    from nicoffload.ebpf import libbpf
+
+    text = str(ref)
+    fd = libbpf.map_by_id(int(text[3:])) if text.startswith("id:") else libbpf.obj_get(Path(text))
+    info = libbpf.map_info(fd)
+    if info["type"] != 17:  # BPF_MAP_TYPE_XSKMAP
+        import os
+
+        os.close(fd)
+        raise InputError(f"{text} is not an XSKMAP (map type {info['type']})")
+    return fd
 
 
 def iface_facts(iface: str) -> dict:
@@ -82,7 +97,7 @@ def iface_of(local_ip: str | None) -> str:
 class AfxdpEngine:
     """One engine on one interface, serving up to AR_MAX_JOBS jobs.
 
-    ``xsk_map``: a pinned XSKMAP to put the sockets in (the XDP aggregator's, for the jobs it hands
+    ``xsk_map``: an XSKMAP (``id:N`` or a pinned path) to put the sockets in (the XDP aggregator's, for the jobs it hands
     off; it steers them) instead of loading the engine's own steering program. ``mode``: how the
     steering program is attached (auto, generic, native); ``spin_us``: busy polling after the
     last frame before the loop sleeps; ``netns``: open it inside that network namespace."""
@@ -122,9 +137,7 @@ class AfxdpEngine:
             prog_fd = -1
             try:
                 if xsk_map is not None:
-                    from nicoffload.ebpf import libbpf
-
-                    self._map_fd = libbpf.obj_get(Path(xsk_map))
+                    self._map_fd = open_xsk_map(xsk_map)
                     map_fd = self._map_fd
                 else:
                     self._b = bpf.compile_bpf(STEER_SOURCE, {"AR_PORT": port, "AFX_QUEUES": max(self.queues, 1)})
@@ -222,12 +235,17 @@ class AfxdpEngine:
             self.error = self.lib.afx_error(self._e).decode()
             raise SetupError(f"the AF_XDP engine's loop stopped: {self.error}")
 
+    @property
+    def running(self) -> bool:
+        """The loop runs in its thread (False once it stopped, by stop() or by an error)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> "AfxdpEngine":
         def run():
             try:
                 self.serve()
             except SetupError:
-                pass
+                pass  # self.error says why
 
         self._thread = threading.Thread(target=run, name="nicoffload-afxdp", daemon=True)
         self._thread.start()
@@ -275,8 +293,3 @@ class AfxdpEngine:
                 "elems": self.elems}
 
 
-def wait_ready(engine: AfxdpEngine, timeout: float = 1.0) -> None:
-    """Give the loop a moment to enter its poll (tests that send at once)."""
-    t = time.monotonic() + timeout
-    while time.monotonic() < t and engine._thread is not None and not engine._thread.is_alive():
-        time.sleep(0.01)

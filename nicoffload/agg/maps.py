@@ -63,6 +63,18 @@ class AggMaps:
             pass
         self._write(jobs, e.index, jobs.Leaf())
 
+    def hand_off(self, job: int) -> None:
+        """Steer the frames of ``job`` (not in the job table) to the AF_XDP engine's sockets."""
+        t = self.b["ar_xsk_jobs"]
+        self._write(t, job, t.Leaf(1))
+
+    def take_back(self, job: int) -> None:
+        t = self.b["ar_xsk_jobs"]
+        try:
+            del t[t.Key(job)]
+        except KeyError:
+            pass
+
     def job_index(self, job: int) -> int:
         index = self.b["ar_job_index"]
         try:

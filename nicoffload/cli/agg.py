@@ -6,7 +6,7 @@ import json
 from nicoffload.cli import aggopt as cli_aggopt
 from nicoffload.cli.app import add_examples
 from nicoffload.cli.xdp import MODES, action, show_stats, watch_argument, where_arguments
-from nicoffload.errors import InputError
+from nicoffload.errors import AlreadyExistsError, CapacityError, InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto
 
@@ -154,6 +154,9 @@ def _register_jobs(asub, where) -> None:
     cli_aggopt.optimizer_arguments(a)
     a.add_argument("--lease", type=float, default=0.0, metavar="SECONDS",
                    help="with --service: the job's lease (0, the default: none, the job stays until removed)")
+    a.add_argument("--fallback", choices=["afxdp"], default=None,
+                   help="when the XDP pool refuses the job (no free slots or job entry), serve it with the AF_XDP "
+                        "engine beside the aggregator: the XDP program steers its frames to the engine's sockets")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_job_add)
     r = jsub.add_parser("remove", help="unregister a job (its packets are then counted as no job's)")
@@ -189,15 +192,55 @@ def _job_add(args) -> int:
     client = _client(args)
     if client is not None:
         return _job_add_service(args, client)
+    from nicoffload.afxdp import fallback
+
     args.job = DEFAULT.job if args.job is None else args.job
     agg = Aggregator.open(args.netns, args.iface)
-    # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
-    e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
-                    optimizer=cli_aggopt.optimizer_from(args), params=args.params,
-                    initial=cli_aggopt.initial_params(args), delivery=args.delivery or "multicast")
-    print(json.dumps(e.to_dict()) if args.json else
+    if any(h["job"] == args.job for h in fallback.handed_off(args.netns, args.iface)):
+        raise AlreadyExistsError(f"job {args.job} is served by the AF_XDP engine on {args.iface}; remove it first "
+                                 f"(agg job remove --job {args.job})")
+    opt = cli_aggopt.optimizer_from(args)
+    try:
+        # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
+        e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
+                        optimizer=opt, params=args.params, initial=cli_aggopt.initial_params(args),
+                        delivery=args.delivery or "multicast")
+    except CapacityError as refusal:
+        if args.fallback != "afxdp":
+            raise
+        if opt is not None:
+            raise InputError(f"{refusal}; an optimizer job cannot fall back to the AF_XDP engine (it has no "
+                             f"optimizer): remove a job or load a larger pool") from None
+        return _job_fallback(args, agg, str(refusal))
+    print(json.dumps({**e.to_dict(), "engine": "xdp"}) if args.json else
           f"registered on {args.iface}: {_describe_job(agg.job_state(e.job) | e.to_dict())}; "
-          f"{agg.table.free_slots()} of {agg.spec.slots} slots left")
+          f"{agg.table.free_slots()} of {agg.spec.slots} slots left; the XDP aggregator took it")
+    return 0
+
+
+def _job_fallback(args, agg, why: str) -> int:
+    """The XDP pool refused the job: the AF_XDP engine beside it takes it."""
+    from nicoffload.afxdp import fallback
+    from nicoffload.agg.jobtable import default_group
+
+    group = args.group
+    if group is None:
+        taken = fallback.groups_in_use(args.netns, args.iface)
+        group = next((g for g in [default_group(args.job, agg.table)] + [f"239.77.0.{x}" for x in range(2, 255)]
+                      if g not in taken and g not in {e.group for e in agg.table.entries.values()}), None)
+        if group is None:
+            raise InputError(f"no free default multicast group for job {args.job}: give one with --group")
+    slots = args.job_slots or DEFAULT.slots
+    got = fallback.hand_off(agg, args.job, args.workers, group, list(args.worker_ip), slots,
+                            args.delivery or "multicast")
+    if args.json:
+        print(json.dumps({"engine": "afxdp", "refused_by_xdp": why, **got}))
+        return 0
+    to = "each rank's address (unicast)" if got["delivery"] == "unicast" else group
+    print(f"the XDP pool refused job {args.job} ({why}); the AF_XDP engine took it: {args.workers} workers, "
+          f"{slots} slots of its own, results to {to}; engine pid {got['pid']} on {args.iface} "
+          f"({got.get('mode', '?')} XDP steering, {'copy' if got.get('copy_mode', True) else 'zero-copy'} mode); "
+          f"remove with: nicoffload agg job remove --netns {args.netns} --iface {args.iface} --job {args.job}")
     return 0
 
 
@@ -234,7 +277,15 @@ def _job_remove(args) -> int:
         print(f"job {d['job']} removed from {client.url}; slots {d['slot_base']}..{d['slot_base'] + d['slots'] - 1} "
               f"are free")
         return 0
+    from nicoffload.afxdp import fallback
+
     agg = Aggregator.open(args.netns, args.iface)
+    if any(h["job"] == args.job for h in fallback.handed_off(args.netns, args.iface)):
+        got = fallback.take_back(agg, args.job)
+        done = got.get("last", {}).get("stats", {}).get("completed", 0)
+        print(f"job {args.job} removed from {args.iface}: its AF_XDP engine (pid {got['pid']}) stopped after "
+              f"{done} rounds")
+        return 0
     e = agg.remove_job(args.job)
     print(f"job {e.job} removed from {args.iface}; slots {e.slot_base}..{e.slot_base + e.slot_count - 1} are free")
     return 0
@@ -247,11 +298,15 @@ def _job_list(args) -> int:
     if client is not None:
         d = client.jobs()
         jobs, free, slots, u = d["jobs"], d["free_slots"], d["slots"], d["unattributed"]
+        handed = []
     else:
+        from nicoffload.afxdp import fallback
+
         agg = Aggregator.open(args.netns, args.iface)
         jobs, free, slots, u = agg.jobs(), agg.table.free_slots(), agg.spec.slots, agg.unattributed()
+        handed = fallback.handed_off(args.netns, args.iface)
     if args.json:
-        print(json.dumps({"jobs": jobs, "free_slots": free, "slots": slots, "unattributed": u}))
+        print(json.dumps({"jobs": jobs, "free_slots": free, "slots": slots, "unattributed": u, "afxdp": handed}))
         return 0
     print(f"{'job':>6} {'workers':>7} {'slots':>13} {'group':>15} {'epoch':>10} {'joined':>10} {'completed':>10} "
           f"{'rx':>10} {'dropped':>8}")
@@ -263,6 +318,12 @@ def _job_list(args) -> int:
               f"{s['completed']:>10} {s['rx']:>10} {bad:>8}")
         if j.get("lease_remaining_s") is not None:
             print(f"{'':>6} lease {j['lease_s']:g}s, {j['lease_remaining_s']:.0f}s left; owner {j['owner']}")
+    for h in handed:
+        s = h["stats"]
+        bad = sum(v for k, v in s.items() if k.startswith("bad_"))
+        state = f"engine pid {h['pid']}" if h["alive"] else f"ENGINE GONE (pid {h['pid']}; log {h['log']})"
+        print(f"{h['job']:>6} {h['workers']:>7} {'afxdp ' + str(h['slots']):>13} {h['group']:>15} {'':>10} {'':>10} "
+              f"{s.get('completed', 0):>10} {s.get('rx', 0):>10} {bad:>8}  AF_XDP engine, {state}")
     print(f"free slots: {free} of {slots}; traffic of no job: {u['rx']} frames, {u['bad_job']} of an unregistered job")
     return 0
 

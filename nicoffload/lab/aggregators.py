@@ -4,6 +4,7 @@ own side, :func:`serve_userspace`)."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import time
@@ -151,25 +152,50 @@ class AggregatorProcess:
 def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,
                 worker_ips: Iterable[str] = (), duration: float | None = None,
                 ready: Callable[[dict], None] = lambda d: None, iface: str | None = None, mode: str = "auto",
-                spin_us: int | None = None, xsk_map: str | None = None) -> dict:
+                spin_us: int | None = None, xsk_map: str | None = None, stats_file: str | None = None) -> dict:
     """Run the AF_XDP engine with one job in this process until SIGTERM/SIGINT (or ``duration``
-    seconds); ``ready`` gets the engine's description once it polls. Returns that description
-    with the job's counters (``stats``) and the engine's (``engine``)."""
+    seconds); ``ready`` gets the engine's description once it polls; ``stats_file``: its counters
+    written there (JSON) every half second. Returns the description with the job's counters
+    (``stats``) and the engine's (``engine``)."""
     from nicoffload.afxdp.engine import DEFAULT_SPIN_US, AfxdpEngine
+    from nicoffload.errors import SetupError
 
     eng = AfxdpEngine(iface, spec.port, spec.elems, mode, DEFAULT_SPIN_US if spin_us is None else spin_us,
                       xsk_map, local_ip=local_ip)
+    stop = {"now": False}
+
+    def on_term(signum, frame):
+        stop["now"] = True
+        eng.request_stop()
+
+    def report() -> dict:
+        return {**eng.describe(), "job": spec.job, "stats": eng.stats(), "engine": eng.engine_stats()}
+
+    def save() -> None:
+        if stats_file:
+            tmp = f"{stats_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(report(), f)
+            os.replace(tmp, stats_file)
+
     try:
         eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
-
-        def on_term(signum, frame):
-            eng.request_stop()
-
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
+        eng.start()
         ready(eng.describe())
-        eng.serve(until=None if duration is None else time.monotonic() + duration)
-        return {**eng.describe(), "stats": eng.stats(), "engine": eng.engine_stats()}
+        end = None if duration is None else time.monotonic() + duration
+        while not stop["now"] and eng.running:
+            if end is not None and time.monotonic() > end:
+                break
+            save()
+            time.sleep(0.5)
+        eng.request_stop()
+        if eng.error:
+            raise SetupError(f"the AF_XDP engine stopped: {eng.error}")
+        out = report()
+        save()
+        return out
     finally:
         eng.close()
 
