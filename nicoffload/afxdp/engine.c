@@ -616,13 +616,11 @@ static void reject(uint64_t *st, int reason)
     st[reason]++;
 }
 
-/* One datagram of records (the UDP payload, n bytes), writable in place. */
-static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, uint32_t n, const struct sender *from)
+/* One datagram of records (the UDP payload, n >= AR_HDR_LEN bytes), writable in place; truncated:
+ * the frame ended before the datagram's length. */
+static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, uint32_t n, const struct sender *from,
+                        int truncated)
 {
-    if (n < AR_HDR_LEN) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_TRUNCATED);
-    }
     struct rec *h = (struct rec *)d;
     if (h->magic != htons(AR_MAGIC)) {
         e->stats0[AR_STAT_RX]++;
@@ -646,8 +644,8 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
         return reject(st, AR_STAT_BAD_SRC);
     if (h->flags & ~AR_FLAGS_KNOWN)
         return reject(st, AR_STAT_BAD_FLAGS);
-    memcpy(j->macs[rank], from->mac, 6);
-    j->mac_known[rank] = 1;
+    if (truncated)
+        return reject(st, AR_STAT_BAD_TRUNCATED);
     if (h->type == AR_TYPE_JOIN) {
         if (n != AR_HDR_LEN + AR_JOIN_PAYLOAD)
             return reject(st, AR_STAT_BAD_LEN);
@@ -705,7 +703,8 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
     }
 }
 
-/* One frame (Ethernet on): ours if IPv4/UDP to the engine's port. */
+/* One frame (Ethernet on): ours if IPv4/UDP to the engine's port; checked as parse_l2l4() in
+ * xdp/parse.h does (and counted in the same rows as the XDP aggregator counts them). */
 static void on_frame(struct afx_engine *e, struct afx_queue *q, uint8_t *f, uint32_t len)
 {
     e->estats[AFX_E_RX_FRAMES]++;
@@ -715,25 +714,31 @@ static void on_frame(struct afx_engine *e, struct afx_queue *q, uint8_t *f, uint
     }
     struct ethhdr *eth = (struct ethhdr *)f;
     struct iphdr *ip = (struct iphdr *)(eth + 1);
-    if (eth->h_proto != htons(ETH_P_IP) || ip->version != 4 || ip->protocol != IPPROTO_UDP) {
-        e->estats[AFX_E_NOT_OURS]++;
+    uint32_t ihl = ip->ihl * 4u;
+    if (eth->h_proto != htons(ETH_P_IP) || ip->version != 4 || ip->protocol != IPPROTO_UDP ||
+        (ntohs(ip->frag_off) & 0x3fff) || ihl < 20 || 14 + ihl + 8 > len) {
+        e->estats[AFX_E_NOT_OURS]++;  /* the steering program passes these: never here */
         return;
     }
-    uint32_t ihl = ip->ihl * 4u;
-    uint32_t tot = ntohs(ip->tot_len);
     struct udphdr *udp = (struct udphdr *)((uint8_t *)ip + ihl);
-    if (ihl < 20 || 14 + ihl + 8 > len || udp->dest != htons(e->port)) {
+    if (udp->dest != htons(e->port)) {
         e->estats[AFX_E_NOT_OURS]++;
         return;
     }
     uint32_t ulen = ntohs(udp->len);
-    /* a fragment, or lengths that do not fit the frame: counted as a truncated record */
-    if ((ntohs(ip->frag_off) & 0x3fff) || tot < ihl + 8 || 14 + tot > len || ulen < 8 || ihl + ulen > tot) {
+    /* ours from here on: IP options, or lengths that disagree, are malformed */
+    if (ihl != 20 || ntohs(ip->tot_len) != ulen + 20 || ulen < 8) {
+        e->stats0[AR_STAT_RX]++;
+        return reject(e->stats0, AR_STAT_BAD_LEN);
+    }
+    uint32_t claimed = ulen - 8, held = len - 14 - 20 - 8;
+    if (claimed < AR_HDR_LEN || held < AR_HDR_LEN) {
         e->stats0[AR_STAT_RX]++;
         return reject(e->stats0, AR_STAT_BAD_TRUNCATED);
     }
     struct sender from = {.mac = eth->h_source, .ip_be = ip->saddr, .port_be = udp->source};
-    on_datagram(e, q, (uint8_t *)(udp + 1), ulen - 8, &from);
+    /* a frame shorter than its lengths say: its job (from the whole header) counts it */
+    on_datagram(e, q, (uint8_t *)(udp + 1), claimed <= held ? claimed : held, &from, claimed > held);
 }
 
 /* --- rx: one batch of descriptors of one queue ----------------------------------------------------- */
@@ -934,9 +939,11 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
 }
 
 /* Register a job: ips_be (workers entries, 0 = not given: no source check) and group in wire
- * order, delivery AR_DELIVERY_*; first_epoch seeds the epoch counter. 0, or -errno. */
+ * order; macs (workers x 6 bytes, or NULL): each rank's next hop, where unicast delivery sends its
+ * copies (registered, never learnt from frames: a spoofed frame must not redirect a rank's
+ * results); delivery AR_DELIVERY_*; first_epoch seeds the epoch counter. 0, or -errno. */
 int afx_add_job(struct afx_engine *e, uint32_t id, uint32_t workers, uint32_t slots, uint32_t group_be,
-                const uint32_t *ips_be, uint32_t delivery, uint32_t first_epoch)
+                const uint32_t *ips_be, const uint8_t *macs, uint32_t delivery, uint32_t first_epoch)
 {
     if (workers < 1 || workers > AR_MAX_WORKERS || slots < 1 || slots > (1u << 24))
         return -EINVAL;
@@ -972,6 +979,10 @@ int afx_add_job(struct afx_engine *e, uint32_t id, uint32_t workers, uint32_t sl
             j->ips_be[r] = ips_be ? ips_be[r] : 0;
             if (!j->ips_be[r])
                 j->check_src = 0;
+            if (macs) {
+                memcpy(j->macs[r], macs + 6 * r, 6);
+                j->mac_known[r] = 1;
+            }
         }
         j->last_epoch = first_epoch;
         j->used = 1;

@@ -160,7 +160,11 @@ class AfxdpEngine:
 
     # --- jobs -------------------------------------------------------------------------------
     def add_job(self, job: int = DEFAULT.job, workers: int = 1, slots: int = DEFAULT.slots,
-                group: str = DEFAULT.group, worker_ips: Sequence[str] = (), delivery: str = "multicast") -> None:
+                group: str = DEFAULT.group, worker_ips: Sequence[str] = (), delivery: str = "multicast",
+                worker_macs: Sequence[str] | None = None) -> None:
+        """Serve a job: its ranks (their addresses, checked as each frame's source when given),
+        its share of slots (the engine's own memory), its group, its delivery (unicast: a copy
+        of each result to every rank, through ``worker_macs``, default: the neighbour table)."""
         if not 1 <= workers <= proto.MAX_WORKERS:
             raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {workers}")
         if not 1 <= slots <= 1 << 24:
@@ -177,7 +181,19 @@ class AfxdpEngine:
         if delivery == "multicast" and not g.is_multicast:
             raise InputError(f"group {group} is not an IPv4 multicast address")
         arr = (ctypes.c_uint32 * max(workers, 1))(*[_ip_be(ip) for ip in ips]) if ips else None
-        rc = self.lib.afx_add_job(self._e, job, workers, slots, _ip_be(group), arr,
+        macs = None
+        if delivery == "unicast":
+            if worker_macs is None:  # the next hop towards each rank, from the neighbour table
+                from nicoffload.ebpf.iface import neighbour_mac
+
+                worker_macs = [neighbour_mac(ip, self.iface, self.netns, timeout=2.0,
+                                             hint="is the worker up and reachable from the engine's host?")
+                               for ip in ips]
+            if len(worker_macs) != workers:
+                raise InputError(f"job {job}: {len(worker_macs)} worker MACs for {workers} ranks")
+            raw = b"".join(bytes.fromhex(m.replace(":", "")) for m in worker_macs)
+            macs = (ctypes.c_uint8 * len(raw))(*raw)
+        rc = self.lib.afx_add_job(self._e, job, workers, slots, _ip_be(group), arr, macs,
                                   proto.DELIVERY_UNICAST if delivery == "unicast" else proto.DELIVERY_MULTICAST,
                                   secrets.randbits(32))
         if rc == -17:
