@@ -76,7 +76,7 @@ def load() -> ctypes.CDLL:
         P, U8P = ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint8)
         u16, u32, u64, i = ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
         sigs = {
-            "afx_open": ([ctypes.c_char_p, i, i, i, u32, u16, u32, u32, u32, U8P, u16, i, ctypes.POINTER(i)], P),
+            "afx_open": ([ctypes.c_char_p, i, i, i, u32, u16, u32, u32, u32, U8P, u16, i, i, ctypes.POINTER(i)], P),
             "afx_error": ([P], ctypes.c_char_p),
             "afx_close": ([P], None),
             "afx_add_job": ([P, u32, u32, u32, u32, ctypes.POINTER(u32), U8P, u32, u32], i),

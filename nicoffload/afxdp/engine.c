@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
+#include <netinet/in.h>
 #include <linux/if_ether.h>
 #include <linux/if_xdp.h>
 #include <linux/ip.h>
@@ -51,12 +52,18 @@
 #define AFX_FRAMES 4096u            /* per queue: half for the fill ring, half for tx */
 #define AFX_RING 2048u
 #define AFX_BATCH 64u
+/* result frames queued before the engine makes the kernel send them (copy mode sends 32 per
+ * call; the rest of a burst follows in the same kick). A large burst arrives at each rank in
+ * one NAPI poll, where GRO and UDP_GRO hand it over as one batch: fewer wake-ups of the ranks */
+#ifndef AFX_TX_BURST
+#define AFX_TX_BURST 512u
+#endif
 #define AFX_MAX_FRAME_BYTES 65536u  /* a gathered frame: the largest IPv4 packet and its Ethernet header */
 
 /* engine counters (afx_engine_stats), beside the protocol's AR_STAT_* per job */
 enum {
     AFX_E_RX_FRAMES, AFX_E_RX_DESCS, AFX_E_TX_FRAMES, AFX_E_TX_KICKS, AFX_E_TX_WAIT, AFX_E_POLLS,
-    AFX_E_BATCHES, AFX_E_NOT_OURS, AFX_E_TOO_BIG, AFX_E_SPINS, AFX_E__COUNT
+    AFX_E_BATCHES, AFX_E_NOT_OURS, AFX_E_TOO_BIG, AFX_E_SPINS, AFX_E_TX_SENDS, AFX_E__COUNT
 };
 
 struct afx_set {
@@ -110,6 +117,14 @@ struct afx_engine {
     uint64_t stats0[AR_STAT__COUNT];
     uint64_t estats[AFX_E__COUNT];
     pthread_mutex_t lock;
+    int tx_sock;           /* results through a UDP socket with UDP_SEGMENT (-1: the AF_XDP tx ring) */
+    uint32_t gso_max;      /* records per UDP_SEGMENT send */
+    struct {               /* results waiting to leave together (socket tx) */
+        struct afx_job *job;
+        uint16_t dport_be;
+        uint32_t n;
+    } pend;
+    uint8_t *pend_buf;
     uint8_t *gather;       /* a chained frame, gathered */
     uint8_t *out;          /* records kept for an answer or a result */
     char err[256];
@@ -272,7 +287,7 @@ static int send_frame(struct afx_engine *e, struct afx_queue *q, const uint8_t *
     xsk_ring_prod__submit(&q->tx, 1);
     q->tx_queued++;
     e->estats[AFX_E_TX_FRAMES]++;
-    if (q->tx_queued >= 32)
+    if (q->tx_queued >= AFX_TX_BURST)
         kick(e, q);
     return 0;
 }
@@ -289,6 +304,67 @@ static void send_records(struct afx_engine *e, struct afx_queue *q, struct afx_j
     }
 }
 
+/* --- transmit through a socket: one UDP_SEGMENT send carries a batch of records ------------------
+ * AF_XDP's tx ring cannot ask for segmentation: in copy mode each result record becomes its own
+ * skb, through the bridge and to every rank, one by one. A UDP socket with UDP_SEGMENT sends a
+ * batch as one skb (GSO), which the fabric and the ranks' UDP_GRO keep whole, as they do the XDP
+ * aggregator's XDP_TX of a batch. */
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+
+static void sock_send(struct afx_engine *e, struct afx_job *j, uint32_t dst_be, uint16_t dport_be,
+                      const uint8_t *data, uint32_t n)
+{
+    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = dport_be, .sin_addr.s_addr = dst_be};
+    struct iovec iov = {.iov_base = (void *)data, .iov_len = n};
+    char ctrl[CMSG_SPACE(sizeof(uint16_t))] = {0};
+    struct msghdr m = {.msg_name = &to, .msg_namelen = sizeof(to), .msg_iov = &iov, .msg_iovlen = 1};
+    if (n > e->rsize && n % e->rsize == 0) {
+        m.msg_control = ctrl;
+        m.msg_controllen = sizeof(ctrl);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        c->cmsg_level = IPPROTO_UDP;
+        c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        uint16_t seg = (uint16_t)e->rsize;
+        memcpy(CMSG_DATA(c), &seg, sizeof(seg));
+    }
+    ssize_t r;
+    do
+        r = sendmsg(e->tx_sock, &m, 0);
+    while (r < 0 && errno == EINTR);
+    if (r < 0)
+        (j ? j->stats : e->stats0)[AR_STAT_TX_FAILED]++;
+    else
+        e->estats[AFX_E_TX_SENDS]++;
+}
+
+static void sock_to_ranks(struct afx_engine *e, struct afx_job *j, uint16_t dport_be, const uint8_t *recs,
+                          uint32_t n)
+{
+    for (uint32_t off = 0; off < n; off += e->gso_max * e->rsize) {
+        uint32_t len = n - off < e->gso_max * e->rsize ? n - off : e->gso_max * e->rsize;
+        if (j->delivery == AR_DELIVERY_UNICAST) {
+            for (uint32_t r = 0; r < j->workers; r++) {
+                sock_send(e, j, j->ips_be[r], dport_be, recs + off, len);
+                j->stats[AR_STAT_COPIES]++;
+            }
+        } else {
+            sock_send(e, j, j->group_be, dport_be, recs + off, len);
+        }
+    }
+}
+
+/* Send what waits (socket tx): at the end of each batch of frames, and before anything else goes. */
+static void flush(struct afx_engine *e)
+{
+    if (e->pend.n) {
+        sock_to_ranks(e, e->pend.job, e->pend.dport_be, e->pend_buf, e->pend.n);
+        e->pend.n = 0;
+    }
+}
+
 static void group_mac(uint32_t group_be, uint8_t *mac)
 {
     uint32_t g = ntohl(group_be);
@@ -300,6 +376,25 @@ static void group_mac(uint32_t group_be, uint8_t *mac)
 static void to_ranks(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, uint16_t dport_be,
                      const uint8_t *recs, uint32_t n)
 {
+    if (e->tx_sock >= 0) {
+        if (n % e->rsize) {  /* a JOINED: not a record batch */
+            flush(e);
+            sock_to_ranks(e, j, dport_be, recs, n);
+            return;
+        }
+        /* results of the same job and port wait to leave as one batch */
+        if (e->pend.n && (e->pend.job != j || e->pend.dport_be != dport_be))
+            flush(e);
+        for (uint32_t off = 0; off < n; off += e->rsize) {
+            if (e->pend.n + e->rsize > e->gso_max * e->rsize)
+                flush(e);
+            e->pend.job = j;
+            e->pend.dport_be = dport_be;
+            memcpy(e->pend_buf + e->pend.n, recs + off, e->rsize);
+            e->pend.n += e->rsize;
+        }
+        return;
+    }
     if (j->delivery == AR_DELIVERY_UNICAST) {
         for (uint32_t r = 0; r < j->workers; r++) {
             if (!j->mac_known[r]) {
@@ -365,6 +460,14 @@ static void take_ack(struct afx_job *j, uint32_t rank, uint32_t ack)
 static void reply(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, const struct sender *from,
                   const uint8_t *data, uint32_t n)
 {
+    if (e->tx_sock >= 0) {
+        flush(e);  /* in order: what waits goes first */
+        for (uint32_t off = 0; off < n; off += e->gso_max * e->rsize) {
+            uint32_t len = n - off < e->gso_max * e->rsize ? n - off : e->gso_max * e->rsize;
+            sock_send(e, j, from->ip_be, from->port_be, data + off, len);
+        }
+        return;
+    }
     send_records(e, q, j, from->mac, from->ip_be, from->port_be, data, n);
 }
 
@@ -799,6 +902,7 @@ static uint32_t rx_batch(struct afx_engine *e, struct afx_queue *q)
     xsk_ring_cons__release(&q->rx, whole);
     q->rx.cached_cons -= n - whole;  /* peeked n: the rest of a chain waits for the next batch */
     e->estats[AFX_E_BATCHES]++;
+    flush(e);
     if (q->tx_queued)
         kick(e, q);
     return whole;
@@ -831,8 +935,11 @@ void afx_close(struct afx_engine *e)
         free(e->jobs[i].sets);
         free(e->jobs[i].acc);
     }
+    if (e->tx_sock >= 0)
+        close(e->tx_sock);
     free(e->gather);
     free(e->out);
+    free(e->pend_buf);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
@@ -844,13 +951,14 @@ void afx_close(struct afx_engine *e)
  * and afx_error(). */
 struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int prog_fd, uint32_t xdp_flags,
                             uint16_t port, uint32_t elems, uint32_t mtu, uint32_t local_ip_be,
-                            const uint8_t *local_mac, uint16_t bind_flags, int spin_us, int *ok)
+                            const uint8_t *local_mac, uint16_t bind_flags, int spin_us, int tx_socket, int *ok)
 {
     *ok = 0;
     struct afx_engine *e = calloc(1, sizeof(*e));
     if (!e)
         return NULL;
     e->link_fd = -1;
+    e->tx_sock = -1;
     pthread_mutex_init(&e->lock, NULL);
     e->port = port;
     e->elems = elems;
@@ -862,7 +970,9 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
     e->spin_us = spin_us;
     e->gather = malloc(AFX_MAX_FRAME_BYTES);
     e->out = malloc(AFX_MAX_FRAME_BYTES);
-    if (!e->gather || !e->out) {
+    e->pend_buf = malloc(AFX_MAX_FRAME_BYTES);
+    e->gso_max = 65507 / e->rsize < 64 ? 65507 / e->rsize : 64;
+    if (!e->gather || !e->out || !e->pend_buf) {
         snprintf(e->err, sizeof(e->err), "out of memory");
         return e;
     }
@@ -921,6 +1031,27 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
         xsk_ring_prod__submit(&q->fill, AFX_FRAMES / 2);
         for (uint32_t k = 0; k < AFX_FRAMES / 2; k++)
             q->free_tx[q->n_free++] = (uint64_t)(AFX_FRAMES / 2 + k) * AFX_FRAME;
+    }
+    if (tx_socket) {
+        /* from the engine's address and port, as every result of the protocol leaves */
+        int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        int one = 1, big = 4 << 20, ttl = 1, zero = 0;
+        struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = local_ip_be};
+        struct in_addr ifa = {.s_addr = local_ip_be};
+        if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) ||
+            bind(fd, (struct sockaddr *)&me, sizeof(me))) {
+            snprintf(e->err, sizeof(e->err), "the result socket on port %u: %s (is another aggregator bound to it?)",
+                     port, strerror(errno));
+            if (fd >= 0)
+                close(fd);
+            return e;
+        }
+        if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof(big)))
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof(big));
+        setsockopt(fd, IPPROTO_IP, IP_MULTICAST_IF, &ifa, sizeof(ifa));
+        setsockopt(fd, IPPROTO_IP, IP_MULTICAST_TTL, &ttl, sizeof(ttl));
+        setsockopt(fd, IPPROTO_IP, IP_MULTICAST_LOOP, &zero, sizeof(zero));
+        e->tx_sock = fd;
     }
     if (prog_fd >= 0) {
         LIBBPF_OPTS(bpf_link_create_opts, lo, .flags = xdp_flags);

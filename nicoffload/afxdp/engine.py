@@ -26,7 +26,12 @@ XDP_USE_SG = 1 << 4
 XDP_FLAGS = {"generic": 1 << 1, "native": 1 << 2}
 #: engine counters (enum AFX_E_* in engine.c)
 ENGINE_STATS = ["rx_frames", "rx_descs", "tx_frames", "tx_kicks", "tx_wait", "polls", "batches", "not_ours",
-                "too_big", "spins"]
+                "too_big", "spins", "tx_sends"]
+#: how results leave: ``xsk`` (frames built by the engine on the AF_XDP tx ring) or ``socket`` (a
+#: UDP socket, a batch of records per UDP_SEGMENT send); ``auto``: socket in copy mode, where the
+#: tx ring is no faster than a socket and cannot ask for segmentation (every record would be its
+#: own skb through the fabric), the tx ring with a zero-copy driver
+TX_MODES = ("auto", "xsk", "socket")
 #: microseconds the loop keeps polling the rings after the last frame before it sleeps in poll():
 #: on the 2-core testbed a longer spin takes the CPU the ranks need (see the README)
 DEFAULT_SPIN_US = 20
@@ -104,7 +109,10 @@ class AfxdpEngine:
 
     def __init__(self, iface: str | None = None, port: int = DEFAULT.port, elems: int = DEFAULT.elems,
                  mode: str = "auto", spin_us: int = DEFAULT_SPIN_US, xsk_map: str | Path | None = None,
-                 netns: str | None = None, local_ip: str | None = None, zero_copy: bool | None = None):
+                 netns: str | None = None, local_ip: str | None = None, zero_copy: bool | None = None,
+                 tx: str = "auto"):
+        if tx not in TX_MODES:
+            raise InputError(f"tx must be one of {', '.join(TX_MODES)}, not {tx!r}")
         if elems < 2 or elems % 2:
             raise InputError(f"elems must be even and at least 2, not {elems}")
         if mode not in ("auto", "generic", "native"):
@@ -134,6 +142,7 @@ class AfxdpEngine:
                 zero_copy = False if (mode == "generic" or self.driver == "veth") else None
             bind = XDP_USE_SG | (XDP_COPY if zero_copy is False else XDP_ZEROCOPY if zero_copy else 0)
             self.copy_mode = zero_copy is not True
+            self.tx = ("socket" if self.copy_mode else "xsk") if tx == "auto" else tx
             prog_fd = -1
             try:
                 if xsk_map is not None:
@@ -148,7 +157,7 @@ class AfxdpEngine:
                 mac = (ctypes.c_uint8 * 6)(*bytes.fromhex(self.mac.replace(":", "")))
                 self._e = self.lib.afx_open(self.iface.encode(), self.queues, map_fd, prog_fd, XDP_FLAGS[mode],
                                             port, elems, self.mtu, _ip_be(self.local_ip), mac, bind, spin_us,
-                                            ctypes.byref(ok))
+                                            int(self.tx == "socket"), ctypes.byref(ok))
                 if not self._e:
                     raise SetupError("the AF_XDP engine: out of memory")
                 if not ok.value:
@@ -305,7 +314,7 @@ class AfxdpEngine:
 
     def describe(self) -> dict:
         return {"engine": "afxdp", "iface": self.iface, "address": self.local_ip, "mode": self.mode,
-                "copy_mode": self.copy_mode, "queues": self.queues, "mtu": self.mtu, "port": self.port,
+                "copy_mode": self.copy_mode, "tx": self.tx, "queues": self.queues, "mtu": self.mtu, "port": self.port,
                 "elems": self.elems}
 
 

@@ -31,9 +31,10 @@ def register(sub) -> None:
                  "sudo nicoffload train-demo --offload --optimizer adamw --aggregator userspace --steps 20")
     p.add_argument("--workers", type=int, default=2, help="ranks (one per testbed worker host)")
     p.add_argument("--steps", type=int, default=50, help="training steps of each run")
-    p.add_argument("--aggregator", choices=["xdp", "userspace"], default=None,
-                   help="where nicoffload sums (the gloo run needs none; default xdp); with --offload: only this "
-                        "aggregator (without it, --offload runs both with SGD, the XDP one alone with AdamW)")
+    p.add_argument("--aggregator", choices=["xdp", "afxdp", "userspace"], default=None,
+                   help="where nicoffload sums (the gloo run needs none; default xdp; afxdp: the AF_XDP engine); "
+                        "with --offload: only this aggregator, xdp or userspace (without it, --offload runs both "
+                        "with SGD, the XDP one alone with AdamW)")
     p.add_argument("--offload", action="store_true",
                    help="the optimizer in the aggregator (OptimusNIC): no optimizer on the ranks; runs it in the XDP "
                         "and in the user-space aggregator (with AdamW in the XDP one only, unless --aggregator "
@@ -76,6 +77,9 @@ def _train_demo(args) -> int:
         raise InputError("--fsdp goes with --backend (the DDP hook serves DDP only)")
     if args.backend and args.offload:
         raise InputError("--backend and --offload are two different runs: choose one")
+    if args.aggregator == "afxdp" and (args.offload or args.backend):
+        raise InputError("the AF_XDP engine sums gradients only: --offload (the optimizer in the aggregator) runs "
+                         "in the xdp or the userspace aggregator, --backend through the XDP aggregator's service")
     if args.betas is not None and args.optimizer != "adamw":
         raise InputError("--betas goes with --optimizer adamw")
     train_args = _train_args(args)

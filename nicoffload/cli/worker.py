@@ -75,8 +75,12 @@ def _register_afxdp(sub) -> None:
     p.add_argument("--spin-us", type=int, default=None,
                    help="microseconds the loop busy-polls after the last frame before it sleeps (default 20)")
     p.add_argument("--xsk-map", default=None,
-                   help="a pinned XSKMAP to join (the XDP aggregator's, for a job it hands off) instead of "
-                        "attaching the engine's own steering program")
+                   help="an XSKMAP to join, id:N or a pinned path (the XDP aggregator's, for a job it hands off) "
+                        "instead of attaching the engine's own steering program")
+    p.add_argument("--tx", choices=["auto", "xsk", "socket"], default="auto",
+                   help="how results leave: the AF_XDP tx ring (xsk) or a UDP socket, a batch per UDP_SEGMENT send "
+                        "(socket); auto: socket in copy mode (veth), where the tx ring cannot batch, else xsk")
+    p.add_argument("--stats-file", default=None, help="write the counters there (JSON) every half second")
     p.add_argument("--duration", type=float, default=None, help="stop after SECONDS (default: until SIGTERM)")
     p.add_argument("--json", action="store_true", help="print counters as JSON on exit")
     JobSpec.add_arguments(p, only=AGG_FIELDS)
@@ -163,7 +167,8 @@ def _afxdp(args) -> int:
 
     out = serve_afxdp(args.workers, JobSpec.from_args(args), args.local_ip, args.worker_ip, args.duration,
                       ready=lambda d: print(f"ready {json.dumps(d)}", flush=True), iface=args.iface,
-                      mode=args.xdp_mode, spin_us=args.spin_us, xsk_map=args.xsk_map)
+                      mode=args.xdp_mode, spin_us=args.spin_us, xsk_map=args.xsk_map,
+                      stats_file=args.stats_file, tx=args.tx)
     stats = out["stats"]
     print(json.dumps(out) if args.json else
           f"completed {stats['completed']} rounds, received {stats['rx']} packets", flush=True)

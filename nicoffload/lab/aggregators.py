@@ -34,9 +34,9 @@ class AggregatorProcess:
     or ``userspace`` (``nicoffload aggregator-userspace`` there)."""
 
     def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", host=None,
-                 placed: bool = False, spin_us: int | None = None):
+                 placed: bool = False, spin_us: int | None = None, tx: str | None = None):
         self.tb, self.kind = tb, kind
-        self.spin_us = spin_us
+        self.spin_us, self.tx = spin_us, tx  # the afxdp engine's options (None: its defaults)
         self.engine_info: dict = {}      # what the afxdp engine said when ready (mode, copy mode, ...)
         self.engine_counters: dict = {}  # the afxdp engine's own counters, when it stopped
         self.host = host or tb.agg  # the aggregator host (a testbed may have several: tb.aggs)
@@ -86,8 +86,10 @@ class AggregatorProcess:
 
     def _start_afxdp(self) -> None:
         self.mode = "afxdp"
-        self._start_process("aggregator-afxdp", "the AF_XDP aggregator engine", ["--spin-us", str(self.spin_us)]
-                            if self.spin_us is not None else [])
+        extra = ["--spin-us", str(self.spin_us)] if self.spin_us is not None else []
+        if self.tx is not None:
+            extra += ["--tx", self.tx]
+        self._start_process("aggregator-afxdp", "the AF_XDP aggregator engine", extra)
 
     def _start_process(self, command: str, what: str, extra: list[str] | None = None) -> None:
         if len(self.tb.workers) > proto.MAX_WORKERS:
@@ -152,7 +154,8 @@ class AggregatorProcess:
 def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,
                 worker_ips: Iterable[str] = (), duration: float | None = None,
                 ready: Callable[[dict], None] = lambda d: None, iface: str | None = None, mode: str = "auto",
-                spin_us: int | None = None, xsk_map: str | None = None, stats_file: str | None = None) -> dict:
+                spin_us: int | None = None, xsk_map: str | None = None, stats_file: str | None = None,
+                tx: str = "auto") -> dict:
     """Run the AF_XDP engine with one job in this process until SIGTERM/SIGINT (or ``duration``
     seconds); ``ready`` gets the engine's description once it polls; ``stats_file``: its counters
     written there (JSON) every half second. Returns the description with the job's counters
@@ -161,7 +164,7 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
     from nicoffload.errors import SetupError
 
     eng = AfxdpEngine(iface, spec.port, spec.elems, mode, DEFAULT_SPIN_US if spin_us is None else spin_us,
-                      xsk_map, local_ip=local_ip)
+                      xsk_map, local_ip=local_ip, tx=tx)
     stop = {"now": False}
 
     def on_term(signum, frame):
@@ -228,11 +231,13 @@ class AggregatorSet:
     """The aggregators of one job on every aggregator host of the testbed (one, or K for a job
     sharded over K aggregators): the same job on each, started together, closed together."""
 
-    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", placed: bool = False):
+    def __init__(self, tb, kind: str, spec: JobSpec = DEFAULT, mode: str = "auto", placed: bool = False,
+                 **engine):
+        """``engine``: the afxdp engine's options (spin_us, tx)."""
         self.procs: list[AggregatorProcess] = []
         try:
             for h in tb.aggs:
-                self.procs.append(AggregatorProcess(tb, kind, spec, mode, host=h, placed=placed))
+                self.procs.append(AggregatorProcess(tb, kind, spec, mode, host=h, placed=placed, **engine))
         except BaseException:
             self.close()
             raise

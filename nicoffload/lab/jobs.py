@@ -59,6 +59,7 @@ class JobResult:
     agg_bpf_ns: int | None = None       # in-kernel run time of the XDP program (bpf stats)
     agg_bpf_cnt: int | None = None
     mode: str | None = None             # XDP attach mode of the aggregator
+    engine: dict = field(default_factory=dict)  # the afxdp engine: how it ran, and its own counters
 
     @property
     def seconds(self) -> float:
@@ -101,21 +102,25 @@ def run_workers(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], spec
 
 
 def run_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], aggregator: str = "xdp",
-            spec: JobSpec | None = None, *, mode: str = "auto", reps: int = 1, **kw) -> JobResult:
-    """A fresh ``aggregator`` for this job and its workers (see :func:`run_workers`)."""
+            spec: JobSpec | None = None, *, mode: str = "auto", reps: int = 1, engine: dict | None = None,
+            **kw) -> JobResult:
+    """A fresh ``aggregator`` for this job and its workers (see :func:`run_workers`); ``engine``:
+    the afxdp engine's options (spin_us, tx)."""
     fields = {k: kw.pop(k) for k in list(kw) if k in DEFAULT.to_dict()}
     spec = (spec or DEFAULT).replace(**fields)
     enable_gro(tb)
-    with AggregatorSet(tb, aggregator, spec, mode=mode) as ap:
+    with AggregatorSet(tb, aggregator, spec, mode=mode, **(engine or {})) as ap:
         before = ap.bpf_runtime()
         reports = run_workers(tb, inputs, outputs, spec, reps=reps, **kw)
         after = ap.bpf_runtime()
         mode_used = ap.mode
         stats = ap.close()
+        p0 = ap.procs[0]
+        engine = {**p0.engine_info, "counters": p0.engine_counters} if aggregator == "afxdp" else {}
     nrep = len(reports[0]["times"])
     rep_seconds = [max(r["times"][i] for r in reports) for i in range(nrep)]
     res = JobResult(aggregator, len(tb.workers), rep_seconds, sorted(reports, key=lambda r: r["rank"]), stats,
-                    mode=mode_used)
+                    mode=mode_used, engine=engine)
     ran = counters.delta(after, before)
     if ran:
         res.agg_bpf_ns, res.agg_bpf_cnt = ran

@@ -51,13 +51,19 @@ def engine_procs() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path):
+@pytest.mark.parametrize("tx", ["socket", "xsk"])
+def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path, tx):
+    """Results leaving through a UDP socket (a batch per UDP_SEGMENT send, the default in copy
+    mode) or built by the engine on the AF_XDP tx ring."""
     tb = make_testbed(4)
     rng = np.random.default_rng(21)
     ints = [rng.integers(-(2**31), 2**31 - 1, 40 * E + 3, dtype=np.int32) for _ in range(4)]
     ins, outs = save(tmp_path, ints, "i")
-    res = run_job(tb, ins, outs, "afxdp", timeout=20)
-    assert res.mode == "afxdp"
+    eng = {"tx": tx}
+    res = run_job(tb, ins, outs, "afxdp", timeout=20, engine=eng)
+    assert res.mode == "afxdp" and res.engine["tx"] == tx and res.engine["copy_mode"]
+    c = res.engine["counters"]
+    assert (c["tx_sends"] if tx == "socket" else c["tx_frames"]) > 0 and c["tx_sends" if tx == "xsk" else "tx_frames"] == 0
     check = reference.quantized(ints, E).check(np.load(outs[2]))  # the int64 sum, wrapped to int32
     assert check.within_bound and check.max_abs_err == 0, check.reason
     st = res.agg_stats
@@ -66,7 +72,7 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path)
 
     floats = adversarial(4)
     ins, outs = save(tmp_path, floats, "f")
-    run_job(tb, ins, outs, "afxdp", timeout=20)
+    run_job(tb, ins, outs, "afxdp", timeout=20, engine=eng)
     want = reference.quantized(floats, E)
     for r in range(4):
         check = want.check(np.load(outs[r]))
@@ -77,10 +83,10 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path)
     for a in sparse:
         a.reshape(-1, E)[rng.random(2000) < 0.5] = 0
     ins, clean = save(tmp_path, sparse, "c")
-    run_job(tb, ins, clean, "afxdp", timeout=20)
+    run_job(tb, ins, clean, "afxdp", timeout=20, engine=eng)
     tb.faults.configure(drop=0.02, dup=0.02, seed=11)
     lossy = [tmp_path / f"lossy{r}.npy" for r in range(4)]
-    res = run_job(tb, ins, lossy, "afxdp", timeout=20, reps=2)
+    res = run_job(tb, ins, lossy, "afxdp", timeout=20, reps=2, engine=eng)
     fs = tb.faults.stats()
     assert sum(v[d]["dropped"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
     assert sum(v[d]["duplicated"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
