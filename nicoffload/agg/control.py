@@ -400,7 +400,7 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     """Detach the aggregator from ``iface`` and remove its pins and state. Returns whether
     anything was there. Without ``missing_ok``, nothing to unload is a NotFoundError."""
     bpf.require_root("unloading the XDP aggregator")
-    from nicoffload.afxdp import fallback
+    from nicoffload.agg import fallback
 
     fallback.stop_all(netns, iface)  # engines of jobs it handed off (agg job add --fallback afxdp)
     sf = state_file(netns, iface)

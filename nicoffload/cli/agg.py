@@ -192,7 +192,7 @@ def _job_add(args) -> int:
     client = _client(args)
     if client is not None:
         return _job_add_service(args, client)
-    from nicoffload.afxdp import fallback
+    from nicoffload.agg import fallback
 
     args.job = DEFAULT.job if args.job is None else args.job
     agg = Aggregator.open(args.netns, args.iface)
@@ -220,7 +220,7 @@ def _job_add(args) -> int:
 
 def _job_fallback(args, agg, why: str) -> int:
     """The XDP pool refused the job: the AF_XDP engine beside it takes it."""
-    from nicoffload.afxdp import fallback
+    from nicoffload.agg import fallback
     from nicoffload.agg.jobtable import default_group
 
     group = args.group
@@ -277,12 +277,12 @@ def _job_remove(args) -> int:
         print(f"job {d['job']} removed from {client.url}; slots {d['slot_base']}..{d['slot_base'] + d['slots'] - 1} "
               f"are free")
         return 0
-    from nicoffload.afxdp import fallback
+    from nicoffload.agg import fallback
 
     agg = Aggregator.open(args.netns, args.iface)
     if any(h["job"] == args.job for h in fallback.handed_off(args.netns, args.iface)):
         got = fallback.take_back(agg, args.job)
-        done = got.get("last", {}).get("stats", {}).get("completed", 0)
+        done = got.get("last", {}).get("completed", 0)
         print(f"job {args.job} removed from {args.iface}: its AF_XDP engine (pid {got['pid']}) stopped after "
               f"{done} rounds")
         return 0
@@ -300,7 +300,7 @@ def _job_list(args) -> int:
         jobs, free, slots, u = d["jobs"], d["free_slots"], d["slots"], d["unattributed"]
         handed = []
     else:
-        from nicoffload.afxdp import fallback
+        from nicoffload.agg import fallback
 
         agg = Aggregator.open(args.netns, args.iface)
         jobs, free, slots, u = agg.jobs(), agg.table.free_slots(), agg.spec.slots, agg.unattributed()

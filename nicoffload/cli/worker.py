@@ -65,8 +65,13 @@ def _register_afxdp(sub) -> None:
                        help="the AF_XDP aggregator engine: the same protocol in a compiled poll loop over AF_XDP "
                             "sockets (the DPDK-style, off-path engine; root)")
     add_examples(p, "sudo nicoffload aggregator-afxdp --workers 4 --local-ip 10.0.0.100",
-                 "sudo nicoffload aggregator-afxdp --workers 8 --iface eth1 --mode native --spin-us 0 --json")
-    p.add_argument("--workers", type=int, required=True)
+                 "sudo nicoffload aggregator-afxdp --workers 8 --iface eth1 --xdp-mode native --spin-us 0 --json",
+                 "sudo nicoffload aggregator-afxdp --iface eth1 --xsk-map id:42 --jobs-file jobs.json   "
+                 "# beside the XDP aggregator (agg job add --fallback afxdp does this)")
+    p.add_argument("--workers", type=int, default=None, help="ranks of the job (not with --jobs-file)")
+    p.add_argument("--jobs-file", default=None,
+                   help="serve the jobs this JSON file lists (job id -> job, workers, group, slots, delivery, "
+                        "worker_ips), following it as it changes, instead of one job from the options")
     p.add_argument("--local-ip", default=None, help="address to send results from (selects the interface)")
     p.add_argument("--iface", default=None, help="the interface (default: the one holding --local-ip)")
     p.add_argument("--worker-ip", action="append", default=[], help="registered address of rank 0, 1, ...")
@@ -165,10 +170,13 @@ def _userspace(args) -> int:
 def _afxdp(args) -> int:
     from nicoffload.lab.aggregators import serve_afxdp
 
+    if (args.workers is None) == (args.jobs_file is None):
+        raise InputError("give the job's --workers, or --jobs-file (not both)")
+
     out = serve_afxdp(args.workers, JobSpec.from_args(args), args.local_ip, args.worker_ip, args.duration,
                       ready=lambda d: print(f"ready {json.dumps(d)}", flush=True), iface=args.iface,
                       mode=args.xdp_mode, spin_us=args.spin_us, xsk_map=args.xsk_map,
-                      stats_file=args.stats_file, tx=args.tx)
+                      stats_file=args.stats_file, tx=args.tx, jobs_file=args.jobs_file)
     stats = out["stats"]
     print(json.dumps(out) if args.json else
           f"completed {stats['completed']} rounds, received {stats['rx']} packets", flush=True)

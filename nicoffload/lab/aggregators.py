@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import InputError
@@ -155,24 +156,59 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
                 worker_ips: Iterable[str] = (), duration: float | None = None,
                 ready: Callable[[dict], None] = lambda d: None, iface: str | None = None, mode: str = "auto",
                 spin_us: int | None = None, xsk_map: str | None = None, stats_file: str | None = None,
-                tx: str = "auto") -> dict:
-    """Run the AF_XDP engine with one job in this process until SIGTERM/SIGINT (or ``duration``
-    seconds); ``ready`` gets the engine's description once it polls; ``stats_file``: its counters
-    written there (JSON) every half second. Returns the description with the job's counters
-    (``stats``) and the engine's (``engine``)."""
+                tx: str = "auto", jobs_file: str | None = None) -> dict:
+    """Run the AF_XDP engine in this process until SIGTERM/SIGINT (or ``duration`` seconds), with
+    one job (``workers`` ranks of ``spec``), or with the jobs listed in ``jobs_file`` (JSON: job
+    id -> job, workers, group, slots, delivery, worker_ips), followed as it changes. ``ready``
+    gets the engine's description once it polls; ``stats_file``: counters written there (JSON)
+    every tenth of a second, per job, with the jobs it refused and why. Returns the description
+    with the counters of every job together (``stats``), per job (``jobs``) and the engine's
+    own (``engine``)."""
     from nicoffload.afxdp.engine import DEFAULT_SPIN_US, AfxdpEngine
-    from nicoffload.errors import SetupError
+    from nicoffload.errors import NicoffloadError, SetupError
 
     eng = AfxdpEngine(iface, spec.port, spec.elems, mode, DEFAULT_SPIN_US if spin_us is None else spin_us,
                       xsk_map, local_ip=local_ip, tx=tx)
     stop = {"now": False}
+    refused: dict[str, str] = {}
+    seen = {"mtime": None}
 
     def on_term(signum, frame):
         stop["now"] = True
         eng.request_stop()
 
+    def follow() -> None:
+        """Serve exactly the jobs the file lists (a job that cannot be served: refused, and why)."""
+        try:
+            mtime = os.stat(jobs_file).st_mtime_ns
+        except FileNotFoundError:
+            mtime = -1
+        if mtime == seen["mtime"]:
+            return
+        seen["mtime"] = mtime
+        try:
+            want = json.loads(Path(jobs_file).read_text()) if mtime != -1 else {}
+        except (OSError, ValueError):
+            seen["mtime"] = None  # being written: read it again next time
+            return
+        served = {str(j["job"]) for j in eng.jobs}
+        for j in served - set(want):
+            eng.remove_job(int(j))
+        for j in set(want) - served:
+            w = want[j]
+            try:
+                eng.add_job(int(w["job"]), int(w["workers"]), int(w["slots"]), w["group"], w.get("worker_ips", []),
+                            w.get("delivery", "multicast"))
+                refused.pop(j, None)
+            except NicoffloadError as e:
+                refused[j] = str(e)
+        for j in list(refused):
+            if j not in want:
+                del refused[j]
+
     def report() -> dict:
-        return {**eng.describe(), "job": spec.job, "stats": eng.stats(), "engine": eng.engine_stats()}
+        return {**eng.describe(), "stats": eng.stats(), "engine": eng.engine_stats(),
+                "jobs": {str(j["job"]): eng.stats(j["job"]) for j in eng.jobs}, "refused": dict(refused)}
 
     def save() -> None:
         if stats_file:
@@ -182,7 +218,10 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
             os.replace(tmp, stats_file)
 
     try:
-        eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
+        if jobs_file:
+            follow()
+        else:
+            eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
         eng.start()
@@ -191,8 +230,10 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
         while not stop["now"] and eng.running:
             if end is not None and time.monotonic() > end:
                 break
+            if jobs_file:
+                follow()
             save()
-            time.sleep(0.5)
+            time.sleep(0.1)
         eng.request_stop()
         if eng.error:
             raise SetupError(f"the AF_XDP engine stopped: {eng.error}")

@@ -165,55 +165,64 @@ def test_hostile_frames_are_counted_one_by_one_and_the_job_stays_exact(make_test
     assert xsk_fds() == sockets
 
 
-def test_a_job_the_xdp_pool_refuses_is_served_by_the_fallback_engine(make_testbed):
+def run_int32_job(tb, job: int, slots: int, seed: int, local_port: int | None = None) -> None:
+    """Job ``job``'s two ranks (the testbed's two workers) sum int32 arrays: exact."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.integers(-(2**30), 2**30, 30 * E + 5).astype(np.int32) for _ in range(2)]
+    comms = []
+    try:
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(Communicator(r, 2, tb.agg.ip, group=tb.topology.group_of(job), local_ip=w.ip,
+                                          port=tb.port, job=job, slots=slots, timeout=20, local_port=local_port))
+        outs, errs = run_ranks(lambda r: comms[r].allreduce(xs[r]), 2)
+    finally:
+        for c in comms:
+            c.close()
+    assert not errs, errs
+    want = (xs[0].astype(np.int64) + xs[1]).astype(np.int32)
+    assert all(np.array_equal(o.astype(np.int32), want) for o in outs), job
+
+
+def test_jobs_the_xdp_pool_refuses_are_served_by_the_fallback_engine(make_testbed):
+    """Two refused jobs handed off: one engine process serves both (its sockets own the XSKMAP),
+    beside the XDP aggregator's own job; removing one leaves the other served; unload ends it."""
     tb = make_testbed(2)
     ips = [w.ip for w in tb.workers]
     where = ["--netns", tb.agg.netns, "--iface", tb.agg.iface]
     ip_args = [a for ip in ips for a in ("--worker-ip", ip)]
+
+    def add(job: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, "agg", "job", "add", *where, "--job", str(job), "--workers", "2", "--slots", "64",
+                               "--group", tb.topology.group_of(job), *extra, *ip_args],
+                              capture_output=True, text=True, timeout=120)
+
     with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=128, port=tb.port)) as agg:
         agg.add_job(1, 2, tb.topology.group_of(1), ips, slots=128)  # the whole pool
-        # without --fallback the refusal stands (exit 10, CapacityError)
-        r = subprocess.run([*CLI, "agg", "job", "add", *where, "--job", "2", "--workers", "2", "--slots", "64",
-                            *ip_args], capture_output=True, text=True)
-        assert r.returncode == 10, r.stderr
-        r = subprocess.run([*CLI, "agg", "job", "add", *where, "--job", "2", "--workers", "2", "--slots", "64",
-                            "--group", tb.topology.group_of(2), "--fallback", "afxdp", "--json", *ip_args],
-                           capture_output=True, text=True, timeout=120)
+        r = add(2)
+        assert r.returncode == 10, r.stderr  # without --fallback the refusal stands (CapacityError)
+        r = add(2, "--fallback", "afxdp", "--json")
         assert r.returncode == 0, r.stderr
-        got = json.loads(r.stdout)
-        assert got["engine"] == "afxdp" and "free range" in got["refused_by_xdp"] and got["copy_mode"]
-        assert got["pid"] in engine_procs()
-        rng = np.random.default_rng(8)
-        xs = [rng.integers(-(2**30), 2**30, 30 * E + 5).astype(np.int32) for _ in range(2)]
-        comms = []
-        try:
-            for r_, w in enumerate(tb.workers):
-                with tb.in_host(w):
-                    comms.append(Communicator(r_, 2, tb.agg.ip, group=tb.topology.group_of(2), local_ip=w.ip,
-                                              port=tb.port, job=2, slots=64, timeout=20))
-            outs, errs = run_ranks(lambda r_: comms[r_].allreduce(xs[r_]), 2)
-        finally:
-            for c in comms:
-                c.close()
-        assert not errs, errs
-        want = (xs[0].astype(np.int64) + xs[1]).astype(np.int32)
-        assert all(np.array_equal(o.astype(np.int32), want) for o in outs)
-        time.sleep(0.7)  # the engine writes its counters every half second
+        two = json.loads(r.stdout)
+        assert two["engine"] == "afxdp" and "free range" in two["refused_by_xdp"] and two["copy_mode"]
+        r = add(3, "--fallback", "afxdp")
+        assert r.returncode == 0 and "AF_XDP engine took it" in r.stdout, r.stderr
+        assert engine_procs() == [two["pid"]]  # one engine for both
+        run_int32_job(tb, 2, 64, seed=8, local_port=tb.port + 2)
+        run_int32_job(tb, 3, 64, seed=9, local_port=tb.port + 3)
+        run_int32_job(tb, 1, 128, seed=10)  # the XDP aggregator's own job, beside them
+        time.sleep(0.3)  # the engine writes its counters every tenth of a second
         listed = json.loads(subprocess.run([*CLI, "agg", "job", "list", *where, "--json"], capture_output=True,
                                            text=True, check=True).stdout)
-        (h,) = listed["afxdp"]
-        assert h["job"] == 2 and h["alive"] and h["stats"]["completed"] > 0, h
-        assert listed["unattributed"]["bad_job"] == 0  # job 2's frames went to the engine, not to row 0
+        assert [h["job"] for h in listed["afxdp"]] == [2, 3]
+        assert all(h["alive"] and h["stats"]["completed"] > 0 and h["stats"]["bad_job"] == 0 for h in listed["afxdp"])
+        assert listed["unattributed"]["bad_job"] == 0  # their frames went to the engine, not to row 0
         r = subprocess.run([*CLI, "agg", "job", "remove", *where, "--job", "2"], capture_output=True, text=True)
         assert r.returncode == 0 and "AF_XDP engine" in r.stdout, r.stderr
-        assert got["pid"] not in engine_procs()
+        assert engine_procs() == [two["pid"]]
+        run_int32_job(tb, 3, 64, seed=11, local_port=tb.port + 3)
         assert bpf.xdp_prog_id(tb.agg.iface, tb.agg.netns) is not None  # the XDP aggregator stays
-        # a second hand-off, then unload: the engine goes with the aggregator
-        r = subprocess.run([*CLI, "agg", "job", "add", *where, "--job", "2", "--workers", "2", "--slots", "64",
-                            "--fallback", "afxdp", "--json", *ip_args], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        pid = json.loads(r.stdout)["pid"]
-    assert pid not in engine_procs()
+    assert engine_procs() == []  # unloaded: the engine went with the aggregator
 
 
 def test_a_killed_engine_leaves_no_program_behind(make_testbed):

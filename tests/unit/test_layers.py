@@ -16,7 +16,7 @@ LAYER = {
     "base": "base", "errors": "base", "jobspec": "base", "optim": "base", "_exports": "base",
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
-    "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker",
+    "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp",
     "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli",
@@ -31,6 +31,8 @@ ALLOWED = {
     "agg": {"base", "agg"},
     "ring": {"base", "datapath", "ring"},
     "userspace": {"base", "datapath", "userspace"},
+    # the AF_XDP engine (the XDP aggregator hands jobs to it as a process, importing nothing of it)
+    "afxdp": {"base", "afxdp"},
     "worker": {"base", "datapath", "ring", "worker"},
     # integrations: the aggregator service (over the XDP control plane), the torch backend (a
     # client of the service, over both communicators)
@@ -39,10 +41,10 @@ ALLOWED = {
     # beside the core: packet generators and the testbed
     "packets": {"base", "packets"},
     "testbed": {"base", "testbed"},
-    "lab": {"base", "datapath", "agg", "ring", "userspace", "worker", "service", "torch", "packets", "testbed",
-            "lab"},
-    "cli": {"base", "datapath", "agg", "ring", "userspace", "worker", "service", "torch", "packets", "testbed",
-            "lab", "cli"},
+    "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "service", "torch", "packets",
+            "testbed", "lab"},
+    "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "service", "torch", "packets",
+            "testbed", "lab", "cli"},
 }
 
 
