@@ -451,6 +451,10 @@ def _register_serve(asub) -> None:
     q.add_argument("--no-multicast", action="store_true",
                    help="the network carries no multicast: every job gets unicast delivery (a copy of each result "
                         "to every rank's address, cloned in the aggregator's kernel)")
+    q.add_argument("--fallback", choices=["afxdp"], default=None,
+                   help="a job the XDP pool refuses (no free slots or job entry) is served by the AF_XDP engine "
+                        "beside the aggregator instead of refused (its grant says engine \"afxdp\"; optimizer "
+                        "jobs are still refused)")
     q.add_argument("--verbose", action="store_true")
     q.set_defaults(func=_serve)
 
@@ -462,5 +466,9 @@ def _serve(args) -> int:
     o = ServeOptions(iface=args.iface, netns=args.netns, listen=args.listen, token_file=args.token_file,
                      slots=args.slots, job_slots=args.job_slots, elems=args.elems, port=args.port, mode=args.mode,
                      lease_s=args.lease, optimizer=not args.no_optimizer, keep_loaded=args.keep_loaded,
-                     multicast=not args.no_multicast)
+                     multicast=not args.no_multicast, fallback=args.fallback)
+    if args.fallback == "afxdp":
+        from nicoffload.afxdp import build
+
+        build.library_path()  # built (or found) now: a host that cannot build it says so before serving
     return serve(o, ready=lambda url: print(f"nicoffload agg serve: ready at {url}", flush=True))

@@ -153,6 +153,11 @@ class JobGrant:
     owner: str = ""
     optimizer: dict | None = None
     params: int = 0
+    # who aggregates: "xdp" (the XDP program, a share of its pool) or "afxdp" (the pool refused
+    # the job and the service runs with --fallback afxdp: the AF_XDP engine beside it, on the
+    # same interface and port, with slots of its own and slot_base 0). Ranks use either alike;
+    # a client that predates the field ignores it, and an answer without it is "xdp".
+    engine: str = "xdp"
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -6,7 +6,9 @@ worker thread, so requests never interleave on the maps and the event loop never
     GET    /metrics                    Prometheus text format (no token)
     GET    /v1/info                    the aggregator: address, port, pool, elements, deliveries
     GET    /v1/jobs                    every job with its share, epoch state, lease and counters
-    POST   /v1/jobs                    admit a job (JSON, :class:`~nicoffload.service.api.JobRequest`)
+    POST   /v1/jobs                    admit a job (JSON, :class:`~nicoffload.service.api.JobRequest`);
+                                       with --fallback afxdp one the pool refuses goes to the AF_XDP
+                                       engine (its grant says engine "afxdp")
     GET    /v1/jobs/{job}              one job
     DELETE /v1/jobs/{job}              remove it (its slots are free at once)
     POST   /v1/jobs/{job}/lease        renew its lease

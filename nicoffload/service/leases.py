@@ -2,7 +2,9 @@
 A crashed training run stops both, and after ``lease_s`` seconds of neither the service removes
 the job and frees its slots, so a dead run never leaks the pool. The book is kept in a JSON file
 beside the aggregator's state, so a restarted service knows which jobs it leased (each gets a
-full lease again from the restart: the outage is not the owner's fault)."""
+full lease again from the restart: the outage is not the owner's fault). A job handed to the
+AF_XDP engine (``agg serve --fallback afxdp``) keeps its ranks' port in its lease too, so the
+grant a restarted service describes is the one its ranks were given."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,7 @@ class Lease:
     renewed: float = 0.0  # monotonic: the owner's last renewal
     traffic: int = -1     # the job's frame counter when last seen
     active: float = 0.0   # monotonic: when that counter last moved
+    local_port: int | None = None  # a job the AF_XDP engine serves: its ranks' port (None: an XDP job's)
 
     def idle(self, now: float) -> float:
         """Seconds since the owner renewed or the ranks sent anything, whichever is later."""
@@ -43,9 +46,10 @@ class LeaseBook:
         self.leases: dict[int, Lease] = {}
         self.expired_total = 0
 
-    def add(self, job: int, lease_s: float, owner: str) -> Lease:
+    def add(self, job: int, lease_s: float, owner: str, local_port: int | None = None) -> Lease:
         now = self.clock()
-        le = self.leases[job] = Lease(job, lease_s, owner, time.time(), renewed=now, active=now)
+        le = self.leases[job] = Lease(job, lease_s, owner, time.time(), renewed=now, active=now,
+                                      local_port=local_port)
         self.save()
         return le
 
@@ -75,8 +79,8 @@ class LeaseBook:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        rows = [{k: v for k, v in asdict(le).items() if k in ("job", "lease_s", "owner", "created")}
-                for le in self.leases.values()]
+        keep = ("job", "lease_s", "owner", "created", "local_port")
+        rows = [{k: v for k, v in asdict(le).items() if k in keep and v is not None} for le in self.leases.values()]
         tmp.write_text(json.dumps({"leases": rows}))
         os.replace(tmp, self.path)
 
@@ -92,8 +96,10 @@ class LeaseBook:
         now = self.clock()
         for r in rows:
             if r.get("job") in jobs:
+                port = r.get("local_port")
                 self.leases[r["job"]] = Lease(r["job"], float(r.get("lease_s", 0)), str(r.get("owner", "")),
-                                              float(r.get("created", 0)), renewed=now, active=now)
+                                              float(r.get("created", 0)), renewed=now, active=now,
+                                              local_port=port if isinstance(port, int) else None)
         self.save()
         return sorted(self.leases)
 

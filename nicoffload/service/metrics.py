@@ -1,6 +1,8 @@
 """The service's Prometheus metrics, read from the aggregator's per-job counters at scrape time
 (one registry, the standard client library; counters end in ``_total``, the job and the reason
-are labels). Row ``job="none"`` counts traffic that named no registered job."""
+are labels). Row ``job="none"`` counts traffic that named no registered job. A job handed to
+the AF_XDP engine (``agg serve --fallback afxdp``) has the same counters, read from the engine's
+counters file; ``nicoffload_job_engine`` says which engine serves each job."""
 from __future__ import annotations
 
 from typing import Callable
@@ -33,8 +35,9 @@ DROPPED = [s for s in proto.STATS if s.startswith(("bad_", "stale_")) or s in ("
 
 class AggregatorCollector:
     """A prometheus_client collector over ``snapshot()``, which returns
-    ``{"jobs": [{"job", "stats", "slots", "lease_remaining_s"}...], "unattributed": stats,
-    "slots": int, "free_slots": int, "uptime_s": float, "leases_expired": int}``."""
+    ``{"jobs": [{"job", "stats", "slots", "lease_remaining_s", "engine"}...], "unattributed": stats,
+    "slots": int, "free_slots": int, "uptime_s": float, "leases_expired": int}`` (``engine``:
+    "xdp", the default, or "afxdp")."""
 
     def __init__(self, snapshot: Callable[[], dict]):
         self.snapshot = snapshot
@@ -60,9 +63,16 @@ class AggregatorCollector:
         g.add_metric(["used"], s["slots"] - s["free_slots"])
         g.add_metric(["free"], s["free_slots"])
         yield g
-        g = GaugeMetricFamily("nicoffload_job_slots", "slots of each job's share of the pool", labels=["job"])
+        g = GaugeMetricFamily("nicoffload_job_slots", "slots of each job (its share of the XDP pool, or the AF_XDP "
+                                                      "engine's own)", labels=["job"])
         for j in s["jobs"]:
             g.add_metric([str(j["job"])], j["slots"])
+        yield g
+        g = GaugeMetricFamily("nicoffload_job_engine", "1 for the engine that aggregates each job: xdp (the XDP "
+                                                       "program's pool) or afxdp (the AF_XDP engine, --fallback afxdp)",
+                              labels=["job", "engine"])
+        for j in s["jobs"]:
+            g.add_metric([str(j["job"]), j.get("engine", "xdp")], 1)
         yield g
         g = GaugeMetricFamily("nicoffload_job_lease_remaining_seconds",
                               "seconds left before an idle job's lease expires", labels=["job"])
@@ -70,7 +80,8 @@ class AggregatorCollector:
             if j.get("lease_remaining_s") is not None:
                 g.add_metric([str(j["job"])], j["lease_remaining_s"])
         yield g
-        yield GaugeMetricFamily("nicoffload_jobs", "jobs registered on the aggregator", value=len(s["jobs"]))
+        yield GaugeMetricFamily("nicoffload_jobs", "jobs served (the AF_XDP engine's included)",
+                                value=len(s["jobs"]))
         yield CounterMetricFamily("nicoffload_leases_expired", "jobs removed because their lease expired",
                                   value=s["leases_expired"])
         yield GaugeMetricFamily("nicoffload_service_uptime_seconds", "seconds since the service started",

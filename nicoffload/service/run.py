@@ -5,6 +5,11 @@ earlier service left pinned there, with its jobs and leases), listens for the HT
 the interface's network namespace with ``--netns``), reaps jobs whose lease ran out, and on
 SIGTERM/SIGINT unloads the aggregator and leaves nothing (``--keep-loaded``: leaves it pinned
 with its jobs for the next service, e.g. across an upgrade: running jobs never notice).
+
+``--fallback afxdp``: a job the XDP pool refuses is handed to the AF_XDP engine beside the
+aggregator (one engine process per interface, :mod:`nicoffload.agg.fallback`). Unloading stops
+the engine with the aggregator; ``--keep-loaded`` leaves it running with its jobs, and the next
+service takes them over with the XDP ones.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from nicoffload.agg import fallback
 from nicoffload.agg.control import STATE_DIR, AggSpec, Aggregator, unload
 from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import InputError, NotFoundError, PrivilegeError, SetupError
@@ -53,6 +59,7 @@ class ServeOptions:
     optimizer: bool = True
     keep_loaded: bool = False
     multicast: bool = True
+    fallback: str | None = None  # "afxdp": jobs the XDP pool refuses go to the AF_XDP engine
 
 
 def read_token(path: str | Path) -> bytes:
@@ -158,27 +165,36 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
     token = read_token(o.token_file)
     host, port = parse_listen(o.listen)
     bpf.require_root("nicoffload agg serve")
+    if o.fallback not in (None, "afxdp"):
+        raise InputError(f"--fallback takes afxdp, not {o.fallback!r}")
     agg, adopted = open_or_load(o)
     leases = LeaseBook(lease_file(o.netns, o.iface))
     try:
         if adopted:
-            taken = leases.load(set(agg.table.entries))
-            log.info("took over the aggregator on %s (%s) with %d job(s), %d leased", o.iface,
-                     o.netns or "root namespace", len(agg.table.entries), len(taken))
+            handed = {h["job"] for h in fallback.handed_off(o.netns, o.iface)}
+            taken = leases.load(set(agg.table.entries) | handed)
+            log.info("took over the aggregator on %s (%s) with %d job(s)%s, %d leased", o.iface,
+                     o.netns or "root namespace", len(agg.table.entries),
+                     f" and {len(handed)} on its AF_XDP engine" if handed else "", len(taken))
         else:
             leases.discard_file()
             log.info("loaded the aggregator on %s (%s): %s; a pool of %d slots x %d int32, port %d", o.iface,
                      o.netns or "root namespace", agg.spec.mode_reason, o.slots, o.elems, o.port)
         sock = listen_socket(host, port, o.netns)
         service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
-                                                     multicast=o.multicast))
+                                                     multicast=o.multicast, fallback=o.fallback))
+        if o.fallback:
+            log.info("a job the pool refuses goes to the AF_XDP engine beside the aggregator (--fallback %s)",
+                     o.fallback)
         url = f"http://{host}:{port}"
         return asyncio.run(_serve(service, sock, token, url, ready))
     finally:
         if o.keep_loaded:
+            handed = fallback.handed_off(o.netns, o.iface)
             agg.release()
             agg.close()
-            log.info("left the aggregator on %s loaded with its jobs (--keep-loaded)", o.iface)
+            log.info("left the aggregator on %s loaded with its jobs (--keep-loaded)%s", o.iface,
+                     f", and its AF_XDP engine (pid {handed[0]['pid']}) with {len(handed)} job(s)" if handed else "")
         else:
             agg.close()
             unload(o.netns, o.iface, missing_ok=True)

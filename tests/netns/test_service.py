@@ -184,3 +184,55 @@ def test_a_service_without_multicast_grants_unicast_jobs(make_testbed, tmp_path)
         assert call(lambda c: c.stats(g.job))["copies"] > 0
     finally:
         assert svc.stop() == 0
+
+
+def test_a_job_the_pool_refuses_is_handed_to_the_afxdp_engine(make_testbed, tmp_path):
+    """``agg serve --fallback afxdp``: with the pool full, a job is granted on the AF_XDP engine
+    beside the aggregator (same address and port, a rank port past the XDP jobs', slots of its
+    own), its ranks sum int32 exactly through the unchanged worker library, it is listed, leased
+    and counted like an XDP job, an optimizer job is still refused, and DELETE stops the engine."""
+    import subprocess as sp
+
+    from nicoffload.optim import OptimizerSpec
+    from nicoffload.wire import proto
+
+    def engines() -> set[int]:
+        return {int(p) for p in sp.run(["pgrep", "-f", "aggregator-afxdp"], capture_output=True,
+                                       text=True).stdout.split()}
+
+    tb = make_testbed(2)
+    token_file = write_token(tmp_path)
+    svc = ServiceProcess(tb, token_file, slots=64, extra=["--fallback", "afxdp", "--job-slots", "64"]).start()
+    try:
+        c = ServiceClient(svc.url, token_file.read_text().strip())
+
+        def call(fn):
+            with tb.in_host(tb.workers[0]):
+                return fn(c)
+
+        ips = [w.ip for w in tb.workers]
+        first = call(lambda c: c.create_job(JobRequest(world=2, workers=ips, owner="xdp")))
+        assert (first.engine, first.slots, call(lambda c: c.info())["free_slots"]) == ("xdp", 64, 0)
+        with pytest.raises(CapacityError, match="cannot fall back"):
+            call(lambda c: c.create_job(JobRequest(world=2, optimizer=OptimizerSpec(lr=0.1), params=100)))
+        g = call(lambda c: c.create_job(JobRequest(world=2, workers=ips, owner="fb")))
+        assert g.engine == "afxdp" and g.job != first.job and g.group != first.group, g
+        assert (g.aggregator, g.port, g.slot_base, g.slots) == (tb.agg.ip, tb.port, 0, 64), g
+        assert g.local_port == tb.port + 1 + proto.MAX_JOBS != first.local_port
+        rng = np.random.default_rng(5)
+        xs = [rng.integers(-(2**30), 2**30, 30 * 256 + 5).astype(np.int32) for _ in range(2)]
+        outs = granted_sum(tb, g, xs)
+        want = (xs[0].astype(np.int64) + xs[1]).astype(np.int32)
+        assert all(o is not None and np.array_equal(np.asarray(o).astype(np.int32), want) for o in outs)
+        assert call(lambda c: c.renew(g.job))["lease_s"] == 30.0
+        wait_for(lambda: call(lambda c: c.stats(g.job))["completed"] > 0, 5, "the engine's counters")
+        listed = {j["job"]: j for j in call(lambda c: c.jobs())["jobs"]}
+        assert listed[g.job]["engine"] == "afxdp" and listed[first.job]["engine"] == "xdp"
+        pid = listed[g.job]["pid"]
+        assert listed[g.job]["alive"] and pid in engines() and listed[g.job]["local_port"] == g.local_port
+        assert f'nicoffload_job_engine{{engine="afxdp",job="{g.job}"}} 1.0' in call(lambda c: c.metrics())
+        d = call(lambda c: c.remove_job(g.job))
+        assert d["engine"] == "afxdp" and pid not in engines()
+        assert [j["job"] for j in call(lambda c: c.jobs())["jobs"]] == [first.job]
+    finally:
+        assert svc.stop() == 0
