@@ -1,5 +1,5 @@
-"""``nicoffload bench``: nicoffload (XDP and user-space aggregators) against a TCP ring, gloo and
-Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots.
+"""``nicoffload bench``: nicoffload (XDP, AF_XDP and user-space aggregators) against a TCP ring,
+gloo and Open MPI, side by side on one namespace testbed, with a table, results.json/csv and plots.
 ``--soak N`` instead: N consecutive AllReduces with frames dropped and duplicated on every link.
 
 Arguments only; the sweep is :mod:`nicoffload.lab.bench.sweep`, the soak :mod:`nicoffload.lab.soak`."""
@@ -34,6 +34,8 @@ def register(sub) -> None:
                  "sudo nicoffload bench --quick --out /tmp/bench",
                  "sudo nicoffload bench --workers 4 --sizes 16MiB --rate unshaped --reps 10",
                  "sudo nicoffload bench --workers 4 --sizes 64MiB --rate 1gbit --systems xdp,userspace,ring",
+                 "sudo nicoffload bench --workers 4 --sizes 1MiB,16MiB --sparsity 0 --rate unshaped "
+                 "--systems xdp,afxdp,userspace   # the three aggregators",
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full",
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,64KiB,1MiB,64MiB --sparsity 0 --rate 1gbit "
                  "--systems ring,xdpring,udpring,gloo --compute     # the ring offload against the rings",
@@ -49,9 +51,10 @@ def register(sub) -> None:
     p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
                    help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
     p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
-                   help="default xdp,userspace,ring,gloo,mpi,xdpring,udpring (ring: the TCP ring; xdpring: the ring "
-                        "offload in every worker's XDP; udpring: the same protocol in user space; unavailable ones "
-                        "are skipped with a reason)")
+                   help=f"default all: {', '.join(plan.SYSTEMS)} (afxdp: the AF_XDP aggregator engine, same "
+                        "protocol as xdp and userspace, needs gcc and libxdp-dev; ring: the TCP ring; xdpring: the "
+                        "ring offload in every worker's XDP; udpring: the same protocol in user space; unavailable "
+                        "ones are skipped with a reason)")
     p.add_argument("--reps", type=int, default=None, help="timed AllReduces per point, at least (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed AllReduces per point (default 1)")
     p.add_argument("--min-time", type=float, default=None,
@@ -79,12 +82,13 @@ def register(sub) -> None:
     p.add_argument("--no-multicast", action="store_true",
                    help="testbeds whose fabric drops multicast frames, as networks without multicast do")
     p.add_argument("--aggregators", type=int, default=1, metavar="K",
-                   help="aggregator hosts: the xdp, userspace and xdpuni jobs are sharded over them (default 1)")
+                   help="aggregator hosts: the xdp, afxdp, userspace and xdpuni jobs are sharded over them "
+                        "(default 1)")
     p.add_argument("--agg-rate", default=None, metavar="RATE",
                    help="each aggregator's link on shaped testbeds (default: N x --rate)")
     p.add_argument("--lanes", type=int, choices=[16, 32], default=32,
-                   help="bits per fixed-point lane of xdp, userspace, xdpuni and xdptorch (16: half the bytes; "
-                        "the system xdp16 is xdp with 16)")
+                   help="bits per fixed-point lane of xdp, afxdp, userspace, xdpuni and xdptorch (16: half the "
+                        "bytes; the system xdp16 is xdp with 16)")
     p.add_argument("--shard-layout", choices=["contiguous", "roundrobin"], default="contiguous",
                    help="how a sharded job splits a tensor over the aggregators")
     p.add_argument("--compute", action="store_true",

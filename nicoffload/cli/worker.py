@@ -118,7 +118,7 @@ def _register_allreduce(sub) -> None:
 
 
 def _register_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the main job: gradients through XDP and user space, checked (root)")
+    p = sub.add_parser("demo", help="the main job: gradients through XDP, AF_XDP and user space, checked (root)")
     add_examples(p, "sudo nicoffload demo", "sudo nicoffload demo --workers 8 --size 64MiB --sparsity 0.75",
                  "sudo nicoffload demo --json", "sudo nicoffload demo --mode ring --workers 4 --sparsity 0")
     p.add_argument("--workers", type=int, default=4)

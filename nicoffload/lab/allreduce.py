@@ -1,6 +1,6 @@
 """``nicoffload allreduce`` and ``nicoffload demo`` as library calls: sum arrays through a
-fresh namespace testbed, and the demo's gradients through both aggregators, each result held
-against :mod:`nicoffload.lab.reference`."""
+fresh namespace testbed, and the demo's gradients through the XDP, the AF_XDP and the user-space
+aggregator, each result held against :mod:`nicoffload.lab.reference`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +18,9 @@ from .jobs import run_job, tempdir, testbed
 
 #: seconds without progress before a demo worker fails (the demo's jobs are large)
 DEMO_TIMEOUT = 20.0
+#: what the demo compares, in order: the aggregators (mode aggregator), the rings (mode ring: the
+#: ring offload and the user-space UDP ring; the AF_XDP engine is no ring)
+DEMO_KINDS = {"aggregator": ("xdp", "afxdp", "userspace"), "ring": ("xdp", "userspace")}
 
 
 def _save(d: Path, arrays: list[np.ndarray], tag: str) -> list[Path]:
@@ -79,9 +82,10 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
          progress: Callable[[str], None] | None = None, mode: str = "aggregator", delivery: str = "multicast",
          multicast: bool = True, aggregators: int = 1, lanes: int = 32) -> dict:
     """Float32 gradients of ``nbytes`` per worker (``sparsity``: fraction of zero blocks)
-    through the XDP and the user-space aggregator (``mode`` ring: the ring offload and the
-    user-space UDP ring); per system its times, goodput, error and whether the error is within
-    the documented bound. ``progress(kind)`` before each."""
+    through the XDP aggregator, the AF_XDP engine and the user-space aggregator (``mode`` ring:
+    the ring offload and the user-space UDP ring); per system its times, goodput, error and
+    whether the error is within the documented bound (the AF_XDP engine's rows: also what it
+    said at start, ``engine``). ``progress(kind)`` before each."""
     bpf.require_root("nicoffload demo (it builds a namespace testbed and loads XDP)")
     if not 0 <= sparsity <= 1:
         raise InputError("--sparsity is a fraction in [0, 1]")
@@ -91,7 +95,7 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
     rows = []
     with testbed(workers, multicast=multicast, aggregators=aggregators) as tb, tempdir() as d:
         ins = _save(Path(d), grads, "g")
-        for kind in ("xdp", "userspace"):
+        for kind in DEMO_KINDS.get(mode, DEMO_KINDS["aggregator"]):
             outs = [Path(d) / f"{kind}{r}.npy" if r == 0 else None for r in range(workers)]
             if progress:
                 progress(kind)
@@ -106,6 +110,8 @@ def demo(workers: int, nbytes: int, sparsity: float = 0.5, reps: int = 3, seed: 
                 "retransmissions": res.totals("retransmissions"),
                 "blocks_skipped": res.ranks[0]["stats"].get("blocks_skipped", 0),
             })
+            if kind == "afxdp" and getattr(res, "engine", None):
+                rows[-1]["engine"] = res.engine
     return {"workers": workers, "bytes": n * 4, "sparsity": sparsity, "mode": mode, "delivery": delivery,
             "multicast": multicast, "aggregators": aggregators, "lanes": lanes, "runs": rows}
 
@@ -126,6 +132,29 @@ def describe_demo(summary: dict, reps: int) -> str:
         lines.append(f"{r['aggregator']:<11} {r['seconds'] * 1e3:>8.1f}ms {r['goodput_gbps']:>8.2f}Gb/s "
                      f"{r['max_abs_err']:>11.3g} {'yes' if r['within_bound'] else 'NO':>9} {r['packets_sent']:>9} "
                      f"{r['retransmissions']:>6}")
-    if len(rows) == 2:
-        lines.append(f"XDP is {rows[1]['seconds'] / rows[0]['seconds']:.1f}x faster than the user-space {what}")
+    lines += _comparison(rows, what)
     return "\n".join(lines)
+
+
+def _speed(a: dict, b: dict) -> str:
+    """'2.0x faster' or '1.5x slower': row a's time against row b's."""
+    ratio = b["seconds"] / a["seconds"]
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+
+
+def _comparison(rows: list[dict], what: str) -> list[str]:
+    """The closing line: XDP against the user-space {what}, and the AF_XDP engine against both
+    when it ran."""
+    by = {r["aggregator"]: r for r in rows if r.get("seconds")}
+    if "xdp" in by and "userspace" in by:
+        line = f"XDP is {_speed(by['xdp'], by['userspace'])} than the user-space {what}"
+        if "afxdp" in by:
+            line += (f"; the AF_XDP engine is {_speed(by['afxdp'], by['userspace'])} than the user-space {what} "
+                     f"and {_speed(by['afxdp'], by['xdp'])} than XDP")
+        return [line]
+    if "afxdp" in by:
+        other = "xdp" if "xdp" in by else "userspace" if "userspace" in by else None
+        if other:
+            return [(f"the AF_XDP engine is {_speed(by['afxdp'], by[other])} than "
+                     f"{'XDP' if other == 'xdp' else f'the user-space {what}'}")]
+    return []

@@ -174,6 +174,11 @@ def test_groups_interleave_what_can_share_a_testbed():
     assert drive.groups(cfg, 4) == [[s] for s in cfg.systems]
     cfg.compute = False
     assert drive.groups(cfg, 40) == [[s] for s in cfg.systems]  # two-level jobs hold the aggregator
+    # the AF_XDP engine's program takes the aggregator's XDP hook: beside the XDP systems it runs apart
+    cfg = BenchConfig(systems=["userspace", "afxdp", "xdp", "gloo"]).validate()
+    assert drive.groups(cfg, 4) == [["xdp", "userspace", "gloo"], ["afxdp"]]
+    cfg = BenchConfig(systems=["userspace", "afxdp", "gloo"]).validate()
+    assert drive.groups(cfg, 4) == [["afxdp", "userspace", "gloo"]]
 
 
 def test_side_specs_never_collide():
@@ -189,7 +194,7 @@ def test_side_specs_never_collide():
     assert len(set(rank_ports)) == len(rank_ports)
     # the XDP systems talk to the XDP program's port; the others have servers of their own
     assert {specs[s].port for s in ("xdp", "xdpuni", "xdp16")} == {40000}
-    assert specs["userspace"].port != 40000 and specs["udpring"].port != 40000
+    assert specs["userspace"].port != 40000 and specs["udpring"].port != 40000 and specs["afxdp"].port != 40000
 
 
 def test_schedule_and_order():

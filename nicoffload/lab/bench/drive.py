@@ -15,6 +15,8 @@ Side by side means apart: each system gets its own job id, ports and multicast g
 aggregator host, a job each (:class:`SharedXdp`). Systems that install their own programs on the
 shared hosts (xdpring on every worker, xdptorch's service on the aggregator) run alone, after the
 group, and so does everything with ``--compute`` (its loop measures idle time around the reps).
+The AF_XDP engine (afxdp) attaches its steering program to the aggregator's interface, the hook
+the XDP aggregator holds: with an XDP system in the group it runs in a group of its own after it.
 """
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ from nicoffload.wire import proto
 #: systems that run alone: their programs or service would sit under every other system's traffic
 ALONE = ("xdpring", "xdptorch")
 #: each system's place on a shared testbed (0: the testbed's own job, port and group)
-SIDE = {"xdp": 0, "xdpuni": 1, "xdp16": 2, "userspace": 3, "udpring": 4}
+SIDE = {"xdp": 0, "xdpuni": 1, "xdp16": 2, "userspace": 3, "udpring": 4, "afxdp": 5}
 #: systems whose numbers the paired ratios are taken against (nicoffload's own)
-NICOFFLOAD = ("xdp", "xdp16", "xdpuni", "userspace", "xdptorch", "xdpring", "udpring")
+NICOFFLOAD = ("xdp", "xdp16", "xdpuni", "afxdp", "userspace", "xdptorch", "xdpring", "udpring")
+#: systems that attach their own XDP program to the aggregator's interface: never beside the XDP
+#: aggregator (one program per interface), but beside everything else
+OWN_AGG_HOOK = ("afxdp",)
 #: tokens of ranks.run_driven_point
 WARM, REP, NEXT = b"w", b"r", b"n"
 
@@ -45,7 +50,11 @@ def groups(cfg: BenchConfig, workers: int) -> list[list[str]]:
     if cfg.compute or workers > proto.MAX_WORKERS:  # two-level jobs hold the aggregator alone
         return [[s] for s in cfg.systems]
     together = [s for s in cfg.systems if s not in ALONE]
-    return ([together] if together else []) + [[s] for s in cfg.systems if s in ALONE]
+    apart: list[list[str]] = []
+    if any(s in XDP_AGG_SYSTEMS for s in together):  # the aggregator's XDP hook is taken
+        apart = [[s] for s in together if s in OWN_AGG_HOOK]
+        together = [s for s in together if s not in OWN_AGG_HOOK]
+    return ([together] if together else []) + apart + [[s] for s in cfg.systems if s in ALONE]
 
 
 def side_spec(system: str, spec: JobSpec) -> JobSpec:

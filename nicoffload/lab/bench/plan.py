@@ -17,10 +17,10 @@ from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.inputs import parse_size
 
-SYSTEMS = ("xdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni", "xdp16",
-           "gloobf16", "gloofp16")
+SYSTEMS = ("xdp", "afxdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni",
+           "xdp16", "gloobf16", "gloofp16")
 #: systems that sum through a nicoffload aggregator (fixed point; bound M/R)
-AGG_SYSTEMS = ("xdp", "userspace", "xdpuni", "xdp16")
+AGG_SYSTEMS = ("xdp", "afxdp", "userspace", "xdpuni", "xdp16")
 #: systems whose aggregator is the XDP program (xdpuni: with unicast delivery; xdp16: 16-bit lanes)
 XDP_AGG_SYSTEMS = ("xdp", "xdpuni", "xdp16")
 #: gloo all-reducing half-precision copies of the gradients (DDP's bf16/fp16 compress hooks)
@@ -71,12 +71,12 @@ class BenchConfig:
     mpirun: str = "mpirun"
     timeout: float = 20.0       # a rank (of any system) without progress for this long fails
     start_timeout: float = 180.0
-    spec: JobSpec = DEFAULT     # the nicoffload job (slots, record size) of xdp and userspace
+    spec: JobSpec = DEFAULT     # the nicoffload job (slots, record size) of xdp, afxdp and userspace
     mode: str = "auto"          # XDP attach mode of the aggregator (auto: generic batches on veth)
     dtype: str = "float32"      # of the gradients: float32 (quantized to int32) or int32 (exact)
     compute: bool = False       # a compute loop beside every rank: how much of it each AllReduce takes
     multicast: bool = True      # False: the testbed's fabric drops multicast frames (unicast delivery needed)
-    aggregators: int = 1        # aggregator hosts; a job of xdp/userspace/xdpuni is sharded over them
+    aggregators: int = 1        # aggregator hosts; a job of xdp/afxdp/userspace/xdpuni is sharded over them
     agg_rate: str | None = None  # each aggregator's link on shaped testbeds (default: N x the worker rate)
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],

@@ -20,9 +20,10 @@ from nicoffload.lab.bench.plan import (
 )
 from nicoffload.lab.inputs import format_size
 
-COLORS = {"xdp": "tab:red", "userspace": "tab:orange", "ring": "tab:blue", "gloo": "tab:green", "mpi": "tab:purple",
-          "xdpring": "tab:brown", "udpring": "tab:pink", "xdptorch": "tab:olive", "xdpuni": "tab:cyan",
-          "xdp16": "tab:gray", "gloobf16": "lime", "gloofp16": "darkgreen"}
+COLORS = {"xdp": "tab:red", "afxdp": "goldenrod", "userspace": "tab:orange", "ring": "tab:blue",
+          "gloo": "tab:green", "mpi": "tab:purple", "xdpring": "tab:brown", "udpring": "tab:pink",
+          "xdptorch": "tab:olive", "xdpuni": "tab:cyan", "xdp16": "tab:gray", "gloobf16": "lime",
+          "gloofp16": "darkgreen"}
 #: the ring offload's figure: latency gain over the TCP ring against the chunk size M/N
 RING_GAIN = "ring_gain_vs_chunk.png"
 #: gains below this (a system several times slower than the TCP ring) are drawn on it
@@ -141,7 +142,8 @@ def _draw_time(plt, s: _Sweep, p: _TimePlot) -> Path:
 def _draw_bound_fraction(plt, s: _Sweep) -> Path:
     shaped = [r for r in s.rates if rate_bps(r)]
     fig, axes = _panels(plt, len(shaped), f"Shaped links: goodput as a fraction of the bound ({s.nc} workers, "
-                        f"sparsity {s.base:g})\nxdp/userspace vs M/R, ring/gloo/mpi vs 2(N-1)M/(NR)", fontsize=10)
+                        f"sparsity {s.base:g})\nxdp/afxdp/userspace vs M/R, ring/gloo/mpi vs 2(N-1)M/(NR)",
+                        fontsize=10)
     path = s.out / "shaped_bound_fraction.png"
     if not shaped:
         axes[0].text(0.5, 0.5, "no shaped rate in this sweep (--rate 1gbit)", ha="center", va="center",
@@ -173,7 +175,7 @@ def _draw_ring_gain(plt, s: _Sweep) -> Path:
     for ax, rate in zip(axes, s.rates):
         ring = {(r["workers"], r["bytes"]): r["median_s"] for r in s.rows if r["rate"] == rate
                 and r["system"] == "ring" and r["sparsity"] == s.base}
-        for system in [x for x in s.systems if x not in ("ring", "xdp", "userspace")]:
+        for system in [x for x in s.systems if x not in ("ring", "xdp", "afxdp", "userspace")]:
             for i, n in enumerate(sorted({w for w, _ in ring})):
                 rs = sorted((r for r in s.rows if r["rate"] == rate and r["system"] == system and r["workers"] == n
                              and r["sparsity"] == s.base and (n, r["bytes"]) in ring), key=lambda r: r["bytes"])

@@ -233,8 +233,8 @@ def _check_local_ip(ip: str, who: str) -> None:
         s.close()
 
 
-ADAPTERS = {"xdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo, "mpi": _Mpi,
-            "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload,
+ADAPTERS = {"xdp": _Nicoffload, "afxdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo,
+            "mpi": _Mpi, "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload,
             "xdp16": _Nicoffload, "gloobf16": _GlooHalf, "gloofp16": _GlooHalf}
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
 IDLE_S = 1.0

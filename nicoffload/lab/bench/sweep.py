@@ -103,7 +103,7 @@ class _Failed(Exception):
 
 
 class SystemRun:
-    """All points of one system on one testbed: start its aggregator (xdp, userspace) and its
+    """All points of one system on one testbed: start its aggregator (xdp, afxdp, userspace) and its
     ranks, turn their records into rows as they arrive, check the results, stop everything.
     ``driven``: the sweep hands out every rep (:mod:`.drive`; the XDP systems of the group on
     the ``shared`` aggregator), else the ranks go through the points by themselves."""
@@ -331,8 +331,10 @@ class SystemRun:
         if self.ap is not None:
             b = self.bed
             try:
-                b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(
-                    {"workers": self.n, "rate": b.rate, "stats": self.ap.close()})
+                entry = {"workers": self.n, "rate": b.rate, "stats": self.ap.close()}
+                if self.ap.kind == "afxdp":  # what each engine said at start, and its own counters
+                    entry["engines"] = [{**p.engine_info, "counters": p.engine_counters} for p in self.ap.procs]
+                b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(entry)
             except Exception:
                 pass
 

@@ -4,6 +4,11 @@ how its rank processes start on a testbed, and how its data crosses the links.
 ========== =====================================================================================
 xdp        nicoffload workers, the XDP aggregator on the aggregator's NIC (UDP, int32 fixed
            point, all-zero blocks skipped)
+afxdp      nicoffload workers, the AF_XDP aggregator engine on the aggregator host (same
+           protocol): its XDP program steers the job's frames into AF_XDP sockets and a compiled
+           poll loop sums them (copy mode on veth); needs gcc and libxdp-dev (xdp/xsk.h). Its
+           program takes the aggregator's XDP hook, so it never shares a testbed with the XDP
+           aggregator's systems (drive.groups)
 userspace  nicoffload workers, the user-space aggregator process (same protocol)
 ring       nicoffload.lab.bench.tcpring: Ring AllReduce (reduce-scatter + all-gather) over a TCP ring
            between the workers, float32 summed in float32 with numpy
@@ -50,6 +55,8 @@ from nicoffload.wire import proto
 
 DESCRIPTION = {
     "xdp": "nicoffload workers + XDP aggregator (UDP, int32 fixed point, zero blocks skipped)",
+    "afxdp": ("nicoffload workers + AF_XDP aggregator engine (compiled poll loop over AF_XDP sockets, "
+              "copy mode on veth)"),
     "userspace": "nicoffload workers + user-space aggregator (same protocol)",
     "ring": "Ring AllReduce over a TCP ring (reduce-scatter + all-gather), float32 summed in float32",
     "gloo": "torch.distributed all_reduce, gloo backend (TCP)",
@@ -100,6 +107,30 @@ def _probe_mpi(mpirun: str) -> tuple[str | None, str]:
     return None, msg
 
 
+def _probe_afxdp() -> tuple[str | None, str]:
+    """The AF_XDP engine is compiled (gcc, libxdp's and libbpf's headers) and its steering
+    program is built with bcc, like the XDP aggregator's."""
+    from nicoffload.afxdp import build
+    from nicoffload.errors import NicoffloadError
+
+    cc = os.environ.get("CC", "gcc")
+    if not shutil.which(cc):
+        return (f"{cc} not found: the AF_XDP engine is compiled when it starts "
+                "(apt-get install gcc libxdp-dev libbpf-dev, or run scripts/setup.sh)"), ""
+    for h in build.HEADERS:
+        if not Path(h).exists():
+            return (f"{h} is missing: the AF_XDP engine needs libxdp-dev and libbpf-dev "
+                    "(apt-get install libxdp-dev libbpf-dev, or run scripts/setup.sh)"), ""
+    why, _ = probe("xdp")
+    if why:
+        return why, ""
+    try:
+        lib = build.library_path()  # built once per source, cached: later starts load it
+    except NicoffloadError as e:
+        return f"the AF_XDP engine does not build: {str(e).splitlines()[0]}", ""
+    return None, f"libxdp, {lib.name}"
+
+
 def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
     """(reason the system cannot run or None, version/description)."""
     if system in ("xdp", "xdpring", "xdpuni", "xdp16"):
@@ -110,6 +141,8 @@ def probe(system: str, mpirun: str = "mpirun") -> tuple[str | None, str]:
         except Exception as e:
             return f"bcc is not importable ({e}); run scripts/setup.sh", ""
         return None, "bcc"
+    if system == "afxdp":
+        return _probe_afxdp()
     if system in ("userspace", "ring", "udpring"):
         return None, "nicoffload"
     if system in GLOO_SYSTEMS:
@@ -234,5 +267,7 @@ def packet_shape(system: str, mode: str | None, spec: JobSpec) -> dict:
     mode = mode or "userspace"
     batch = {"generic": f"UDP_SEGMENT batches of <= {per} x {rec} B records, seen whole by generic XDP",
              "native": f"{rec} B datagrams (the veth peer segments batches before native XDP)",
-             "userspace": f"UDP_SEGMENT batches of <= {per} x {rec} B records, received with UDP_GRO"}[mode]
+             "userspace": f"UDP_SEGMENT batches of <= {per} x {rec} B records, received with UDP_GRO",
+             "afxdp": f"UDP_SEGMENT batches of <= {per} x {rec} B records, steered whole into AF_XDP sockets "
+                      f"(copy mode on veth) and gathered from UMEM frames"}[mode]
     return {"mode": mode, "shape": batch}
