@@ -15,8 +15,10 @@ Side by side means apart: each system gets its own job id, ports and multicast g
 aggregator host, a job each (:class:`SharedXdp`). Systems that install their own programs on the
 shared hosts (xdpring on every worker, xdptorch's service on the aggregator) run alone, after the
 group, and so does everything with ``--compute`` (its loop measures idle time around the reps).
-The AF_XDP engine (afxdp) attaches its steering program to the aggregator's interface, the hook
-the XDP aggregator holds: with an XDP system in the group it runs in a group of its own after it.
+The AF_XDP engine (afxdp) beside the XDP aggregator takes its job the way a job the XDP pool
+refuses does (``agg job add --fallback afxdp``): the shared aggregator's program redirects the
+job's frames into the engine's sockets (:class:`HandedOff`). On-path and off-path then share the
+wire, the port and the reps' interleaving; alone, the engine attaches its own steering program.
 """
 from __future__ import annotations
 
@@ -37,9 +39,6 @@ ALONE = ("xdpring", "xdptorch")
 SIDE = {"xdp": 0, "xdpuni": 1, "xdp16": 2, "userspace": 3, "udpring": 4, "afxdp": 5}
 #: systems whose numbers the paired ratios are taken against (nicoffload's own)
 NICOFFLOAD = ("xdp", "xdp16", "xdpuni", "afxdp", "userspace", "xdptorch", "xdpring", "udpring")
-#: systems that attach their own XDP program to the aggregator's interface: never beside the XDP
-#: aggregator (one program per interface), but beside everything else
-OWN_AGG_HOOK = ("afxdp",)
 #: tokens of ranks.run_driven_point
 WARM, REP, NEXT = b"w", b"r", b"n"
 
@@ -50,11 +49,7 @@ def groups(cfg: BenchConfig, workers: int) -> list[list[str]]:
     if cfg.compute or workers > proto.MAX_WORKERS:  # two-level jobs hold the aggregator alone
         return [[s] for s in cfg.systems]
     together = [s for s in cfg.systems if s not in ALONE]
-    apart: list[list[str]] = []
-    if any(s in XDP_AGG_SYSTEMS for s in together):  # the aggregator's XDP hook is taken
-        apart = [[s] for s in together if s in OWN_AGG_HOOK]
-        together = [s for s in together if s not in OWN_AGG_HOOK]
-    return ([together] if together else []) + apart + [[s] for s in cfg.systems if s in ALONE]
+    return ([together] if together else []) + [[s] for s in cfg.systems if s in ALONE]
 
 
 def side_spec(system: str, spec: JobSpec) -> JobSpec:
@@ -65,7 +60,7 @@ def side_spec(system: str, spec: JobSpec) -> JobSpec:
     if not k:
         return spec
     group = str(ipaddress.IPv4Address(spec.group) + k)
-    if system in XDP_AGG_SYSTEMS:
+    if system in XDP_AGG_SYSTEMS or system == "afxdp":  # afxdp: the XDP program's port, beside it
         return spec.replace(job=spec.job + k, group=group, local_port=spec.port + 100 + k)
     return spec.replace(job=spec.job + k, group=group, port=spec.port + 30 + k, local_port=None)
 
@@ -114,6 +109,52 @@ class SharedXdp:
             except Exception:
                 pass
         self.aggs = []
+
+
+class HandedOff:
+    """A job of the AF_XDP engine beside the shared XDP aggregator(s): handed off on each as a job
+    the pool refused would be (one engine process per aggregator host), taken back at the end."""
+
+    def __init__(self, tb, shared: SharedXdp, spec: JobSpec):
+        from nicoffload.agg import fallback
+
+        self.shared, self.spec, self.entries = shared, spec, []
+        ips = [w.ip for w in tb.workers]
+        try:
+            for a in shared.aggs:
+                self.entries.append((a, fallback.hand_off(a, spec.job, len(ips), spec.group, ips, spec.slots,
+                                                          spec.delivery)))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def engine_info(self) -> list[dict]:
+        keep = ("engine", "mode", "copy_mode", "tx", "queues", "mtu", "pid")
+        return [{k: e[k] for k in keep if k in e} for _, e in self.entries]
+
+    def stats(self) -> dict:
+        from nicoffload.agg import fallback
+
+        out: dict = {}
+        for a, _ in self.entries:
+            for h in fallback.handed_off(a.spec.netns, a.spec.iface):
+                if h["job"] == self.spec.job:
+                    for k, v in h["stats"].items():
+                        out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> dict:
+        from nicoffload.agg import fallback
+
+        st = self.stats() if self.entries else {}
+        for a, _ in self.entries:
+            try:
+                fallback.take_back(a, self.spec.job)
+            except Exception:
+                pass
+        self.entries = []
+        return st
 
 
 class Window:

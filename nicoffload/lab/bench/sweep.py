@@ -121,6 +121,8 @@ class SystemRun:
         self.job: Launch | None = None
         self.driven = driven
         self.shared = shared if system in XDP_AGG_SYSTEMS else None
+        self.beside_xdp = shared if system == "afxdp" else None  # the engine beside the XDP aggregator
+        self.handed: drive.HandedOff | None = None
         self.fifos = [bed.work / f"{system}-fifo{r}" for r in range(self.n)] if driven else []
         self.fds: list[int] = []
 
@@ -146,7 +148,11 @@ class SystemRun:
                 spec = systems.agg_spec(self.system, cfg)
                 if self.driven:
                     spec = drive.side_spec(self.system, on_testbed(b.tb, spec))
-                self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), spec, mode=cfg.mode, placed=self.driven)
+                if self.beside_xdp is not None:
+                    self.handed = drive.HandedOff(b.tb, self.beside_xdp, spec)
+                else:
+                    self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), spec, mode=cfg.mode,
+                                            placed=self.driven)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
                 raise _Abort(self.startup_failure)
@@ -304,6 +310,8 @@ class SystemRun:
     def _mode(self) -> str | None:
         if self.shared is not None:
             return self.shared.mode
+        if self.handed is not None:
+            return "afxdp"
         return self.ap.mode if self.ap else self.rp.mode if self.rp else None
 
     def stop(self) -> None:
@@ -328,6 +336,16 @@ class SystemRun:
             stats = self.rp.close()
             b.meta.setdefault("ring_stats", {}).setdefault(self.system, []).append(
                 {"workers": self.n, "rate": b.rate, "stats": stats})
+        if self.handed is not None:
+            b = self.bed
+            try:
+                info = self.handed.engine_info
+                entry = {"workers": self.n, "rate": b.rate, "stats": self.handed.close(), "engines": info,
+                         "beside": "the XDP aggregator (its program steers the job's frames to the engine)"}
+                b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(entry)
+            except Exception:
+                pass
+            self.handed = None
         if self.ap is not None:
             b = self.bed
             try:
