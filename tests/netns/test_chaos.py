@@ -211,13 +211,14 @@ OWNER_KILLS = [
     ("allreduce", "testbed"),      # its state file is written, namespaces are being made
     ("allreduce", "aggregator"),   # the XDP aggregator is compiling in the testbed
     ("allreduce", "workers"),      # the worker processes have started
+    ("demo", "afxdp"),             # the AF_XDP engine runs (its sockets and XDP link are the process's)
     ("demo", "userspace"),         # the user-space aggregator runs (it said it is ready: its workers run)
 ]
 
 
 def test_killed_owner_of_a_testbed_leaves_nothing_after_testbed_clean(tmp_path, marked_env):
     """SIGKILL of `nicoffload allreduce` / `nicoffload demo` at several moments of its testbed's
-    life: its children (workers, the user-space aggregator) die with it; `testbed clean
+    life: its children (workers, the AF_XDP engine, the user-space aggregator) die with it; `testbed clean
     --name-prefix` with its testbed's name removes everything (namespaces, attached programs,
     pins, aggregator and testbed state); a plain `nicoffload allreduce` afterwards is exact and
     leaves nothing either, /sys/fs/bpf/nicoffload included."""
@@ -231,6 +232,7 @@ def test_killed_owner_of_a_testbed_leaves_nothing_after_testbed_clean(tmp_path, 
             "testbed": w.saw,
             "aggregator": lambda: w.saw() and (bpf.PIN_ROOT / f"nco-{w.name}-agg").exists(),
             "workers": lambda: w.saw() and len(w.children(" worker ")) == 2,
+            "afxdp": lambda: w.saw() and w.children("aggregator-afxdp") and len(w.children(" worker ")) == 2,
             "userspace": lambda: w.saw() and w.children("aggregator-userspace") and len(w.children(" worker ")) == 2,
         }[moment]
         assert kill_when(w.p, reached), f"{command} ended before {moment}: {w.err.read_text()[-2000:]}"
