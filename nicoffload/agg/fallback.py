@@ -104,7 +104,7 @@ def _read_json_text(p: Path) -> str:
         return ""
 
 
-def _start(agg, p: dict[str, Path]) -> dict:
+def _start(agg, p: dict[str, Path], extra: list[str]) -> dict:
     """Start the interface's engine on the jobs file; its record once it polls."""
     from nicoffload.ebpf import libbpf
 
@@ -112,7 +112,7 @@ def _start(agg, p: dict[str, Path]) -> dict:
     # the XSKMAP by id: the engine runs under `ip netns exec`, whose /sys has no BPF filesystem
     map_id = libbpf.map_info(agg.b["ar_xsks"].map_fd)["id"]
     argv = [*CLI, "aggregator-afxdp", "--iface", s.iface, "--xsk-map", f"id:{map_id}", "--port", str(s.port),
-            "--elems", str(s.elems), "--jobs-file", str(p["jobs"]), "--stats-file", str(p["stats"])]
+            "--elems", str(s.elems), "--jobs-file", str(p["jobs"]), "--stats-file", str(p["stats"]), *extra]
     if s.netns:
         argv = ["ip", "netns", "exec", s.netns, *argv]
     p["stats"].unlink(missing_ok=True)
@@ -152,9 +152,10 @@ def _stop(pid: int | None) -> None:
 
 
 def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slots: int,
-             delivery: str = "multicast") -> dict:
+             delivery: str = "multicast", tx: str | None = None) -> dict:
     """Serve ``job`` by the AF_XDP engine beside the XDP aggregator ``agg`` (loaded, pinned):
-    start the interface's engine unless it runs, make it take the job, then steer the job's
+    start the interface's engine unless it runs (``tx``: how its results leave, its default
+    unless given; an engine that runs keeps its own), make it take the job, then steer the job's
     frames to it. Returns the job's entry (with the engine's pid and how it runs)."""
     s = agg.spec
     p = paths(s.netns, s.iface)
@@ -168,7 +169,7 @@ def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slo
         try:
             rec = _read_json(p["record"], {})
             if not _alive(rec.get("pid")):
-                rec = _start(agg, p)
+                rec = _start(agg, p, ["--tx", tx] if tx else [])
             got = _wait_for(p, rec["pid"], lambda st: str(job) in st.get("jobs", {}) or str(job) in st.get("refused", {}),
                             CHANGE_TIMEOUT, f"take job {job}")
             if str(job) in got.get("refused", {}):

@@ -81,6 +81,9 @@ def register(sub) -> None:
                         "--no-multicast)")
     p.add_argument("--no-multicast", action="store_true",
                    help="testbeds whose fabric drops multicast frames, as networks without multicast do")
+    p.add_argument("--afxdp-tx", choices=["auto", "xsk", "socket"], default="auto",
+                   help="how the afxdp system's results leave: the engine's AF_XDP tx ring (xsk), or a UDP socket, "
+                        "a batch per UDP_SEGMENT send (socket); auto: socket in copy mode (veth), else xsk")
     p.add_argument("--aggregators", type=int, default=1, metavar="K",
                    help="aggregator hosts: the xdp, afxdp, userspace and xdpuni jobs are sharded over them "
                         "(default 1)")
@@ -212,7 +215,8 @@ def _bench(args) -> int:
     delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
                  compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
-                 agg_rate=args.agg_rate, spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes))
+                 agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx,
+                 spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes))
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)

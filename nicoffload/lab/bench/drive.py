@@ -115,7 +115,7 @@ class HandedOff:
     """A job of the AF_XDP engine beside the shared XDP aggregator(s): handed off on each as a job
     the pool refused would be (one engine process per aggregator host), taken back at the end."""
 
-    def __init__(self, tb, shared: SharedXdp, spec: JobSpec):
+    def __init__(self, tb, shared: SharedXdp, spec: JobSpec, tx: str | None = None):
         from nicoffload.agg import fallback
 
         self.shared, self.spec, self.entries = shared, spec, []
@@ -123,7 +123,7 @@ class HandedOff:
         try:
             for a in shared.aggs:
                 self.entries.append((a, fallback.hand_off(a, spec.job, len(ips), spec.group, ips, spec.slots,
-                                                          spec.delivery)))
+                                                          spec.delivery, tx=tx)))
         except BaseException:
             self.close()
             raise

@@ -78,6 +78,7 @@ class BenchConfig:
     multicast: bool = True      # False: the testbed's fabric drops multicast frames (unicast delivery needed)
     aggregators: int = 1        # aggregator hosts; a job of xdp/afxdp/userspace/xdpuni is sharded over them
     agg_rate: str | None = None  # each aggregator's link on shaped testbeds (default: N x the worker rate)
+    afxdp_tx: str = "auto"      # how the AF_XDP engine's results leave (auto, xsk: its tx ring, socket)
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)

@@ -148,11 +148,12 @@ class SystemRun:
                 spec = systems.agg_spec(self.system, cfg)
                 if self.driven:
                     spec = drive.side_spec(self.system, on_testbed(b.tb, spec))
+                engine = {"tx": cfg.afxdp_tx} if self.system == "afxdp" else {}
                 if self.beside_xdp is not None:
-                    self.handed = drive.HandedOff(b.tb, self.beside_xdp, spec)
+                    self.handed = drive.HandedOff(b.tb, self.beside_xdp, spec, **engine)
                 else:
                     self.ap = AggregatorSet(b.tb, systems.agg_kind(self.system), spec, mode=cfg.mode,
-                                            placed=self.driven)
+                                            placed=self.driven, **engine)
             except Exception as e:
                 self.startup_failure = f"the {self.system} aggregator did not start: {e}"
                 raise _Abort(self.startup_failure)
