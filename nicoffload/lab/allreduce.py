@@ -40,6 +40,9 @@ def allreduce_arrays(arrays: list[np.ndarray], aggregator: str = "xdp", spec: Jo
     for p in (drop, dup):
         if not 0 <= p < 1:
             raise InputError("--drop and --dup are probabilities in [0, 1)")
+    if spec.mode == "ring" and aggregator == "afxdp":
+        raise InputError("--mode ring runs its hops in XDP (xdp) or in user space (userspace): the AF_XDP engine "
+                         "is an aggregator (--mode aggregator)")
     bpf.require_root("nicoffload allreduce (it builds a namespace testbed)")
     n = len(arrays)
     with testbed(n, spec.elems, multicast=multicast, aggregators=aggregators) as tb, tempdir() as d:

@@ -17,6 +17,7 @@ import numpy as np
 from nicoffload.ebpf import loader as bpf
 from nicoffload.wire import proto
 
+from ..errors import InputError
 from ..jobspec import DEFAULT, JobSpec
 from . import counters
 from .jobs import JobResult, run_workers
@@ -125,6 +126,9 @@ def run_ring_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], eng
                  **kw) -> JobResult:
     """A ring AllReduce job on testbed ``tb``: ring programs on every worker (``engine`` xdp; none
     for the user-space UDP ring), then one ``nicoffload worker --mode ring`` per worker."""
+    if engine not in ENGINES:
+        raise InputError(f"a ring's hops run in XDP (xdp) or in user space (userspace), not {engine!r}"
+                         + (": the AF_XDP engine is an aggregator (--mode aggregator)" if engine == "afxdp" else ""))
     fields = {k: kw.pop(k) for k in list(kw) if k in DEFAULT.to_dict()}
     spec = on_testbed(tb, (spec or DEFAULT).replace(**fields))
     enable_gro(tb)
