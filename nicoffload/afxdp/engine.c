@@ -1048,6 +1048,10 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
         }
         if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof(big)))
             setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof(big));
+        /* it only sends: whatever reaches its port past the steering program waits in the
+         * smallest receive buffer the kernel allows, and is dropped beyond it */
+        int tiny = 1;
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &tiny, sizeof(tiny));
         setsockopt(fd, IPPROTO_IP, IP_MULTICAST_IF, &ifa, sizeof(ifa));
         setsockopt(fd, IPPROTO_IP, IP_MULTICAST_TTL, &ttl, sizeof(ttl));
         setsockopt(fd, IPPROTO_IP, IP_MULTICAST_LOOP, &zero, sizeof(zero));
