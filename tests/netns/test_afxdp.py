@@ -99,6 +99,23 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path,
     assert not engine_procs()
 
 
+def test_unicast_delivery_on_a_fabric_without_multicast_and_two_queues(make_testbed, tmp_path):
+    """No multicast on the fabric: a copy of each result to every rank (through the registered next
+    hops); two rx queues: a socket and a UMEM on each, the steering program picking by queue."""
+    tb = make_testbed(3, multicast=False, queues=2)
+    rng = np.random.default_rng(23)
+    ints = [rng.integers(-(2**31), 2**31 - 1, 60 * E + 1, dtype=np.int32) for _ in range(3)]
+    ins, outs = save(tmp_path, ints)
+    res = run_job(tb, ins, outs, "afxdp", timeout=20, delivery="unicast")
+    assert res.engine["queues"] == 2
+    want = reference.quantized(ints, E)
+    for r in range(3):
+        check = want.check(np.load(outs[r]))
+        assert check.within_bound and check.max_abs_err == 0, check.reason
+    st = res.agg_stats
+    assert st["copies"] > 0 and st["copies"] % 3 == 0, st  # every batch of results: a copy to each rank
+
+
 W, JOB, SLOTS = 2, 3, 64
 MTU = 20 + 8 + 2 * proto.record_size(E)  # the largest hostile frame: a batch of two records
 
