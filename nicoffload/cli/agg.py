@@ -331,9 +331,12 @@ def _job_list(args) -> int:
 def _status(args) -> int:
     from nicoffload.agg.control import Aggregator
 
+    from nicoffload.agg import fallback
+
     agg = Aggregator.open(args.netns, args.iface)
     st = agg.status()
     st["stats"] = agg.stats()
+    st["afxdp"] = fallback.handed_off(args.netns, args.iface)
     if args.json:
         print(json.dumps(st))
         return 0
@@ -342,6 +345,10 @@ def _status(args) -> int:
     print(f"  a pool of {st['slots']} slots x {st['elems']} int32 ({st['free_slots']} free), port {st['port']}")
     for j in st["jobs"]:
         print("  " + _describe_job(j))
+    for h in st["afxdp"]:
+        alive = f"pid {h['pid']}" if h["alive"] else f"GONE, see {h['log']}"
+        print(f"  job {h['job']}: {h['workers']} workers, {h['slots']} slots of the AF_XDP engine beside the pool "
+              f"({alive}), results to {h['group']}")
     s = st["stats"]
     print(f"  rx {s['rx']}  completed {s['completed']}  retx answered {s['retx_answered']}  "
           f"dropped (malformed) {sum(v for k, v in s.items() if k.startswith('bad_'))}")
@@ -354,7 +361,17 @@ def _stats(args) -> int:
     client = _client(args)
     if client is not None:
         return show_stats(lambda: client.stats(args.job), args.json, args.watch)
+    from nicoffload.agg import fallback
+
     agg = Aggregator.open(args.netns, args.iface)
+    if args.job is not None and args.job not in agg.table.entries:
+        def handed() -> dict:  # a job the AF_XDP engine serves: its counters, as the engine last wrote them
+            for h in fallback.handed_off(args.netns, args.iface):
+                if h["job"] == args.job:
+                    return h["stats"]
+            return agg.stats(args.job)  # not there either: the aggregator says which jobs it has
+
+        return show_stats(handed, args.json, args.watch)
     return show_stats(lambda: agg.stats(args.job), args.json, args.watch)
 
 

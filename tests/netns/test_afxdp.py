@@ -234,6 +234,11 @@ def test_jobs_the_xdp_pool_refuses_are_served_by_the_fallback_engine(make_testbe
         assert [h["job"] for h in listed["afxdp"]] == [2, 3]
         assert all(h["alive"] and h["stats"]["completed"] > 0 and h["stats"]["bad_job"] == 0 for h in listed["afxdp"])
         assert listed["unattributed"]["bad_job"] == 0  # their frames went to the engine, not to row 0
+        st = json.loads(subprocess.run([*CLI, "agg", "stats", *where, "--job", "3", "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+        assert st["completed"] > 0 and st["aggregated"] == 2 * st["completed"], st
+        status = subprocess.run([*CLI, "agg", "status", *where], capture_output=True, text=True, check=True).stdout
+        assert "job 3: 2 workers, 64 slots of the AF_XDP engine" in status, status
         r = subprocess.run([*CLI, "agg", "job", "remove", *where, "--job", "2"], capture_output=True, text=True)
         assert r.returncode == 0 and "AF_XDP engine" in r.stdout, r.stderr
         assert engine_procs() == [two["pid"]]
