@@ -140,9 +140,12 @@ def describe_demo(summary: dict, reps: int) -> str:
 
 
 def _speed(a: dict, b: dict) -> str:
-    """'2.0x faster' or '1.5x slower': row a's time against row b's."""
+    """'2.0x faster than', '1.5x slower than' or 'about as fast as': row a's time against row b's
+    (within 5%: about as fast)."""
     ratio = b["seconds"] / a["seconds"]
-    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+    if 1 / 1.05 < ratio < 1.05:
+        return "about as fast as"
+    return f"{ratio:.1f}x faster than" if ratio >= 1 else f"{1 / ratio:.1f}x slower than"
 
 
 def _comparison(rows: list[dict], what: str) -> list[str]:
@@ -150,14 +153,14 @@ def _comparison(rows: list[dict], what: str) -> list[str]:
     when it ran."""
     by = {r["aggregator"]: r for r in rows if r.get("seconds")}
     if "xdp" in by and "userspace" in by:
-        line = f"XDP is {_speed(by['xdp'], by['userspace'])} than the user-space {what}"
+        line = f"XDP is {_speed(by['xdp'], by['userspace'])} the user-space {what}"
         if "afxdp" in by:
-            line += (f"; the AF_XDP engine is {_speed(by['afxdp'], by['userspace'])} than the user-space {what} "
-                     f"and {_speed(by['afxdp'], by['xdp'])} than XDP")
+            line += (f"; the AF_XDP engine is {_speed(by['afxdp'], by['userspace'])} the user-space {what} "
+                     f"and {_speed(by['afxdp'], by['xdp'])} XDP")
         return [line]
     if "afxdp" in by:
         other = "xdp" if "xdp" in by else "userspace" if "userspace" in by else None
         if other:
-            return [(f"the AF_XDP engine is {_speed(by['afxdp'], by[other])} than "
+            return [(f"the AF_XDP engine is {_speed(by['afxdp'], by[other])} "
                      f"{'XDP' if other == 'xdp' else f'the user-space {what}'}")]
     return []
