@@ -125,8 +125,11 @@ def test_signal_tears_down(uid, sig, rc):
               "from nicoffload.testbed import Testbed, Topology\n"
               "with Testbed(Topology.star(sys.argv[1], 1, agg_napi=False)):\n"
               "    print('ready', flush=True)\n    time.sleep(30)\n")
+    # a suite run from a background job inherits SIGINT ignored, and Python then keeps it ignored:
+    # the child starts with the default disposition, as from a terminal
     p = subprocess.Popen([sys.executable, "-c", script, name], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         assert ns_of(name)
