@@ -87,11 +87,18 @@ def load() -> ctypes.CDLL:
             "afx_engine_stat_count": ([], i),
             "afx_stat_count": ([], i),
             "afx_stop": ([P], None),
-            "afx_fd": ([P, i], i),
             "afx_run": ([P, u64], i),
         }
         for name, (args, res) in sigs.items():
             f = getattr(lib, name)
             f.argtypes, f.restype = args, res
+        # the counters' names live in Python, their slots in C: they must agree
+        from nicoffload.afxdp.engine import ENGINE_STATS
+        from nicoffload.wire.proto import STATS
+
+        if lib.afx_stat_count() != len(STATS) or lib.afx_engine_stat_count() != len(ENGINE_STATS):
+            raise SetupError(f"the AF_XDP engine counts {lib.afx_stat_count()} protocol and "
+                             f"{lib.afx_engine_stat_count()} engine counters, nicoffload names {len(STATS)} and "
+                             f"{len(ENGINE_STATS)}: engine.c and nicoffload/afxdp/engine.py disagree")
         _lib = lib
         return lib

@@ -126,7 +126,6 @@ struct afx_engine {
     } pend;
     uint8_t *pend_buf;
     uint8_t *gather;       /* a chained frame, gathered */
-    uint8_t *out;          /* records kept for an answer or a result */
     char err[256];
 };
 
@@ -719,25 +718,26 @@ static void reject(uint64_t *st, int reason)
     st[reason]++;
 }
 
+/* The same before the frame's job is known: row 0 also counts its arrival (as the XDP program). */
+static void reject_unattributed(struct afx_engine *e, int reason)
+{
+    e->stats0[AR_STAT_RX]++;
+    reject(e->stats0, reason);
+}
+
 /* One datagram of records (the UDP payload, n >= AR_HDR_LEN bytes), writable in place; truncated:
  * the frame ended before the datagram's length. */
 static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, uint32_t n, const struct sender *from,
                         int truncated)
 {
     struct rec *h = (struct rec *)d;
-    if (h->magic != htons(AR_MAGIC)) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_MAGIC);
-    }
-    if (h->version != AR_VERSION) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_VERSION);
-    }
+    if (h->magic != htons(AR_MAGIC))
+        return reject_unattributed(e, AR_STAT_BAD_MAGIC);
+    if (h->version != AR_VERSION)
+        return reject_unattributed(e, AR_STAT_BAD_VERSION);
     struct afx_job *j = find_job(e, ntohl(h->job));
-    if (!j) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_JOB);
-    }
+    if (!j)
+        return reject_unattributed(e, AR_STAT_BAD_JOB);
     uint64_t *st = j->stats;
     st[AR_STAT_RX]++;
     uint32_t rank = ntohs(h->rank);
@@ -830,15 +830,11 @@ static void on_frame(struct afx_engine *e, struct afx_queue *q, uint8_t *f, uint
     }
     uint32_t ulen = ntohs(udp->len);
     /* ours from here on: IP options, or lengths that disagree, are malformed */
-    if (ihl != 20 || ntohs(ip->tot_len) != ulen + 20 || ulen < 8) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_LEN);
-    }
+    if (ihl != 20 || ntohs(ip->tot_len) != ulen + 20 || ulen < 8)
+        return reject_unattributed(e, AR_STAT_BAD_LEN);
     uint32_t claimed = ulen - 8, held = len - 14 - 20 - 8;
-    if (claimed < AR_HDR_LEN || held < AR_HDR_LEN) {
-        e->stats0[AR_STAT_RX]++;
-        return reject(e->stats0, AR_STAT_BAD_TRUNCATED);
-    }
+    if (claimed < AR_HDR_LEN || held < AR_HDR_LEN)
+        return reject_unattributed(e, AR_STAT_BAD_TRUNCATED);
     struct sender from = {.mac = eth->h_source, .ip_be = ip->saddr, .port_be = udp->source};
     /* a frame shorter than its lengths say: its job (from the whole header) counts it */
     on_datagram(e, q, (uint8_t *)(udp + 1), claimed <= held ? claimed : held, &from, claimed > held);
@@ -938,7 +934,6 @@ void afx_close(struct afx_engine *e)
     if (e->tx_sock >= 0)
         close(e->tx_sock);
     free(e->gather);
-    free(e->out);
     free(e->pend_buf);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -969,10 +964,9 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
     memcpy(e->local_mac, local_mac, 6);
     e->spin_us = spin_us;
     e->gather = malloc(AFX_MAX_FRAME_BYTES);
-    e->out = malloc(AFX_MAX_FRAME_BYTES);
     e->pend_buf = malloc(AFX_MAX_FRAME_BYTES);
     e->gso_max = 65507 / e->rsize < 64 ? 65507 / e->rsize : 64;
-    if (!e->gather || !e->out || !e->pend_buf) {
+    if (!e->gather || !e->pend_buf) {
         snprintf(e->err, sizeof(e->err), "out of memory");
         return e;
     }
@@ -1180,7 +1174,6 @@ void afx_engine_stats(struct afx_engine *e, uint64_t *out) { memcpy(out, e->esta
 int afx_engine_stat_count(void) { return AFX_E__COUNT; }
 int afx_stat_count(void) { return AR_STAT__COUNT; }
 void afx_stop(struct afx_engine *e) { e->stop = 1; }
-int afx_fd(struct afx_engine *e, int queue) { return queue < e->nq ? e->q[queue].fd : -1; }
 
 /* The poll loop: until afx_stop() or until_ns (CLOCK_MONOTONIC, 0: none). Spins spin_us after the
  * last frame (busy polling), then sleeps in poll() on every queue's socket. */

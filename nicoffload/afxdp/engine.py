@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nicoffload.ebpf import loader as bpf
+from nicoffload.ebpf.iface import iface_addr, iface_driver, iface_holding, rx_queues
 from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.wire import proto
@@ -64,34 +65,11 @@ def open_xsk_map(ref: str | Path) -> int:
     return fd
 
 
-def iface_facts(iface: str) -> dict:
-    """Address, MAC, MTU, rx queues and driver of ``iface`` in this thread's namespace."""
-    from pyroute2 import IPRoute
-
-    from nicoffload.ebpf.iface import iface_driver
-
-    idx = socket.if_nametoindex(iface) if iface else 0
-    with IPRoute() as ipr:
-        link = ipr.get_links(idx)[0]
-        addrs = ipr.get_addr(index=idx, family=socket.AF_INET)
-    if not addrs:
-        raise NotFoundError(f"interface {iface!r} has no IPv4 address; the engine sends results from it")
-    return {"ip": addrs[0].get_attr("IFA_ADDRESS"), "mac": link.get_attr("IFLA_ADDRESS"),
-            "mtu": link.get_attr("IFLA_MTU"), "queues": link.get_attr("IFLA_NUM_RX_QUEUES") or 1,
-            "driver": iface_driver(iface, None)}
-
-
-def iface_of(local_ip: str | None) -> str:
-    """The interface that holds ``local_ip`` in this namespace (None: the only one besides lo)."""
+def only_iface() -> str:
+    """The one interface of this namespace besides lo (an engine given neither --iface nor an address)."""
     from pyroute2 import IPRoute
 
     with IPRoute() as ipr:
-        if local_ip:
-            got = ipr.get_addr(family=socket.AF_INET, address=local_ip)
-            if not got:
-                raise NotFoundError(f"no interface here has the address {local_ip}")
-            idx = got[0]["index"]
-            return ipr.get_links(idx)[0].get_attr("IFLA_IFNAME")
         names = [lk.get_attr("IFLA_IFNAME") for lk in ipr.get_links()]
     names = [n for n in names if n != "lo"]
     if len(names) != 1:
@@ -127,10 +105,9 @@ class AfxdpEngine:
         self._jobs: dict[int, dict] = {}
         self.error: str | None = None
         with bpf.netns(netns):
-            self.iface = iface or iface_of(local_ip)
-            f = iface_facts(self.iface)
-            self.local_ip, self.mac, self.mtu, self.queues, self.driver = (
-                f["ip"], f["mac"], f["mtu"], f["queues"], f["driver"])
+            self.iface = iface or (iface_holding(local_ip) if local_ip else only_iface())
+            self.local_ip, self.mac, self.mtu = iface_addr(self.iface, None)
+            self.queues, self.driver = rx_queues(self.iface, None), iface_driver(self.iface, None)
             if proto.record_size(elems) > self.mtu - 28:
                 raise InputError(f"{elems} elements per record need an MTU of {proto.mtu_for_elems(elems)}, "
                                  f"{self.iface} has {self.mtu}")

@@ -139,8 +139,17 @@ def _start(agg, p: dict[str, Path], extra: list[str]) -> dict:
 
 
 def _stop(pid: int | None) -> None:
-    if not _alive(pid):
+    if not pid:
         return
+    if _alive(pid):
+        _end(pid)
+    # started by this process (a service): collect its exit status (it is a zombie by now, not
+    # "alive"), or it lingers; someone else's child: nothing to collect
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _end(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
@@ -149,6 +158,9 @@ def _stop(pid: int | None) -> None:
     if _alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.01)
 
 
 def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slots: int,

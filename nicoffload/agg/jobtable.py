@@ -16,6 +16,7 @@ Rules (each refusal names what to do):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 from nicoffload import optim
 from nicoffload.errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
@@ -159,10 +160,11 @@ class JobTable:
         return entry
 
 
-def default_group(job: int, table: JobTable) -> str:
-    """A multicast group no registered job uses: DEFAULT.group for the first job, then
-    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
-    used = {e.group for e in table.entries.values()}
+def default_group(job: int, table: JobTable, taken: Iterable[str] = ()) -> str:
+    """A multicast group no registered job uses (nor any of ``taken``: the groups of the jobs the
+    AF_XDP engine serves beside the pool): DEFAULT.group for the first job, then 239.77.0.x
+    counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
+    used = {e.group for e in table.entries.values()} | set(taken)
     if DEFAULT.group not in used:
         return DEFAULT.group
     for x in range(2, 255):

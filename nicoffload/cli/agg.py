@@ -223,13 +223,7 @@ def _job_fallback(args, agg, why: str) -> int:
     from nicoffload.agg import fallback
     from nicoffload.agg.jobtable import default_group
 
-    group = args.group
-    if group is None:
-        taken = fallback.groups_in_use(args.netns, args.iface)
-        group = next((g for g in [default_group(args.job, agg.table)] + [f"239.77.0.{x}" for x in range(2, 255)]
-                      if g not in taken and g not in {e.group for e in agg.table.entries.values()}), None)
-        if group is None:
-            raise InputError(f"no free default multicast group for job {args.job}: give one with --group")
+    group = args.group or default_group(args.job, agg.table, fallback.groups_in_use(args.netns, args.iface))
     slots = args.job_slots or DEFAULT.slots
     got = fallback.hand_off(agg, args.job, args.workers, group, list(args.worker_ip), slots,
                             args.delivery or "multicast")

@@ -30,6 +30,27 @@ def resolve_mode(mode: str, iface: str, netns: str | None) -> tuple[str, str]:
                      f"rx-udp-gro-forwarding for batches"
 
 
+def iface_holding(ip: str) -> str:
+    """The interface of this thread's network namespace that holds ``ip``."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        for a in ipr.get_addr(family=socket.AF_INET):
+            if a.get_attr("IFA_ADDRESS") == ip:
+                return ipr.get_links(a["index"])[0].get_attr("IFLA_IFNAME")
+    raise NotFoundError(f"no interface of this network namespace has the address {ip}")
+
+
+def rx_queues(iface: str, netns: str | None) -> int:
+    """Receive queues of an interface inside a namespace."""
+    from pyroute2 import IPRoute
+
+    with enter_netns(netns):
+        idx = ifindex(iface, netns)
+        with IPRoute() as ipr:
+            return ipr.get_links(idx)[0].get_attr("IFLA_NUM_RX_QUEUES") or 1
+
+
 def iface_addr(iface: str, netns: str | None) -> tuple[str, str, int]:
     """(ipv4, mac, mtu) of an interface inside a namespace."""
     from pyroute2 import IPRoute

@@ -6,25 +6,14 @@ process; without, plain arrays of the same layout for the user-space ring.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import numpy as np
 
+from nicoffload.ebpf.iface import iface_holding
 from nicoffload.errors import InputError, NotFoundError
 from nicoffload.ring.layout import ST_WORDS
 from nicoffload.ring.nodelock import NodeLock
-
-
-def iface_of(ip: str) -> str:
-    """The interface of this network namespace that holds ``ip``."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        for a in ipr.get_addr(family=socket.AF_INET):
-            if a.get_attr("IFA_ADDRESS") == ip:
-                return ipr.get_links(a["index"])[0].get_attr("IFLA_IFNAME")
-    raise InputError(f"no interface of this network namespace has the address {ip}")
 
 
 @dataclass
@@ -54,7 +43,7 @@ def open_maps(comm) -> HostMaps:
     from nicoffload.ring import node as ring
 
     netns = ring.current_netns()
-    iface = comm.iface or iface_of(comm.peers[comm.rank])
+    iface = comm.iface or iface_holding(comm.peers[comm.rank])
     lock = NodeLock(ring.state_file(netns, iface).with_suffix(".lock"),
                     f"the ring node {iface}" + (f" in {netns}" if netns else ""))
     try:

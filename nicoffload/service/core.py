@@ -12,9 +12,7 @@ engine's counters file) work as for an XDP job. Starting the engine the first ti
 second or so; the service's one thread waits for it."""
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -22,7 +20,7 @@ import numpy as np
 
 from nicoffload.agg import fallback
 from nicoffload.agg.control import Aggregator
-from nicoffload.agg.jobtable import JobEntry
+from nicoffload.agg.jobtable import JobEntry, default_group
 from nicoffload.errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.api import JobGrant, JobRequest
@@ -38,10 +36,6 @@ class ServiceConfig:
     job_slots: int = DEFAULT.slots  # a job's share unless its request names one (less if less is free)
     multicast: bool = True         # the network carries multicast (False: every job gets unicast delivery)
     fallback: str | None = None    # "afxdp": a job the XDP pool refuses goes to the AF_XDP engine (None: refused)
-
-
-#: the groups a job gets when it names none, in order (those of nicoffload.agg.jobtable.default_group)
-DEFAULT_GROUPS = [DEFAULT.group] + [f"239.77.0.{x}" for x in range(2, 255)]
 
 
 class Service:
@@ -69,13 +63,9 @@ class Service:
         used = set(self.agg.table.entries) | set(handed)
         return next(j for j in range(1, 1 << 16) if j not in used)
 
-    def _free_group(self, handed: dict[int, dict]) -> str:
+    def _free_group(self, job: int, handed: dict[int, dict]) -> str:
         """The first default group neither an XDP job nor a handed-off job uses."""
-        used = {e.group for e in self.agg.table.entries.values()} | {h["group"] for h in handed.values()}
-        group = next((g for g in DEFAULT_GROUPS if g not in used), None)
-        if group is None:
-            raise InputError("no free default multicast group: name one in the request (group)")
-        return group
+        return default_group(job, self.agg.table, (h["group"] for h in handed.values()))
 
     def grant(self, job: int) -> JobGrant:
         handed = self._handed()
@@ -138,7 +128,7 @@ class Service:
             raise InputError(f"multicast group {req.group} is already job {other}'s: give each job its own group, "
                              f"or its results would reach the other job's hosts")
         job = req.job if req.job is not None else self._free_id(handed)
-        group = req.group or self._free_group(handed)
+        group = req.group or self._free_group(job, handed)
         slots = req.slots
         try:
             if slots is None and req.optimizer is None:
@@ -181,7 +171,6 @@ class Service:
         if job in self._handed():
             got = fallback.take_back(self.agg, job)
             self.leases.remove(job)
-            _reap(got.get("pid"))
             log.info("job %d %s: the AF_XDP engine let it go after %d rounds", job, why,
                      got.get("last", {}).get("completed", 0))
             return {"job": job, "engine": "afxdp", "slot_base": 0, "slots": got["slots"],
@@ -338,11 +327,3 @@ class Service:
 def _afxdp_stats(h: dict) -> dict[str, int]:
     """A handed-off job's counters as the engine last wrote them (every counter, 0 until then)."""
     return {**{k: 0 for k in proto.STATS}, **{k: int(v) for k, v in (h.get("stats") or {}).items()}}
-
-
-def _reap(pid: int | None) -> None:
-    """Collect the exit status of an AF_XDP engine this process started and that has stopped
-    (with its last job), so it does not linger as a zombie; nothing for one still running."""
-    if pid:
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
