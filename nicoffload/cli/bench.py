@@ -48,6 +48,9 @@ def register(sub) -> None:
                    help="bytes of float32 gradients per worker (default 4KiB,64KiB,1MiB)")
     p.add_argument("--sparsity", type=_list(plan.sparsity, "sparsities"), default=None,
                    help="fractions of 1 KiB blocks that are zero (default 0,0.5,0.75)")
+    p.add_argument("--zero-run", type=int, default=1, metavar="BLOCKS",
+                   help="each rank's zero blocks come in runs of this many neighbouring blocks (default 1: "
+                        "scattered one by one; e.g. 64: clustered, as an embedding's untouched rows are)")
     p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
                    help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
     p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
@@ -215,7 +218,7 @@ def _bench(args) -> int:
     delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
                  compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
-                 agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx,
+                 agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx, zero_run=args.zero_run,
                  spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes))
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "

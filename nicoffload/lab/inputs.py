@@ -63,15 +63,21 @@ def check_inputs(paths: list[Path]) -> list[np.ndarray]:
     return arrays
 
 
-def make_gradients(workers: int, n: int, sparsity: float, seed: int, elems: int = DEFAULT.elems) -> list[np.ndarray]:
+def make_gradients(workers: int, n: int, sparsity: float, seed: int, elems: int = DEFAULT.elems,
+                   zero_run: int = 1) -> list[np.ndarray]:
     """Random float32 gradients; a fraction ``sparsity`` of each rank's blocks of ``elems``
-    elements is all zero."""
+    elements is all zero, in runs of ``zero_run`` neighbouring blocks (1: each block on its own;
+    larger: clustered, as the untouched rows of an embedding table or a pruned layer are)."""
+    if zero_run < 1:
+        raise InputError(f"--zero-run is a number of blocks, at least 1 (not {zero_run})")
     rng = np.random.default_rng(seed)
     nb = -(-n // elems)
     out = []
     for _ in range(workers):
         g = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-2)
-        zero = rng.random(nb) < sparsity
+        zero = rng.random(-(-nb // zero_run)) < sparsity
+        if zero_run > 1:
+            zero = np.repeat(zero, zero_run)[:nb]
         g[np.repeat(zero, elems)[:n]] = 0
         out.append(g)
     return out

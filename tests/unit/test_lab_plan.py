@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.lab.bench import plan, systems
 from nicoffload.lab.bench.plan import BenchConfig, Point
-from nicoffload.lab.inputs import format_size, parse_size
+from nicoffload.lab.inputs import format_size, make_gradients, parse_size
 from nicoffload.wire import proto
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -101,8 +102,25 @@ def test_config_checks():
         BenchConfig(max_point_s=0).validate()
     with pytest.raises(InputError, match="unknown systems"):
         BenchConfig(systems=["xdp", "nccl"]).validate()
+    with pytest.raises(InputError, match="--zero-run"):
+        BenchConfig(zero_run=0).validate()
     cfg = BenchConfig(reps=50, max_reps=10, systems=["mpi", "xdp"]).validate()
     assert cfg.max_reps == 50 and cfg.systems == ["xdp", "mpi"]  # SYSTEMS order
+
+
+def test_zero_runs_cluster_the_zero_blocks():
+    """--zero-run k: each rank's zero blocks come in aligned runs of k blocks, at the same rate;
+    1 keeps the scattered inputs (and the numbers measured with them) as they were."""
+    n, E = 4096 * 256 + 100, 256  # a partial last block
+    one = make_gradients(3, n, 0.75, 5, E)
+    assert all(np.array_equal(a, b) for a, b in zip(one, make_gradients(3, n, 0.75, 5, E, zero_run=1)))
+    for g in make_gradients(3, n, 0.75, 5, E, zero_run=64):
+        zero = np.pad(g, (0, (-n) % E)).reshape(-1, E).any(axis=1) == 0
+        runs = zero[:4096].reshape(-1, 64)
+        assert (runs.all(axis=1) | ~runs.any(axis=1)).all()  # whole runs, never parts of one
+        assert 0.6 < zero.mean() < 0.9
+    with pytest.raises(InputError, match="--zero-run"):
+        make_gradients(2, n, 0.5, 0, E, zero_run=0)
 
 
 def test_quick_configs_do_not_share_lists():

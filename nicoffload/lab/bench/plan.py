@@ -79,6 +79,7 @@ class BenchConfig:
     aggregators: int = 1        # aggregator hosts; a job of xdp/afxdp/userspace/xdpuni is sharded over them
     agg_rate: str | None = None  # each aggregator's link on shaped testbeds (default: N x the worker rate)
     afxdp_tx: str = "auto"      # how the AF_XDP engine's results leave (auto, xsk: its tx ring, socket)
+    zero_run: int = 1           # the inputs' zero blocks come in runs of this many neighbouring blocks
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)
@@ -94,6 +95,8 @@ class BenchConfig:
             raise InputError(f"--{'reps' if self.reps < 1 else 'max-reps'} must be at least 1")
         if self.warmup < 0 or self.min_time < 0 or self.max_point_s <= 0:
             raise InputError("--warmup and --min-time cannot be negative, --max-point-time must be positive")
+        if self.zero_run < 1:
+            raise InputError(f"--zero-run is a number of blocks, at least 1 (not {self.zero_run})")
         for what, values, known in (("systems", self.systems, SYSTEMS), ("workers", self.workers, None)):
             if not values:
                 raise InputError(f"no {what} to run")

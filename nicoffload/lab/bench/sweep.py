@@ -78,13 +78,14 @@ class Bed:
 
 
 def make_inputs(points: list[Point], workers: int, seed: int, work: Path, elems: int,
-                dtype: str = "float32") -> list[list[Path]]:
-    """Seeded inputs of every point, saved in ``work``: per point, one .npy per rank."""
+                dtype: str = "float32", zero_run: int = 1) -> list[list[Path]]:
+    """Seeded inputs of every point, saved in ``work``: per point, one .npy per rank (zero blocks
+    in runs of ``zero_run``)."""
     out = []
     for pt in points:
         n = max(1, pt.bytes // 4)
         sd = seed + 7919 * pt.index + 104729 * workers
-        grads = make_gradients(workers, n, pt.sparsity, sd, elems)
+        grads = make_gradients(workers, n, pt.sparsity, sd, elems, zero_run)
         if dtype == "int32":
             grads = as_int32(grads, sd)
         paths = [work / f"in{pt.index}-r{r}.npy" for r in range(workers)]
@@ -513,7 +514,7 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
                  aggregators=cfg.aggregators) as tb, tempdir() as d:
         enable_gro(tb)
         work = Path(d)
-        inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype)
+        inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype, cfg.zero_run)
         bed = Bed(tb, cfg, points, inputs, work, label, rbps, prog, tbmeta)
         for group in drive.groups(cfg, n):
             for s in group:
