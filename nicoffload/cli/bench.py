@@ -114,9 +114,10 @@ def register(sub) -> None:
     soak.add_argument("--dtypes", type=_list(_dtype, "dtypes"), default=None,
                       help=f"dtypes the calls cycle through (default {','.join(SoakConfig.dtypes)})")
     soak.add_argument("--json", action="store_true", help="print the summary and every call as JSON")
-    p.add_argument("--paired", choices=["delivery"], default=None,
+    p.add_argument("--paired", choices=["delivery", "sparsity"], default=None,
                    help="instead of the sweep: two variants of one job on one XDP aggregator, their reps interleaved "
-                        "(delivery: multicast against unicast), with the spread of the paired ratio")
+                        "(delivery: multicast against unicast; sparsity: dense inputs against --sparsity, 0.75 by "
+                        "default, with --zero-run), with the spread of the paired ratio")
     tor = p.add_argument_group("the torch backend's overhead (--torch-overhead; one --workers and --sizes value, "
                                "--reps apply)")
     tor.add_argument("--torch-overhead", action="store_true",
@@ -169,8 +170,12 @@ def _paired(args) -> int:
 
     bpf.require_root("nicoffload bench --paired (it builds a namespace testbed and loads XDP)")
     workers, size = (args.workers or [4])[0], (args.sizes or [16 << 20])[0]
+    sparse = [s for s in (args.sparsity or [0.75]) if s > 0]
+    if args.paired == "sparsity" and len(sparse) != 1:
+        raise InputError("--paired sparsity takes one sparsity above 0 (dense is the other variant), e.g. --sparsity 0.75")
     r = paired.run(args.paired, workers, size, args.reps or 30,
-                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+                   progress=lambda m: print(m, file=sys.stderr, flush=True),
+                   sparsity=sparse[0] if sparse else 0.75, zero_run=args.zero_run, seed=args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"paired_{args.paired}.json").write_text(json.dumps(r, indent=1))
     print(paired.describe(r))

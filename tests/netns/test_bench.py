@@ -148,3 +148,21 @@ def test_ring_sums_exactly_or_within_the_float32_bound(make_testbed, tmp_path, n
         for o in outs:
             assert o.dtype == np.float32 and np.array_equal(o, outs[0])  # every rank bit-identical
             assert want.check(o).within_bound, want.check(o).reason
+
+
+def test_paired_sparsity_interleaves_dense_and_sparse_inputs(tmp_path):
+    """--paired sparsity: the sparse variant's calls really carry the sparse input (fewer results
+    than blocks), both variants are timed, and the ratio comes with its quartiles."""
+    r = subprocess.run([sys.executable, "-m", "nicoffload.cli", "bench", "--paired", "sparsity", "--sparsity", "0.75",
+                        "--zero-run", "4", "--workers", "2", "--sizes", "256KiB", "--reps", "4", "--out", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    got = json.loads((tmp_path / "paired_sparsity.json").read_text())
+    dense, sparse = got["results"]
+    assert dense == 256 and 0 < sparse < 200  # 1 - 0.75^2 of the blocks are non-zero somewhere
+    assert got["b"] == "sparse 0.75, zero runs of 4" and all(m > 0 for m in got["median_ms"])
+    q = got["ratio_b_over_a"]
+    assert q["q1"] <= q["median"] <= q["q3"] and "per pair of reps" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "nicoffload.cli", "bench", "--paired", "sparsity", "--sparsity", "0",
+                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "one sparsity above 0" in bad.stderr
