@@ -118,6 +118,88 @@ def block_meta_f64(x, elems, exps):
 
 
 @njit(cache=True, boundscheck=False)
+def contributor_bits(exps, zero_exp, bit, bits):
+    """bits[b] = ``bit`` where block b has a non-zero value (its exponent is not ``zero_exp``),
+    else 0: a rank's word of the OR round that says who contributes where."""
+    for b in range(exps.size):
+        bits[b] = bit if exps[b] != zero_exp else 0
+
+
+@njit(cache=True, boundscheck=False)
+def spec_plan(gexp0, gbits0, exps, zero_exp, full, rank, top, k, meta_shift, blocks, masks, shifts, mine, keep):
+    """The rounds of a speculative call, in one pass: k metadata rounds (round i on block i, all
+    ranks, ``meta_shift``), then a round per block the guess has non-zero (``gexp0`` not
+    ``zero_exp``), with the guessed contributors (``gbits0`` & ``full``; no bits: ``full``) and
+    the shift ``top - gexp0``. This rank's rounds go to ``mine``. ``keep[b]`` is False where this
+    rank's exponent outgrows the guess (it must send zeros there). Returns (guessed blocks,
+    rounds of this rank, blocks it outgrew); the arrays need room for k + gexp0.size rounds."""
+    has_bits = gbits0.size > 0
+    for i in range(k):
+        blocks[i] = i
+        masks[i] = full
+        shifts[i] = meta_shift
+        mine[i] = i
+    n = k
+    m = k
+    over = 0
+    for b in range(gexp0.size):
+        keep[b] = True
+        g = gexp0[b]
+        if g == zero_exp:
+            continue
+        mk = (np.int64(gbits0[b]) & full) if has_bits else full
+        blocks[n] = b
+        masks[n] = mk
+        shifts[n] = top - g
+        if (mk >> rank) & 1:
+            mine[m] = n
+            m += 1
+        if exps[b] > g:
+            keep[b] = False
+            over += 1
+        n += 1
+    return n - k, m, over
+
+
+@njit(cache=True, boundscheck=False)
+def spec_verdict(gexp, gbits, blocks, k, n, gexp0, gbits0, zero_exp, full, hit, cover, redo, masks_redo):
+    """What a speculative call got: ``hit[b]`` where block b's exponent (and contributors) are
+    the guessed ones (its round's result is the normal call's); ``cover[b]`` where it has a
+    result or needs a round (``hit`` or non-zero somewhere); the blocks to redo (non-zero
+    somewhere, not hit) with their contributors in ``redo``/``masks_redo``. Returns (hits,
+    whether some block has neither, blocks to redo, blocks zero everywhere)."""
+    has_bits = gbits.size > 0
+    for b in range(gexp.size):
+        hit[b] = False
+    hits = 0
+    for j in range(k, n):
+        b = blocks[j]
+        h = gexp[b] == gexp0[b]
+        if has_bits and gbits[b] != gbits0[b]:
+            h = False
+        if h:
+            hit[b] = True
+            hits += 1
+    hole = False
+    nredo = 0
+    skipped = 0
+    for b in range(gexp.size):
+        mk = (np.int64(gbits[b]) & full) if has_bits else full
+        active = mk != 0 if has_bits else gexp[b] != zero_exp
+        if gexp[b] == zero_exp:
+            skipped += 1
+        cover[b] = hit[b] or active
+        if not hit[b]:
+            if active:
+                redo[nredo] = b
+                masks_redo[nredo] = mk
+                nredo += 1
+            else:
+                hole = True
+    return hits, hole, nredo, skipped
+
+
+@njit(cache=True, boundscheck=False)
 def zero_blocks(out, active, elems):
     """Write zeros over every block of ``out`` (viewed as int32 words, ``elems`` words per block)
     whose ``active`` flag is 0: blocks zero on every rank get no round."""
@@ -296,4 +378,12 @@ def warm_up(elems: int) -> None:
         zero_blocks(w, np.zeros(1, np.bool_), elems)
     encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
     encode_pulls(buf, rec, tmpl, one, 0, 1, masks)
+    # the speculative call's plan and verdict (types as Communicator._speculative passes them)
+    zero_exp, i32 = int(np.iinfo(np.int32).min), np.zeros(1, np.int32)
+    contributor_bits(i32, zero_exp, np.int32(1), np.zeros(1, np.int32))
+    b = np.zeros(2, np.bool_)
+    spec_plan(i32, i32, i32, zero_exp, np.int64(1), 0, 30, 1, -(1 << 30), np.zeros(2, np.int64), np.zeros(2, np.int64),
+              np.zeros(2, np.int32), np.zeros(2, np.int64), b[:1])
+    spec_verdict(i32, i32, np.zeros(2, np.int64), 1, 1, i32, i32, zero_exp, np.int64(1), b[:1], b[1:],
+                 np.zeros(1, np.int64), np.zeros(1, np.int64))
     _warm.add(elems)

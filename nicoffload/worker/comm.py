@@ -169,7 +169,6 @@ class Communicator:
         # 1. local metadata
         if is_float:
             exps = block_exponents(flat, E, self._buf.get("exps", nb, np.int32), self.rank)
-            nonzero = exps != quant.ZERO_EXP
         elif self.sparse:
             nz8 = self._buf.get("nz8", nb, np.uint8)
             kernels.block_nonzero_i32(flat, E, nz8)
@@ -181,8 +180,12 @@ class Communicator:
         bits = None
         if self.sparse:
             bits = self._buf.get("bits", nb, np.int32)
-            bits[:] = 0
-            bits[nonzero] = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
+            bit = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
+            if is_float:  # non-zero where the block has an exponent
+                kernels.contributor_bits(exps, quant.ZERO_EXP, bit, bits)
+            else:
+                bits[:] = 0
+                bits[nonzero] = bit
         key = (nb, x.dtype.str)
         speculative = is_float and not half and self.speculate and nb <= SPECULATE_BLOCKS
         guess = self._guesses.get(key) if speculative else None
@@ -196,7 +199,6 @@ class Communicator:
             self._remember(key, gexp, gbits)
             backoff = min(2 * backoff + 1, SPECULATE_BACKOFF) if st.spec_missed else 0
             self._backoff[key] = (backoff, backoff)
-            st.blocks_skipped = int(np.count_nonzero(gexp == quant.ZERO_EXP))
             mine = np.flatnonzero(masks >> self.rank & 1)
             return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
         gexp, gbits = self._meta(exps if is_float else None, bits)
@@ -290,28 +292,23 @@ class Communicator:
         per = -(-nb // E)
         parts = [(exps, proto.OP_MAX)] + ([(bits, proto.OP_OR)] if bits is not None else [])
         k = per * len(parts)  # metadata rounds
-        spec = np.flatnonzero(gexp0 != quant.ZERO_EXP)
-        K = len(spec)
+        # the plan in one pass (kernels.spec_plan): at these sizes numpy's per-call cost is the CPU
+        blocks = self._buf.get("spec_blocks", k + nb, np.int64)
+        masks = self._buf.get("spec_masks", k + nb, np.int64)
+        shifts = self._buf.get("spec_shifts", k + nb, np.int32)
+        mine = self._buf.get("spec_mine", k + nb, np.int64)
+        keep = self._buf.get("spec_keep", nb, np.bool_)
+        no_bits = self._buf.get("no_bits", 0, np.int32)
+        K, nmine, nover = kernels.spec_plan(gexp0, no_bits if gbits0 is None else gbits0, exps, quant.ZERO_EXP, full,
+                                            self.rank, quant.top_bits(32) - quant.headroom_bits(W), k,
+                                            pump.META_SHIFT, blocks, masks, shifts, mine, keep)
         n = k + K
+        blocks, masks, shifts, mine = blocks[:n], masks[:n], shifts[:n], mine[:nmine]
         base = self._s.reserve(n)
         values = self._meta_values(parts, nb, per)
-        blocks = self._buf.get("spec_blocks", n, np.int64)
-        blocks[:k] = np.arange(k)
-        blocks[k:] = spec
-        masks = self._buf.get("spec_masks", n, np.int64)
-        masks[:k] = full
-        masks[k:] = gbits0[spec].astype(np.int64) & full if gbits0 is not None else full
-        shifts = self._buf.get("spec_shifts", n, np.int32)
-        shifts[:k] = pump.META_SHIFT
-        shifts[k:] = quant.shifts_for(gexp0[spec], W, 32)
-        mine = np.concatenate([np.arange(k, dtype=np.int64),
-                               k + np.flatnonzero(masks[k:] >> self.rank & 1)])
         src = flat
-        over = spec[exps[spec] > gexp0[spec]]
-        if len(over):  # this rank's values there do not fit the guessed scale: zeros instead
+        if nover:  # this rank's values there do not fit the guessed scale: zeros instead
             src = flat.copy()
-            keep = np.ones(nb, dtype=bool)
-            keep[over] = False
             kernels.zero_blocks(src.view(np.int64) if src.dtype.itemsize == 8 else src.view(np.int32), keep, E)
         send = self._s.send_buffer(len(mine))
         tmpl = self._s.template(proto.TYPE_CONTRIB)
@@ -338,15 +335,13 @@ class Communicator:
         st.meta_rounds += k
         gexp = meta_out[:nb]
         gbits = meta_out[per * E:per * E + nb] if bits is not None else None
-        hit = np.zeros(nb, dtype=bool)
-        hit[spec] = gexp[spec] == gexp0[spec]
-        if gbits is not None:
-            hit[spec] &= gbits[spec] == gbits0[spec]
-            masks_all = gbits.astype(np.int64) & full
-            active = masks_all != 0
-        else:
-            active = gexp != quant.ZERO_EXP
-        hits = int(np.count_nonzero(hit))
+        hit = self._buf.get("spec_hit", nb, np.bool_)
+        cover = self._buf.get("spec_cover", nb, np.bool_)
+        redo = self._buf.get("spec_redo", nb, np.int64)
+        masks_redo = self._buf.get("spec_masks_redo", nb, np.int64)
+        hits, hole, nredo, skipped = kernels.spec_verdict(gexp, no_bits if gbits is None else gbits, blocks, k, n,
+                                                          gexp0, no_bits if gbits0 is None else gbits0,
+                                                          quant.ZERO_EXP, full, hit, cover, redo, masks_redo)
         if inplace and hits == nb:
             res[:] = got
         elif inplace and hits:
@@ -355,12 +350,11 @@ class Communicator:
         st.spec_blocks += K
         st.spec_missed += K - hits
         st.results += hits
-        if (~active & ~hit).any():  # zero everywhere now, and no round gave it a result
+        st.blocks_skipped = skipped
+        if hole:  # zero everywhere now, and no round gave it a result
             words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
-            kernels.zero_blocks(words, hit | active, E)
-        redo = np.flatnonzero(~hit & active)
-        masks_redo = masks_all[redo] if gbits is not None else np.full(len(redo), full, dtype=np.int64)
-        return gexp, gbits, redo, masks_redo
+            kernels.zero_blocks(words, cover, E)
+        return gexp, gbits, redo[:nredo].copy(), masks_redo[:nredo].copy()
 
     def _extreme(self, array: np.ndarray, out: np.ndarray | None, op: str) -> np.ndarray:
         """MAX or MIN over the ranks, exact: each element becomes an int32 key whose signed order
