@@ -199,7 +199,7 @@ class Communicator:
             self._remember(key, gexp, gbits)
             backoff = min(2 * backoff + 1, SPECULATE_BACKOFF) if st.spec_missed else 0
             self._backoff[key] = (backoff, backoff)
-            mine = np.flatnonzero(masks >> self.rank & 1)
+            mine = np.flatnonzero(masks >> self.rank & 1) if len(masks) else masks  # every guess hit: none
             return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
         gexp, gbits = self._meta(exps if is_float else None, bits)
         if speculative:
