@@ -118,6 +118,18 @@ def block_meta_f64(x, elems, exps):
 
 
 @njit(cache=True, boundscheck=False)
+def reset_rounds(done, status, pos, mine):
+    """A stream's per-round state before it starts: no result (done 0), no STATUS heard (-1),
+    and pos[i] = this rank's record of round i (j where mine[j] == i; -1 for the others)."""
+    for i in range(done.size):
+        done[i] = 0
+        status[i] = -1
+        pos[i] = -1
+    for j in range(mine.size):
+        pos[mine[j]] = j
+
+
+@njit(cache=True, boundscheck=False)
 def contributor_bits(exps, zero_exp, bit, bits):
     """bits[b] = ``bit`` where block b has a non-zero value (its exponent is not ``zero_exp``),
     else 0: a rank's word of the OR round that says who contributes where."""
@@ -379,6 +391,7 @@ def warm_up(elems: int) -> None:
     encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
     encode_pulls(buf, rec, tmpl, one, 0, 1, masks)
     # the speculative call's plan and verdict (types as Communicator._speculative passes them)
+    reset_rounds(np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
     zero_exp, i32 = int(np.iinfo(np.int32).min), np.zeros(1, np.int32)
     contributor_bits(i32, zero_exp, np.int32(1), np.zeros(1, np.int32))
     b = np.zeros(2, np.bool_)

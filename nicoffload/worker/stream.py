@@ -48,8 +48,9 @@ class CallStats:
     foreign: int = 0            # datagrams from someone other than the aggregator, skipped
 
     def add(self, other: "CallStats") -> None:
+        mine, theirs = self.__dict__, other.__dict__
         for k in self.__dataclass_fields__:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
+            mine[k] += theirs[k]
 
     @classmethod
     def total(cls, many) -> "CallStats":
@@ -70,18 +71,30 @@ def ring_spans(j0: int, j1: int, cap: int):
         j0 += c
 
 
+#: the outputs a stream does not write (decode_results takes all three kinds)
+_NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32), np.empty(0, np.float64)
+
+
 class Buffers:
     """Per-communicator memory, grown on demand and reused across calls."""
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
+        # the views handed out, by (name, length): a small call asks for some twenty per call,
+        # and slicing anew each time was a measurable part of its CPU; a grown array drops its views
+        self._views: dict[tuple, np.ndarray] = {}
 
     def get(self, name: str, n: int, dtype) -> np.ndarray:
+        v = self._views.get((name, n))
+        if v is not None and v.dtype == dtype:
+            return v
         a = self.arrays.get(name)
         if a is None or a.size < n or a.dtype != dtype:
             a = np.empty(max(n, 1), dtype=dtype)
             self.arrays[name] = a
-        return a[:n]
+            self._views = {k: w for k, w in self._views.items() if k[0] != name}
+        v = self._views[(name, n)] = a[:n]
+        return v
 
 
 #: this many results taken only as answers, none as a first delivery: the group's frames do not
@@ -304,20 +317,17 @@ class RoundStream:
         st = self.last
         dest = (self.aggregator, self.port)
         done = self._buf.get("done", K, np.uint8)
-        done[:] = 0
         sent_at = self._buf.get("sent_at", K, np.float64)
         status = self._buf.get("status", K, np.int64)
-        status[:] = -1
         newly = self._buf.get("newly", K, np.int64)
         pos = self._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
-        pos[:] = -1
-        pos[mine] = np.arange(len(mine))
+        kernels.reset_rounds(done, status, pos, mine)
         recs = send[:min(cap, len(mine)) * rec].reshape(-1, rec)
         ack_col, flags_col = ack_column(recs), flags_column(recs)
         out_i = res.view(np.int32) if kind == pump.KIND_INT32 else \
-            meta_out if meta_out is not None else np.empty(0, np.int32)
-        out_f32 = res if res.dtype == np.float32 else np.empty(0, np.float32)
-        out_f64 = res if res.dtype == np.float64 else np.empty(0, np.float64)
+            meta_out if meta_out is not None else _NONE_I32
+        out_f32 = res if res.dtype == np.float32 else _NONE_F32
+        out_f64 = res if res.dtype == np.float64 else _NONE_F64
         dense = len(mine) == K
         rx_args = t.recv_args()
         stash = (self._stash, self._stash_round)
