@@ -78,6 +78,9 @@ _NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32)
 class Buffers:
     """Per-communicator memory, grown on demand and reused across calls."""
 
+    #: views kept at most (a view is a few hundred bytes; sizes that change every call must not grow it)
+    MAX_VIEWS = 512
+
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
         # the views handed out, by (name, length): a small call asks for some twenty per call,
@@ -93,6 +96,8 @@ class Buffers:
             a = np.empty(max(n, 1), dtype=dtype)
             self.arrays[name] = a
             self._views = {k: w for k, w in self._views.items() if k[0] != name}
+        if len(self._views) >= self.MAX_VIEWS:  # calls of ever new sizes: keep the cache small
+            self._views.clear()
         v = self._views[(name, n)] = a[:n]
         return v
 
