@@ -8,6 +8,12 @@ wire or into the caller's output: no temporaries, no gathers, no Python per bloc
     encode_*        records (header + payload) of this rank's rounds into the send buffer:
                     float -> offset-binary fixed point in 32-bit lanes (op SUM64) or 16-bit
                     lanes (op SUM16), int32 copied (op SUM), or metadata words (ops MAX / OR)
+    spec_plan, spec_verdict
+                    a speculative call's rounds, and what its guess got right, in one pass
+                    each (small calls: numpy's cost per call was most of their CPU)
+    contributor_bits, reset_rounds, zero_blocks
+                    a float call's OR word per block, a stream's per-round state, the output
+                    of blocks zero everywhere
 
 Receiving and decoding are in nicoffload.datapath.pump.
 
