@@ -168,7 +168,7 @@ def spec_plan(gexp0, gbits0, exps, zero_exp, full, rank, top, k, meta_shift, blo
         mk = (np.int64(gbits0[b]) & full) if has_bits else full
         blocks[n] = b
         masks[n] = mk
-        shifts[n] = top - g
+        shifts[n] = top - g  # quant.shifts_for, with top = its lanes' bits less the headroom
         if (mk >> rank) & 1:
             mine[m] = n
             m += 1

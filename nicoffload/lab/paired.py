@@ -78,10 +78,9 @@ def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, p
     unicast runs): the two jobs of ``pair`` on one XDP aggregator, interleaved. Pair sparsity:
     seeded gradients, dense against ``sparsity`` zero blocks in runs of ``zero_run``."""
     from nicoffload.agg.control import AggSpec, Aggregator
-    from nicoffload.errors import SetupError
+    from nicoffload.errors import InputError, SetupError
     from nicoffload.jobspec import DEFAULT
-    from nicoffload.errors import InputError
-    from nicoffload.lab.inputs import make_gradients
+    from nicoffload.lab.inputs import format_size, make_gradients
     from nicoffload.lab.jobs import tempdir, testbed
     from nicoffload.lab.launcher import Launch, RankSpec, failure, program
     from nicoffload.lab.links import enable_gro
@@ -111,7 +110,7 @@ def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, p
             for s in specs:
                 agg.add_job(s.job, workers, s.group, ips, slots=slots, delivery=s.delivery)
             if progress:
-                progress(f"{workers} ranks, {size >> 20} MiB: {setting or pair} {va} against {vb}, {reps} reps "
+                progress(f"{workers} ranks, {format_size(size)}: {setting or pair} {va} against {vb}, {reps} reps "
                          f"each, interleaved on one aggregator")
             arg = json.dumps([s.to_dict() for s in specs])
             ranks = [RankSpec(f"rank {w.rank}", w, program("nicoffload.lab.paired") +

@@ -51,6 +51,8 @@ SPECULATE_SIZES = 512
 #: after a guess that missed, calls of that size without speculation: 1, 3, 7, ... up to this
 #: (a miss costs the missed blocks' bytes twice; every rank sees the same misses, so all agree)
 SPECULATE_BACKOFF = 63
+#: the contributor words of a job without them (dense): the speculative kernels take an empty array
+_NO_BITS = np.empty(0, np.int32)
 
 
 
@@ -298,7 +300,7 @@ class Communicator:
         shifts = self._buf.get("spec_shifts", k + nb, np.int32)
         mine = self._buf.get("spec_mine", k + nb, np.int64)
         keep = self._buf.get("spec_keep", nb, np.bool_)
-        no_bits = self._buf.get("no_bits", 0, np.int32)
+        no_bits = _NO_BITS
         K, nmine, nover = kernels.spec_plan(gexp0, no_bits if gbits0 is None else gbits0, exps, quant.ZERO_EXP, full,
                                             self.rank, quant.top_bits(32) - quant.headroom_bits(W), k,
                                             pump.META_SHIFT, blocks, masks, shifts, mine, keep)
@@ -354,7 +356,7 @@ class Communicator:
         if hole:  # zero everywhere now, and no round gave it a result
             words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
             kernels.zero_blocks(words, cover, E)
-        return gexp, gbits, redo[:nredo].copy(), masks_redo[:nredo].copy()
+        return gexp, gbits, redo[:nredo], masks_redo[:nredo]  # scratch: read before the next call
 
     def _extreme(self, array: np.ndarray, out: np.ndarray | None, op: str) -> np.ndarray:
         """MAX or MIN over the ranks, exact: each element becomes an int32 key whose signed order

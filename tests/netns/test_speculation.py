@@ -88,6 +88,8 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse,
         assert st[2].spec_missed == 40                                  # every exponent grew
         assert st[4].spec_missed == 0 and st[3].spec_missed >= 12       # the moved blocks, then hits
         assert st[5].spec_blocks == 35 and st[5].results == 40          # 5 blocks had no guess
+        # the blocks zero everywhere, as the plain calls counted them (call 3 has five)
+        assert [s.blocks_skipped for s in st] == [s.blocks_skipped for s in pstats[0]] and st[3].blocks_skipped == 5
         assert sum(s.retransmissions + s.pulls for st in sstats for s in st) > 0, "the faults did not bite"
         assert agg.stats()["mismatch"] == 0
         # with the backoff, a size whose guesses keep missing is sent speculatively less and less
