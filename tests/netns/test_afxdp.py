@@ -83,7 +83,7 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path,
     for a in sparse:
         a.reshape(-1, E)[rng.random(2000) < 0.5] = 0
     ins, clean = save(tmp_path, sparse, "c")
-    run_job(tb, ins, clean, "afxdp", timeout=20, engine=eng)
+    once = run_job(tb, ins, clean, "afxdp", timeout=20, engine=eng).agg_stats["aggregated"]
     tb.faults.configure(drop=0.02, dup=0.02, seed=11)
     lossy = [tmp_path / f"lossy{r}.npy" for r in range(4)]
     res = run_job(tb, ins, lossy, "afxdp", timeout=20, reps=2, engine=eng)
@@ -91,7 +91,11 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path,
     assert sum(v[d]["dropped"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
     assert sum(v[d]["duplicated"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
     st = res.agg_stats
-    assert st["dup_dropped"] > 0 and st["retx_answered"] + st["pull_answered"] + st["status_sent"] > 0, st
+    # recovery ran (the drops are certain) and each record was aggregated once; how many duplicates reach the engine as plain
+    # contributions (dup_dropped) varies run to run: a duplicated RETX, PULL or ACK is answered or
+    # taken again instead, so the results' bit identity below is what shows duplicates did no harm
+    assert st["retx_answered"] + st["pull_answered"] + st["status_sent"] > 0, st
+    assert st["aggregated"] == 2 * once, (st, once)  # each contribution taken exactly once per rep
     for r in range(4):
         assert np.array_equal(np.load(lossy[r]), np.load(clean[r])), f"rank {r} differs under loss"
     # the engine process is gone, and with it its program and sockets
