@@ -402,12 +402,15 @@ def _unload(args) -> int:
 
 def _register_bench(asub) -> None:
     q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
-    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live")
+    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live",
+                 "sudo nicoffload agg bench --lock-cost --no-live")
     q.add_argument("--workers", type=int, default=4)
     JobSpec.add_arguments(q, only=("elems",))
     q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
     q.add_argument("--no-live", action="store_true", help="skip the live testbed measurement")
     q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizers' updates (SGD, AdamW)")
+    q.add_argument("--lock-cost", action="store_true",
+                   help="also what the slot's spin lock costs per record (against a test-only build without it)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_bench)
 
@@ -425,6 +428,8 @@ def _bench(args) -> int:
         if not args.no_live:
             out["optimizer_live"] = [xdpbench.optimizer_live_cost(args.workers, elems=elems, kind=k)
                                      for k in xdpbench.BENCH_SPECS]
+    if args.lock_cost:
+        out["lock"] = xdpbench.lock_cost(elems=elems, rounds=args.rounds)
     if not args.no_live:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))

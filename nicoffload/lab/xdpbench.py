@@ -76,6 +76,45 @@ def test_run_costs(workers: int = 4, elems: int = DEFAULT.elems, rounds: int = 2
         agg.close()
 
 
+def lock_cost(slots: int = 64, elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
+    """What the slot's spin lock costs per record: one rank's one-record frames (each its
+    round's first and last contribution: copy, complete, rewrite) through BPF_PROG_TEST_RUN, on
+    the aggregator with the lock and on one built without it (the test-only mutant
+    AR_MUTANT_NO_SLOT_LOCK, which races under two CPUs: never load it for a job), frame by frame
+    alternately so that the VM's drift enters both alike. Returns each build's median ns per
+    frame and the median of the per-frame differences (timer overhead cancels in it)."""
+    from nicoffload.agg.control import Aggregator
+    from nicoffload.packets import generators as gen
+
+    arrays = [a & 0x3FFFFFF for a in gen.sample_arrays(1, rounds * elems, seed=1, elems=elems, bound=1 << 20)]
+    aggs = []
+    try:
+        for defines in (None, {"AR_MUTANT_NO_SLOT_LOCK": 1}):
+            aggs.append(Aggregator.for_test(1, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
+                                            group=gen.GROUP_IP, worker_ips=[gen.worker_ip(0)], defines=defines))
+        fds, runs = [a.prog.fd for a in aggs], []
+        for agg, fd in zip(aggs, fds):
+            for f in gen.join_frames(1):
+                libbpf.test_run(fd, f)
+            epoch = agg.job_state(agg.spec.job)["epoch"]
+            runs.append(gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch, op=proto.OP_SUM64))
+        ds = np.zeros((2, rounds))
+        for i in range(rounds):
+            for k in range(2):
+                if i and i % slots == 0:  # acknowledge, so that the slots can take the next rounds
+                    libbpf.test_run(fds[k], gen.ack_frame(0, i, epoch=aggs[k].job_state(aggs[k].spec.job)["epoch"]))
+                ds[k, i] = libbpf.test_run(fds[k], runs[k][i]).duration_ns
+        for k, agg in enumerate(aggs):
+            done = agg.stats()["completed"]
+            if done != rounds:
+                raise RuntimeError(f"lock cost: {done} of {rounds} rounds completed ({'un' * k}locked build)")
+        return {"locked": float(np.median(ds[0])), "unlocked": float(np.median(ds[1])),
+                "lock_ns": float(np.median(ds[0] - ds[1])), "frames": rounds}
+    finally:
+        for agg in aggs:
+            agg.close()
+
+
 def live_cost(workers: int = 4, size: int = LIVE_SIZE, elems: int = DEFAULT.elems, mode: str = "auto") -> dict:
     """Run AllReduces of float32 gradients on a testbed with kernel bpf stats on: the XDP
     program's time per frame, per record and per element."""
@@ -235,6 +274,11 @@ def describe(out: dict) -> str:
         lines.append(f"live {ol['kind']} steps ({ol['params']} parameters, {ol['steps']} steps, kernel bpf stats): "
                      f"{ol['per_record']:.0f} ns per record, {ol['per_element']:.2f} ns per element (the update "
                      f"included), {ol['step_s'] * 1e3:.1f} ms per step")
+    if "lock" in out:
+        lk = out["lock"]
+        lines.append(f"slot lock ({lk['frames']} one-record frames of one rank, alternately through each build; "
+                     f"median ns per frame): with {lk['locked']:.0f}, without (test-only build) {lk['unlocked']:.0f}; "
+                     f"the lock: {lk['lock_ns']:.0f} ns per record (median of the paired differences)")
     if "live" in out:
         lv = out["live"]
         lines.append(f"live testbed ({lv['mode']} XDP, kernel bpf stats, {LIVE_REPS} x {LIVE_SIZE >> 20} MiB float32 "

@@ -1,0 +1,22 @@
+"""`nicoffload agg bench`: the in-kernel costs it prints come from runs that really completed
+their rounds, the slot lock's cost paired frame by frame against the test-only build without it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from nicoffload.lab import xdpbench
+
+
+def test_agg_bench_reports_costs_and_the_slot_lock():
+    r = subprocess.run([sys.executable, "-m", "nicoffload.cli", "agg", "bench", "--workers", "2", "--rounds", "200",
+                        "--lock-cost", "--no-live", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    t, lk = out["test_run_ns"], out["lock"]
+    assert out["workers"] == 2 and t["sum64_first"] > 0 and t["pass"] > 0
+    assert lk["frames"] == 200 and lk["locked"] > 0 and lk["unlocked"] > 0
+    assert abs(lk["lock_ns"]) < lk["locked"]  # a difference of two costs of the same frames, not a sum
+
+    assert "slot lock (200 one-record frames" in xdpbench.describe(out)  # what the command prints without --json
