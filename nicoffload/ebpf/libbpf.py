@@ -332,15 +332,27 @@ def prog_stats(prog_id: int) -> ProgStats:
             raise PrivilegeError("reading BPF program statistics needs root")
         raise NotFoundError(f"no BPF program with id {prog_id} ({os.strerror(err)})")
     try:
-        info = _ProgInfo()
-        size = ctypes.c_uint32(ctypes.sizeof(info))
-        rc = L.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
-        if rc != 0:
-            err = _errno(rc)
-            raise OSError(err, f"reading the info of BPF program {prog_id} failed: {os.strerror(err)}")
+        info = _prog_info(fd, f"BPF program {prog_id}")
         return ProgStats(int(info.run_time_ns), int(info.run_cnt))
     finally:
         os.close(fd)
+
+
+def _prog_info(fd: int, what: str) -> _ProgInfo:
+    info = _ProgInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    rc = lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
+    if rc != 0:
+        err = _errno(rc)
+        raise OSError(err, f"reading the info of {what} failed: {os.strerror(err)}")
+    return info
+
+
+def prog_code(fd: int) -> tuple[str, int]:
+    """A loaded program's tag (hex; the kernel's hash of its instructions) and its length in
+    translated instructions: two builds of one source differ in these where their code does."""
+    info = _prog_info(fd, f"the BPF program of fd {fd}")
+    return bytes(info.tag).hex(), int(info.xlated_prog_len) // 8
 
 
 @contextlib.contextmanager

@@ -27,18 +27,13 @@ def test_run_costs(workers: int = 4, elems: int = DEFAULT.elems, rounds: int = 2
     medians are reported less that overhead (a single run of the pass path against its average
     over 100,000 repeats, which the pass path allows: it does not change the frame). float32
     rounds use SUM64, int32 rounds SUM."""
-    from nicoffload.agg.control import Aggregator
     from nicoffload.packets import generators as gen
     from nicoffload.packets import hostile
 
     slots = min(rounds, 4096)
-    agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
-                              worker_ips=[gen.worker_ip(r) for r in range(workers)])
+    agg, epoch = _joined(workers, slots, elems)
     try:
         fd = agg.prog.fd
-        for f in gen.join_frames(workers):
-            libbpf.test_run(fd, f)
-        epoch = agg.job_state(agg.spec.job)["epoch"]
         out: dict = {}
         foreign = hostile.foreign()[1][1]
         single_pass = float(np.median([libbpf.test_run(fd, foreign).duration_ns for _ in range(2000)]))
@@ -76,40 +71,57 @@ def test_run_costs(workers: int = 4, elems: int = DEFAULT.elems, rounds: int = 2
         agg.close()
 
 
+def _joined(workers: int, slots: int, elems: int, defines: dict | None = None):
+    """An unattached aggregator for BPF_PROG_TEST_RUN whose one job has formed its epoch (every
+    rank's JOIN run through it): (the aggregator, the epoch). The caller closes it."""
+    from nicoffload.agg.control import Aggregator
+    from nicoffload.packets import generators as gen
+
+    agg = Aggregator.for_test(workers, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
+                              worker_ips=[gen.worker_ip(r) for r in range(workers)], defines=defines)
+    try:
+        for f in gen.join_frames(workers):
+            libbpf.test_run(agg.prog.fd, f)
+        return agg, agg.job_state(agg.spec.job)["epoch"]
+    except BaseException:
+        agg.close()
+        raise
+
+
 def lock_cost(slots: int = 64, elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
     """What the slot's spin lock costs per record: one rank's one-record frames (each its
     round's first and last contribution: copy, complete, rewrite) through BPF_PROG_TEST_RUN, on
     the aggregator with the lock and on one built without it (the test-only mutant
     AR_MUTANT_NO_SLOT_LOCK, which races under two CPUs: never load it for a job), frame by frame
     alternately so that the VM's drift enters both alike. Returns each build's median ns per
-    frame and the median of the per-frame differences (timer overhead cancels in it)."""
-    from nicoffload.agg.control import Aggregator
+    frame and length in instructions, and the median of the per-frame differences (timer
+    overhead cancels in it)."""
     from nicoffload.packets import generators as gen
 
     arrays = [a & 0x3FFFFFF for a in gen.sample_arrays(1, rounds * elems, seed=1, elems=elems, bound=1 << 20)]
-    aggs = []
+    aggs, epochs = [], []
     try:
         for defines in (None, {"AR_MUTANT_NO_SLOT_LOCK": 1}):
-            aggs.append(Aggregator.for_test(1, slots=slots, elems=elems, agg_ip=gen.AGG_IP, agg_mac=gen.AGG_MAC,
-                                            group=gen.GROUP_IP, worker_ips=[gen.worker_ip(0)], defines=defines))
-        fds, runs = [a.prog.fd for a in aggs], []
-        for agg, fd in zip(aggs, fds):
-            for f in gen.join_frames(1):
-                libbpf.test_run(fd, f)
-            epoch = agg.job_state(agg.spec.job)["epoch"]
-            runs.append(gen.contributions(arrays, slots=slots, elems=elems, epoch=epoch, op=proto.OP_SUM64))
+            agg, epoch = _joined(1, slots, elems, defines)
+            aggs.append(agg)
+            epochs.append(epoch)
+        fds = [a.prog.fd for a in aggs]
+        (tag, insns), (tag_u, insns_u) = (libbpf.prog_code(fd) for fd in fds)
+        if tag == tag_u:
+            raise RuntimeError("lock cost: the build without the slot lock loaded the same program as the aggregator")
+        runs = [gen.contributions(arrays, slots=slots, elems=elems, epoch=e, op=proto.OP_SUM64) for e in epochs]
         ds = np.zeros((2, rounds))
         for i in range(rounds):
             for k in range(2):
                 if i and i % slots == 0:  # acknowledge, so that the slots can take the next rounds
-                    libbpf.test_run(fds[k], gen.ack_frame(0, i, epoch=aggs[k].job_state(aggs[k].spec.job)["epoch"]))
+                    libbpf.test_run(fds[k], gen.ack_frame(0, i, epoch=epochs[k]))
                 ds[k, i] = libbpf.test_run(fds[k], runs[k][i]).duration_ns
         for k, agg in enumerate(aggs):
             done = agg.stats()["completed"]
             if done != rounds:
                 raise RuntimeError(f"lock cost: {done} of {rounds} rounds completed ({'un' * k}locked build)")
         return {"locked": float(np.median(ds[0])), "unlocked": float(np.median(ds[1])),
-                "lock_ns": float(np.median(ds[0] - ds[1])), "frames": rounds}
+                "lock_ns": float(np.median(ds[0] - ds[1])), "frames": rounds, "insns": [insns, insns_u]}
     finally:
         for agg in aggs:
             agg.close()

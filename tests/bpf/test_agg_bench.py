@@ -18,5 +18,7 @@ def test_agg_bench_reports_costs_and_the_slot_lock():
     assert out["workers"] == 2 and t["sum64_first"] > 0 and t["pass"] > 0
     assert lk["frames"] == 200 and lk["locked"] > 0 and lk["unlocked"] > 0
     assert abs(lk["lock_ns"]) < lk["locked"]  # a difference of two costs of the same frames, not a sum
+    locked, unlocked = lk["insns"]
+    assert unlocked < locked, lk["insns"]  # the second build really lacks the lock's helper calls
 
     assert "slot lock (200 one-record frames" in xdpbench.describe(out)  # what the command prints without --json

@@ -91,9 +91,9 @@ def test_exact_within_bound_and_bit_identical_under_loss(make_testbed, tmp_path,
     assert sum(v[d]["dropped"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
     assert sum(v[d]["duplicated"] for v in fs.values() for d in ("ingress", "egress")) > 10, fs
     st = res.agg_stats
-    # recovery ran (the drops are certain) and each record was aggregated once; how many duplicates reach the engine as plain
-    # contributions (dup_dropped) varies run to run: a duplicated RETX, PULL or ACK is answered or
-    # taken again instead, so the results' bit identity below is what shows duplicates did no harm
+    # recovery ran (the drops are certain) and each record was aggregated once. How many
+    # duplicates reach the engine as plain contributions (dup_dropped) varies from run to run: a
+    # duplicated RETX, PULL or ACK is answered or taken again instead
     assert st["retx_answered"] + st["pull_answered"] + st["status_sent"] > 0, st
     assert st["aggregated"] == 2 * once, (st, once)  # each contribution taken exactly once per rep
     for r in range(4):
