@@ -95,6 +95,13 @@ def register(sub) -> None:
     p.add_argument("--lanes", type=int, choices=[16, 32], default=32,
                    help="bits per fixed-point lane of xdp, afxdp, userspace, xdpuni and xdptorch (16: half the "
                         "bytes; the system xdp16 is xdp with 16)")
+    p.add_argument("--elems", type=int, default=None, metavar="E",
+                   help=f"int32 elements per record of the nicoffload systems (default {DEFAULT.elems}: 1 KiB, "
+                        "fits a 1500-byte MTU); the testbed's MTU grows to fit (jumbo frames; at most 858 on veth). "
+                        "The sweep, --paired and --soak take it")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help=f"aggregation slots of each nicoffload job, and so its rounds in flight per rank "
+                        f"(default {DEFAULT.slots}). The sweep, --paired and --soak take it")
     p.add_argument("--shard-layout", choices=["contiguous", "roundrobin"], default="contiguous",
                    help="how a sharded job splits a tensor over the aggregators")
     p.add_argument("--compute", action="store_true",
@@ -175,7 +182,8 @@ def _paired(args) -> int:
         raise InputError("--paired sparsity takes one sparsity above 0 (dense is the other variant), e.g. --sparsity 0.75")
     r = paired.run(args.paired, workers, size, args.reps or 30,
                    progress=lambda m: print(m, file=sys.stderr, flush=True),
-                   sparsity=sparse[0] if sparse else 0.75, zero_run=args.zero_run, seed=args.seed)
+                   sparsity=sparse[0] if sparse else 0.75, zero_run=args.zero_run, seed=args.seed,
+                   spec=DEFAULT.replace(**_record_args(args)).validate())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"paired_{args.paired}.json").write_text(json.dumps(r, indent=1))
     print(paired.describe(r))
@@ -188,6 +196,17 @@ SOAK_WORKERS = 3
 SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick",
               "compute")
 SOAK_ONLY = ("drop", "dup", "dtypes", "json")
+
+
+def _record_args(args) -> dict:
+    """--elems and --slots as JobSpec fields (those given)."""
+    return {k: getattr(args, k) for k in ("elems", "slots") if getattr(args, k) is not None}
+
+
+def _no_record_args(args, mode: str) -> None:
+    if _record_args(args):
+        raise InputError(f"{mode} runs its jobs with the default records and slots: "
+                         f"{', '.join(_given(args, ('elems', 'slots')))} go with the sweep, --paired and --soak")
 
 
 def _given(args, names) -> list[str]:
@@ -207,8 +226,10 @@ def _bench(args) -> int:
     if args.soak is not None:
         return _soak(args)
     if args.tenants is not None:
+        _no_record_args(args, "--tenants")
         return _tenants(args)
     if args.torch_overhead:
+        _no_record_args(args, "--torch-overhead")
         return _torch_overhead(args)
     if args.paired:
         return _paired(args)
@@ -224,7 +245,8 @@ def _bench(args) -> int:
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
                  compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
                  agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx, zero_run=args.zero_run,
-                 spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes))
+                 spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes,
+                                      **_record_args(args)).validate())
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)
@@ -253,7 +275,7 @@ def _soak_config(args) -> tuple[int, SoakConfig]:
         if values is not None and len(values) != 1:
             raise InputError(f"--soak runs one testbed: give one value of {what}, not {len(values)}")
     workers = args.workers[0] if args.workers else SOAK_WORKERS
-    spec = DEFAULT if args.timeout is None else DEFAULT.replace(timeout=args.timeout)
+    spec = DEFAULT.replace(**_record_args(args), **({} if args.timeout is None else {"timeout": args.timeout}))
     kw = dict(calls=args.soak, seed=args.seed, spec=spec, mode=args.mode)
     for name in ("drop", "dup"):
         if getattr(args, name) is not None:

@@ -73,10 +73,11 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 
 def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, progress=None,
-        sparsity: float = 0.75, zero_run: int = 1, seed: int = 0) -> dict:
+        sparsity: float = 0.75, zero_run: int = 1, seed: int = 0, spec=None) -> dict:
     """On a fresh testbed of ``workers`` (``multicast`` False: a fabric without it, where only
     unicast runs): the two jobs of ``pair`` on one XDP aggregator, interleaved. Pair sparsity:
-    seeded gradients, dense against ``sparsity`` zero blocks in runs of ``zero_run``."""
+    seeded gradients, dense against ``sparsity`` zero blocks in runs of ``zero_run``. ``spec``
+    (default: DEFAULT) gives both jobs their record size and slots."""
     from nicoffload.agg.control import AggSpec, Aggregator
     from nicoffload.errors import InputError, SetupError
     from nicoffload.jobspec import DEFAULT
@@ -85,16 +86,17 @@ def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, p
     from nicoffload.lab.launcher import Launch, RankSpec, failure, program
     from nicoffload.lab.links import enable_gro
 
+    base = DEFAULT if spec is None else spec
     setting, va, vb = PAIRS[pair]
     if pair == "sparsity" and not 0 < sparsity < 1:
         raise InputError(f"--paired sparsity measures dense inputs against a sparsity in (0, 1), not {sparsity}")
     if pair == "sparsity":
         vb = f"sparse {sparsity:g}" + (f", zero runs of {zero_run}" if zero_run > 1 else "")
-    with testbed(workers, multicast=multicast) as tb, tempdir() as d:
+    with testbed(workers, base.elems, multicast=multicast) as tb, tempdir() as d:
         inputs = [[]] * workers
         if pair == "sparsity":
             n = max(1, size // 4)
-            variants = [make_gradients(workers, n, sp, seed, DEFAULT.elems, zero_run) for sp in (0.0, sparsity)]
+            variants = [make_gradients(workers, n, sp, seed, base.elems, zero_run) for sp in (0.0, sparsity)]
             inputs = [[f"{d}/v{v}-r{r}.npy" for v in range(2)] for r in range(workers)]
             for r in range(workers):
                 for v in range(2):
@@ -102,11 +104,11 @@ def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, p
             del variants
         enable_gro(tb)
         ips = [w.ip for w in tb.workers]
-        slots = DEFAULT.slots
-        specs = [DEFAULT.replace(job=j + 1, port=tb.port, group=tb.topology.group_of(j + 1), slots=slots,
+        slots = base.slots
+        specs = [base.replace(job=j + 1, port=tb.port, group=tb.topology.group_of(j + 1), slots=slots,
                                  local_port=tb.port + 1 + j, timeout=30, **({setting: v} if setting else {}))
                  for j, v in enumerate((va, vb))]
-        with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, 2 * slots, port=tb.port)) as agg:
+        with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, 2 * slots, base.elems, port=tb.port)) as agg:
             for s in specs:
                 agg.add_job(s.job, workers, s.group, ips, slots=slots, delivery=s.delivery)
             if progress:

@@ -216,6 +216,21 @@ def test_soak_refuses_what_it_cannot_run(argv, says):
     assert says in str(ei.value)
 
 
+def test_record_size_and_slots_reach_the_soak_and_are_checked():
+    _, cfg = _soak_config(parse("--soak", "20", "--elems", "512", "--slots", "64"))
+    assert (cfg.spec.elems, cfg.spec.slots) == (512, 64)
+    assert _soak_config(parse("--soak", "20"))[1].spec == SoakConfig(calls=20).spec
+    with pytest.raises(InputError, match="--elems must be even, 2..858"):
+        _soak_config(parse("--soak", "20", "--elems", "859"))
+
+
+@pytest.mark.parametrize("mode", [["--tenants", "2"], ["--torch-overhead"]])
+def test_modes_with_their_own_jobs_refuse_a_record_size(mode):
+    from nicoffload.cli.bench import _bench
+    with pytest.raises(InputError, match="--elems, --slots go with the sweep, --paired and --soak"):
+        _bench(parse(*mode, "--elems", "512", "--slots", "64"))
+
+
 def test_soak_options_need_soak():
     from nicoffload.cli.bench import _bench
     with pytest.raises(InputError, match="--drop, --json go with --soak N"):
