@@ -68,6 +68,11 @@ class InputError(NicoffloadError):
     exit_code = 2
 
 
+class RefusedError(InputError):
+    """Every rank of a job refused a call together (a NaN or an Inf in some rank's input, found
+    in the metadata round): the ranks' rounds stay in step, so the job's later calls go on."""
+
+
 class CapacityError(NicoffloadError):
     """The aggregator has no room for a job (slots or job-table entries)."""
 

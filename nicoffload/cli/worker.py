@@ -148,7 +148,7 @@ def _worker(args) -> int:
         raise InputError("--mode ring needs --peers (every rank's address, in rank order)")
     if spec.mode == "aggregator" and not args.aggregator:
         raise InputError("--mode aggregator needs --aggregator (the aggregator's address)")
-    x = load_input(args.input)
+    x = load_input(args.input, finite=False)  # a NaN or an Inf: every rank refuses the call together
     out, report = worker_rank(args.rank, args.world, args.aggregator, x, spec, args.local_ip, args.reps, peers,
                               args.ring_userspace, args.capacity)
     if args.output:

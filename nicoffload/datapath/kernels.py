@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import njit
 
-from nicoffload.wire import proto
+from nicoffload.wire import proto, quant
 
 _O = proto.FIELD_OFFSETS
 O_TYPE, O_FLAGS, O_SET, O_RANK = _O["type"], _O["flags"], _O["set"], _O["rank"]
@@ -39,6 +39,7 @@ HDR = proto.HDR_LEN
 T_RESULT, T_STATUS, T_ACK = proto.TYPE_RESULT, proto.TYPE_STATUS, proto.TYPE_ACK
 RANK_AGG = proto.RANK_AGG
 ZERO_EXP = np.iinfo(np.int32).min
+REFUSE_EXP, REFUSE_INF, REFUSE_NAN = quant.REFUSE_EXP, quant.REFUSE_INF, quant.REFUSE_NAN
 #: shifts whose 2^s and 2^-s are normal float32 numbers: the float32 path is exact there
 F32_SHIFT_LIMIT = 100
 
@@ -79,6 +80,7 @@ def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
     masks, ``mbits`` the mantissa bits, ``inf_field`` the exponent field of Inf/NaN, ``bias``
     what makes frexp's exponent of the field, ``tiny`` the smallest subnormal."""
     n = u.size
+    first = -1
     for b in range(exps.size):
         lo = b * elems
         hi = min(lo + elems, n)
@@ -88,10 +90,16 @@ def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
             v = s[i] & emask
             m = v if v > m else m
         field = np.int32(m >> mbits)
-        if field == inf_field:
+        if field == inf_field:  # Inf or NaN: the block refuses the call (NaN if it holds one)
+            why = REFUSE_INF
             for i in range(hi - lo):
                 if s[i] & emask == emask:
-                    return lo + i
+                    if first < 0:
+                        first = lo + i
+                    if s[i] & amask != emask:
+                        why = REFUSE_NAN
+            exps[b] = REFUSE_EXP + (why << 16)
+            continue
         if field == 0:  # zero or subnormal only: the largest mantissa decides
             mm = amask & 0
             for i in range(hi - lo):
@@ -100,13 +108,15 @@ def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
             exps[b] = ZERO_EXP if mm == 0 else math.frexp(float(mm) * tiny)[1]
         else:
             exps[b] = field - bias
-    return -1
+    return first
 
 
 @njit(cache=True, boundscheck=False)
 def block_meta_f32(x, elems, exps):
     """exps[b] = E with max|x| < 2^E in block b (math.frexp's exponent of the largest magnitude),
-    ZERO_EXP for an all-zero block. Returns the index of the first non-finite element, or -1.
+    ZERO_EXP for an all-zero block, REFUSE_EXP + (REFUSE_NAN << 16) for a block holding a NaN,
+    REFUSE_EXP + (REFUSE_INF << 16) for one holding an Inf and no NaN. Returns the index of the
+    first non-finite element, or -1.
 
     Works on the exponent fields: the largest magnitude has the largest exponent field, and for
     a normal number frexp's exponent is that field - 126; an all-ones field is Inf or NaN. One

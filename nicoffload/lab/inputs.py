@@ -33,8 +33,10 @@ def parse_size(s: str) -> int:
         raise InputError(f"cannot read size {s!r}: use e.g. 4KiB, 16MiB, 1000000") from None
 
 
-def load_input(path: Path) -> np.ndarray:
-    """One .npy input, refused with a reason if a worker cannot sum it."""
+def load_input(path: Path, finite: bool = True) -> np.ndarray:
+    """One .npy input, refused with a reason if a worker cannot sum it. ``finite=False`` lets a
+    NaN or an Inf through: a rank of a running job refuses it together with the others (the
+    communicator's metadata round), so that they fail at once instead of waiting for it."""
     try:
         a = np.load(path, allow_pickle=False)
     except FileNotFoundError:
@@ -43,7 +45,7 @@ def load_input(path: Path) -> np.ndarray:
         raise InputError(f"{path}: not a readable .npy file ({e.__class__.__name__}: {e})")
     if a.dtype not in DTYPES:
         raise InputError(f"{path}: dtype {a.dtype} is not supported (int32, float32, float64)")
-    if a.dtype.kind == "f" and not np.isfinite(a).all():
+    if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
         raise InputError(f"{path}: holds NaN or Inf; refusing to sum it")
     return a
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from nicoffload.datapath import kernels
 from nicoffload.datapath.pump import KIND_FLOAT32, KIND_FLOAT64, KIND_INT32
-from nicoffload.datapath.tensors import KIND, block_exponents, call_arrays
+from nicoffload.datapath.tensors import KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import MAX_GSO_SEGS, MAX_MSGS, Transport
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT
@@ -227,8 +227,10 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         if kind == KIND_INT32:
             shifts = np.zeros(nb, np.int32)
         else:
-            exps = block_exponents(flat, E, np.empty(nb, np.int32), self.rank)
+            exps = np.empty(nb, np.int32)
+            bad = block_exponents(flat, E, exps, self.rank)
             gexp = self._values(exps, proto.OP_MAX)
+            refuse_together(gexp, self.rank, flat, bad, E)  # a NaN or an Inf: every rank refuses
             zero = gexp == quant.ZERO_EXP
             shifts = np.where(zero, 0, 30 - quant.headroom_bits(W) - gexp.astype(np.int64)).astype(np.int32)
         bias = 1 << (30 - quant.headroom_bits(W))

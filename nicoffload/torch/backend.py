@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nicoffload.errors import NicoffloadError, NotFoundError, TimeoutError_
+from nicoffload.errors import NicoffloadError, NotFoundError, RefusedError, TimeoutError_
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.api import JobGrant, JobRequest
 from nicoffload.service.client import ServiceClient
@@ -368,11 +368,15 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         return Work(fut, what)
 
     def _offload(self, fn):
-        """Run an offloaded call: after the offload failed once, every later call fails with it."""
+        """Run an offloaded call: after the offload failed once, every later call fails with it
+        (a rank's rounds may no longer be in step with the others'). A call every rank refused
+        together (RefusedError: a NaN or an Inf) leaves them in step, and the group goes on."""
         if self.error is not None:
             raise self.error
         try:
             return fn()
+        except RefusedError:
+            raise
         except BaseException as e:
             self.error = e
             raise

@@ -32,7 +32,8 @@ contribute, NaN/Inf in a gradient, ...) is set on the bucket's future, so ``back
 instead of hanging; the Communicator's own timeout bounds the wait. PyTorch wraps it in a
 RuntimeError; ``state.error`` keeps the original and ``state.reraise`` raises it. After one
 failure the job's protocol state is lost, so every later bucket fails at once with the same
-error instead of waiting out another timeout.
+error instead of waiting out another timeout; a bucket every rank refused together (a NaN or an
+Inf in some rank's gradient: RefusedError) leaves it intact, and later buckets go on.
 """
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
 # annotations with dist.GradBucket and Future[Tensor] at run time, and strings fail that check.
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.errors import NicoffloadError, SetupError
+from nicoffload.errors import NicoffloadError, RefusedError, SetupError
 from nicoffload.jobspec import DEFAULT
 
 try:
@@ -168,6 +169,8 @@ class NicoffloadHookState:
             if not direct:
                 buf.copy_(work)
             return buf
+        except RefusedError:  # every rank refused this bucket (a NaN or an Inf): still in step
+            raise
         except BaseException as e:
             if self.error is None:
                 self.error = e

@@ -22,6 +22,24 @@ from nicoffload.errors import InputError
 
 #: exponent sent for an all-zero block: loses every max, so max == ZERO_EXP means zero everywhere
 ZERO_EXP = np.iinfo(np.int32).min
+#: exponents from REFUSE_EXP up refuse the call: a block holding a NaN or an Inf (or, in an
+#: optimizer step, a gradient out of range) sends REFUSE_EXP + (reason << 16) + rank instead of
+#: its exponent. It wins the metadata round's MAX over every real exponent, so every rank learns
+#: of it and refuses the call, instead of waiting for data the refusing rank will not send.
+REFUSE_EXP = 1 << 30
+REFUSE_INF, REFUSE_NAN, REFUSE_RANGE = 1, 2, 3
+REFUSE_WHAT = {REFUSE_INF: "Inf", REFUSE_NAN: "NaN", REFUSE_RANGE: "out of range"}
+
+
+def refusal_code(reason: int, rank: int) -> int:
+    return REFUSE_EXP + (reason << 16) + rank
+
+
+def refusal(code: int) -> tuple[int, int] | None:
+    """(reason, rank) of a metadata round's exponent that refuses the call, else None."""
+    if code < REFUSE_EXP:
+        return None
+    return (code - REFUSE_EXP) >> 16, (code - REFUSE_EXP) & 0xFFFF
 
 
 def headroom_bits(world: int) -> int:

@@ -8,7 +8,9 @@ worker's), and a run that another run's JOIN has ended fails naming the cause.
 
 One call on a tensor of B blocks of ``elems`` elements:
 1. Local metadata in one pass (kernels.block_meta_*): per block the exponent of the largest
-   magnitude (floats) and whether it is non-zero; NaN/Inf are refused on the way.
+   magnitude (floats) and whether it is non-zero. A block holding a NaN or an Inf sends a
+   refusal code instead of its exponent (quant.REFUSE_EXP): it wins the MAX of step 2, and
+   every rank refuses the call there, instead of waiting for data that will never come.
 2. A metadata round, only when needed: MAX of the block exponents (floats: the fixed-point
    scale of each block) and OR of per-block contributor bits (sparse mode: who has data where).
    Dense int32 needs none. The metadata is 4 bytes per block and rank (0.4% of the data).
@@ -35,9 +37,9 @@ import numpy as np
 
 from nicoffload import optim
 from nicoffload.datapath import kernels, pump
-from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays
+from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
-from nicoffload.errors import InputError
+from nicoffload.errors import InputError, RefusedError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto, quant
 from nicoffload.worker.stream import Buffers, CallStats, RoundStream
@@ -169,8 +171,10 @@ class Communicator:
         nb = -(-n // E)
 
         # 1. local metadata
-        if is_float:
-            exps = block_exponents(flat, E, self._buf.get("exps", nb, np.int32), self.rank)
+        bad = -1
+        if is_float:  # a NaN or an Inf refuses the call on every rank, after the metadata round
+            exps = self._buf.get("exps", nb, np.int32)
+            bad = block_exponents(flat, E, exps, self.rank)
         elif self.sparse:
             nz8 = self._buf.get("nz8", nb, np.uint8)
             kernels.block_nonzero_i32(flat, E, nz8)
@@ -198,12 +202,15 @@ class Communicator:
                 guess = None
         if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
             gexp, gbits, blocks, masks = self._speculative(x, flat, res, exps, bits, guess)
+            refuse_together(gexp, self.rank, flat, bad, E)
             self._remember(key, gexp, gbits)
             backoff = min(2 * backoff + 1, SPECULATE_BACKOFF) if st.spec_missed else 0
             self._backoff[key] = (backoff, backoff)
             mine = np.flatnonzero(masks >> self.rank & 1) if len(masks) else masks  # every guess hit: none
             return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
         gexp, gbits = self._meta(exps if is_float else None, bits)
+        if is_float:
+            refuse_together(gexp, self.rank, flat, bad, E)
         if speculative:
             self._remember(key, gexp, gbits)
         if is_float:
@@ -412,9 +419,6 @@ class Communicator:
         about half a second: the stream looks at it whenever it waits)."""
         self._s.abort(error)
 
-    def _block_exps(self, flat: np.ndarray, nb: int) -> np.ndarray:
-        return block_exponents(flat, self.elems, self._buf.get("exps", nb, np.int32), self.rank)
-
     def step(self, grads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """One optimizer step of a job the aggregator holds the optimizer of: send this rank's
         gradients (pre-averaged: divided by the world size, as DDP does) and return the updated
@@ -430,13 +434,23 @@ class Communicator:
         t0 = time.perf_counter()
         st = self.last = self._s.last = CallStats()
         flat, res = g.reshape(-1), out.reshape(-1)
-        exps = self._block_exps(flat, nb)
-        top = int(exps.max()) if nb else quant.ZERO_EXP
-        if top > optim.RANGE:
-            raise InputError(f"rank {self.rank}: a gradient reaches 2^{top - 1}; the optimizer takes |g| < "
-                             f"2^{optim.RANGE}")
+        exps = self._buf.get("exps", nb, np.int32)
+        bad = block_exponents(flat, E, exps, self.rank)
+        # a gradient out of range (or a NaN, an Inf) refuses the step on every rank, after the
+        # metadata round: the others must not wait for data this rank will not send
+        over = (exps > optim.RANGE) & (exps < quant.REFUSE_EXP)
+        top = int(exps[over].max()) if over.any() else quant.ZERO_EXP
+        exps[over] = quant.refusal_code(quant.REFUSE_RANGE, self.rank)
         self.join()
         gexp, _ = self._meta(exps, None)
+        if nb and int(gexp.max()) >= quant.REFUSE_EXP:
+            # a step takes every slot of the job in turn (metadata, then data): the refused
+            # step's data rounds are skipped, so that the next step's rounds land on their slots
+            self._s.reserve(nb)
+            if bad < 0 and top > optim.RANGE:
+                raise RefusedError(f"rank {self.rank}: a gradient reaches 2^{top - 1}; the optimizer takes |g| < "
+                                   f"2^{optim.RANGE} (every rank refuses this step)")
+            refuse_together(gexp, self.rank, flat, bad, E)
         blocks = np.arange(nb, dtype=np.int64)
         masks = np.full(nb, np.int64(self._all), dtype=np.int64)
         shifts = optim.step_shifts(gexp, self.world).astype(np.int32)

@@ -184,3 +184,59 @@ def test_the_optimizer_commands(make_testbed, tmp_path):
         assert shown["lr"] == 1e-3 and shown["weight_decay"] == 1e-2  # torch.optim.AdamW's defaults
     finally:
         unload(tb.agg.netns, tb.agg.iface, missing_ok=True)
+
+
+def test_a_step_one_rank_cannot_take_is_refused_by_every_rank_and_changes_nothing(make_testbed):
+    """A gradient out of the optimizer's range on one rank, then a NaN on another: every rank's
+    step fails at once with a RefusedError naming that rank (the metadata round carries the
+    refusal), the job's state stays as it was, and the next step is the model's second step."""
+    from nicoffload.errors import RefusedError
+
+    tb = make_testbed(3)
+    ranks = tb.workers
+    rng = np.random.default_rng(6)
+    init = rng.uniform(-0.5, 0.5, N)
+    good = steps(rng, len(ranks), 2)
+    huge = [g.copy() for g in good[1]]
+    huge[1][4321] = 2.0 ** (optim.RANGE + 3)
+    nan = [g.copy() for g in good[1]]
+    nan[2][17] = np.nan
+    P = optim.share(N, E)
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=P, optimizer=True)) as agg:
+        agg.add_job(1, len(ranks), tb.mcast_group, [h.ip for h in ranks], optimizer=SPEC, params=N, initial=init)
+        comms = []
+        for r, h in enumerate(ranks):
+            with tb.in_host(h):
+                comms.append(Communicator(r, len(ranks), tb.agg.ip, group=tb.mcast_group, local_ip=h.ip,
+                                          slots=P, timeout=20, sparse=False))
+        outcome = [[None] * len(ranks) for _ in range(4)]
+
+        def go(r):
+            for i, grads in enumerate([good[0], huge, nan, good[1]]):
+                try:
+                    outcome[i][r] = comms[r].step(grads[r]).copy()
+                except BaseException as e:
+                    outcome[i][r] = e
+
+        ts = [threading.Thread(target=go, args=(r,)) for r in range(len(ranks))]
+        try:
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)  # refusals come at once; a rank that waited out its 20 s timeout fails below
+        finally:
+            for c in comms:
+                c.close()
+        st = agg.stats(1)
+    model = optim.JobModel(SPEC, init, len(ranks), E)
+    for i, r_says in ((1, "rank 1's gradients in elements 4096..4351 are out of the optimizer's range"),
+                      (2, "rank 2's input holds a non-finite value (NaN) in elements 0..255")):
+        errs = outcome[i]
+        assert all(isinstance(e, RefusedError) for e in errs), errs
+        assert "a gradient reaches 2^" in str(errs[1]) if i == 1 else "NaN at flat index 17" in str(errs[2])
+        assert all(r_says in str(e) for r, e in enumerate(errs) if r != i), errs
+    for i, g in ((0, good[0]), (3, good[1])):
+        _, want = model.step(g)
+        for r in range(len(ranks)):
+            assert np.array_equal(outcome[i][r], want.astype(np.float32)), f"step {i}, rank {r}: {outcome[i][r]}"
+    assert st["updated"] == 2 * optim.blocks(N, E), st

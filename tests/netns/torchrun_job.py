@@ -102,6 +102,21 @@ def collectives(rank: int, world: int) -> None:
             t = xs[rank].clone()
             dist.all_reduce(t, op=op)
             check(f"{op}-{dtype}", torch.equal(t, want))
+    # a NaN on one rank: every rank's call fails at once, naming it, and the group goes on
+    t = torch.ones(3000)
+    if rank == world - 1:
+        t[1234] = float("nan")
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(t)
+        err = ""
+    except Exception as e:
+        err = str(e)
+    check("nan-refused-by-every-rank", f"rank {world - 1}'s input holds a non-finite value (NaN" in err
+          and time.perf_counter() - t0 < 5, err[:300])
+    t = torch.ones(3000)
+    dist.all_reduce(t)
+    check("after-a-refusal", torch.equal(t, torch.full((3000,), float(world))))
     # int64: the gloo path, exact
     xs = [inputs("i64", r, (999,), torch.int64) for r in range(world)]
     t = xs[rank].clone()

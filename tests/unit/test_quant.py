@@ -102,3 +102,30 @@ def test_non_finite_input_is_refused(bad):
     a[3] = bad
     with pytest.raises(InputError, match="non-finite"):
         quant.check_finite(a)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_non_finite_block_sends_a_refusal_that_wins_the_max_and_names_the_rank(dtype):
+    """A block holding a NaN or an Inf gets a refusal code (NaN over Inf) naming the rank; the
+    other blocks keep their exponents. After the MAX of every rank's codes each rank refuses:
+    the one that holds the value names its index, the others the rank, the kind and the block."""
+    from nicoffload.datapath.tensors import block_exponents, refuse_together
+
+    clean = np.linspace(-3, 5, 1000).astype(dtype)
+    x = clean.copy()
+    x[[300, 301, 700]] = [np.inf, np.nan, -np.inf]
+    exps = np.empty(4, np.int32)
+    assert block_exponents(x, E, exps, rank=5) == 300
+    want = np.empty(4, np.int32)
+    assert block_exponents(clean, E, want, rank=5) == -1 and int(want.max()) < quant.REFUSE_EXP
+    assert list(exps[[0, 3]]) == list(want[[0, 3]])  # blocks after the first bad one still measured
+    assert quant.refusal(int(exps[1])) == (quant.REFUSE_NAN, 5)  # the NaN wins over the Inf beside it
+    assert quant.refusal(int(exps[2])) == (quant.REFUSE_INF, 5)
+    assert quant.refusal(int(want[0])) is None
+    gexp = np.maximum(exps, want)  # the metadata round's MAX with a clean rank
+    with pytest.raises(InputError, match=r"rank 5's input holds a non-finite value \(Inf at flat index 300\)"):
+        refuse_together(gexp, 5, x, 300, E)
+    with pytest.raises(InputError, match=r"rank 5's input holds a non-finite value \(NaN\) in elements "
+                                         r"256\.\.511 and 1 more block\(s\); every rank refuses"):
+        refuse_together(gexp, 0, clean, -1, E)
+    refuse_together(want, 0, clean, -1, E)  # nothing refused: no error
