@@ -48,16 +48,18 @@ enum outcome {
     OUT_PULL_ANSWER, /* a pull of a completed round: the record carries the result */
     OUT_STATUS,      /* the record carries a STATUS (detail set) */
     OUT_DUP,         /* a duplicate of a counted contribution */
-    OUT_MISMATCH,    /* a contribution that disagrees with its round (op, exp, count, mask) */
+    OUT_MISMATCH,    /* a contribution that disagrees with its round (op, exp, count, mask): STATUS MISMATCH */
     OUT_EARLY,       /* would overwrite a result some rank has not acknowledged yet */
     OUT_STALE,       /* for a round older than the one its set holds */
     OUT_UPDATING,    /* an optimizer round completed: its update runs next, outside the lock */
 };
 
-/* set->complete: 0 waiting, 1 complete (the acc is the result), 2 an optimizer round's update is
+/* set->complete: 0 waiting, 1 complete (the acc is the result), 3 the ranks disagreed on the
+ * round (it never completes; every record of it gets STATUS MISMATCH), 2 an optimizer round's update is
  * running (not yet a result: retransmissions get a STATUS until it is) */
 #define SET_COMPLETE 1
 #define SET_UPDATING 2
+#define SET_CONFLICT 3 /* a contribution disagreed with the round: it never completes */
 
 /* What ar_record() needs of the frame (lives on ar_aggregate's stack). */
 struct frame {
@@ -532,6 +534,10 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     u32 round = bpf_ntohl(h->round);
     int same = s->epoch == epoch && s->round == round;
 
+    if (same && s->complete == SET_CONFLICT) { /* the ranks disagree on it: every rank is told */
+        to_status(h, s->bitmap, AR_DETAIL_MISMATCH);
+        return OUT_STATUS;
+    }
     if (h->flags & AR_FLAG_PULL) {
         if (same && s->complete == SET_COMPLETE) {
             acc_read(s->acc, p);
@@ -583,8 +589,14 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
         s->complete = 0;
         acc_write(s->acc, p);
     } else {
-        if (s->mask != mask || s->op != op || s->exp != h->exp || s->count != cnt)
+        if (s->mask != mask || s->op != op || s->exp != h->exp || s->count != cnt) {
+            /* not the same tensors (size, dtype, lanes): the round cannot complete; tell the
+             * sender, and every rank that asks about the round later */
+            if (!s->complete) /* a completed round keeps its result for the ranks' retransmissions */
+                s->complete = SET_CONFLICT;
+            to_status(h, s->bitmap, AR_DETAIL_MISMATCH);
             return OUT_MISMATCH;
+        }
         u32 now = s->bitmap | bit;
         s->bitmap = now;
         /* sgd (a constant of the inlined copy): the SUM64 lanes of an optimizer round, without
@@ -775,7 +787,9 @@ long ar_record(u64 i)
         break;
     case OUT_MISMATCH:
         count(st, AR_STAT_MISMATCH);
-        break;
+        f->answer = 1;
+        keep_record(f, data, end, h, i);
+        return 0;
     case OUT_EARLY:
         count(st, AR_STAT_EARLY);
         break;

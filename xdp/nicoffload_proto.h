@@ -117,6 +117,8 @@
 #define AR_DETAIL_GONE 5
 /* an epoch is forming: mask = the ranks that have joined */
 #define AR_DETAIL_JOINING 6
+/* the ranks disagree on the round (op, exp, count or mask differ): mask = who it took; it never completes */
+#define AR_DETAIL_MISMATCH 7
 
 #define AR_RANK_AGG 0xFFFF
 #define AR_MAX_WORKERS 32

@@ -70,8 +70,9 @@ struct afx_set {
     uint32_t epoch, round, bitmap, mask;
     uint16_t count;
     int16_t exp;
-    uint8_t op, complete;
+    uint8_t op, complete; /* complete: 0 waiting, 1 complete, SET_CONFLICT the ranks disagreed */
 };
+#define SET_CONFLICT 3
 
 struct afx_job {
     int used;
@@ -620,6 +621,11 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
     uint32_t rnd = ntohl(r->round);
     uint32_t bit = 1u << rank;
     int same = s->epoch == j->live && s->round == rnd;
+    if (same && s->complete == SET_CONFLICT) { /* the ranks disagree on the round: every rank is told */
+        status(r, s->bitmap, AR_DETAIL_MISMATCH);
+        st[AR_STAT_STATUS_SENT]++;
+        return OUT_ANSWER;
+    }
     if (flags & AR_FLAG_PULL) {
         if (same && s->complete) {
             memcpy(p, acc, 4 * e->elems);
@@ -685,9 +691,12 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
         memcpy(acc, p, 4 * e->elems);
     } else {
         if (s->mask != mask || s->op != op || s->exp != exp || s->count != cnt) {
+            /* not the same tensors: the round cannot complete (the XDP program's SET_CONFLICT) */
+            if (!s->complete)
+                s->complete = SET_CONFLICT;
+            status(r, s->bitmap, AR_DETAIL_MISMATCH);
             st[AR_STAT_MISMATCH]++;
-            r->type = AR_TYPE_NOP;
-            return OUT_NONE;
+            return OUT_ANSWER;
         }
         s->bitmap |= bit;
         combine(op, acc, p, e->elems);

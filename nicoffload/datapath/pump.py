@@ -74,7 +74,10 @@ META_SHIFT = -(1 << 30)
 
 # decode_results return codes (besides the count of new results)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
-D_EPOCH, D_WAITING = proto.DETAIL["epoch"], proto.DETAIL["waiting"]
+EV_MISMATCH = 2     # a STATUS said the ranks disagree on a round (status[i] = MISMATCHED)
+D_EPOCH, D_WAITING, D_MISMATCH = proto.DETAIL["epoch"], proto.DETAIL["waiting"], proto.DETAIL["mismatch"]
+#: status[i] of a round the ranks disagree on (not a contributor bitmap, which is >= 0)
+MISMATCHED = -2
 F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a first delivery
 
 
@@ -166,6 +169,10 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                 d = buf[o + O_DETAIL]
                 if d == D_EPOCH:
                     event = EV_STALE_EPOCH
+                elif d == D_MISMATCH:
+                    if event != EV_STALE_EPOCH:
+                        event = EV_MISMATCH
+                    status[i] = MISMATCHED
                 elif d == D_WAITING:
                     status[i] = _be32(buf, o + O_MASK)
                 continue

@@ -33,6 +33,7 @@ class _Set:
     exp: int = 0
     count: int = 0
     complete: bool = False
+    conflict: bool = False  # a contribution disagreed with the round: it never completes
 
 
 @dataclass
@@ -222,6 +223,10 @@ class UserspaceAggregator(EpochState):
         bit = 1 << rank
         same = s.epoch == self.live and s.round == rnd
         p = recs["payload"][i]
+        if same and s.conflict:  # the ranks disagree on the round: every rank is told
+            self._status(r, s.bitmap, "mismatch")
+            st["status_sent"] += 1
+            return "answer"
         if flags & proto.FLAG_PULL:
             if same and s.complete:
                 p[:] = acc
@@ -262,14 +267,16 @@ class UserspaceAggregator(EpochState):
                     st["early"] += 1
                     r["type"] = proto.TYPE_NOP
                     return None
-            s.epoch, s.round, s.bitmap, s.mask, s.count, s.exp, s.op, s.complete = (
-                self.live, rnd, bit, mask, cnt, exp, op, False)
+            s.epoch, s.round, s.bitmap, s.mask, s.count, s.exp, s.op, s.complete, s.conflict = (
+                self.live, rnd, bit, mask, cnt, exp, op, False, False)
             acc[:] = p
         else:
             if s.mask != mask or s.op != op or s.exp != exp or s.count != cnt:
+                # not the same tensors: the round cannot complete (the XDP program's SET_CONFLICT)
+                s.conflict = s.conflict or not s.complete
                 st["mismatch"] += 1
-                r["type"] = proto.TYPE_NOP
-                return None
+                self._status(r, s.bitmap, "mismatch")
+                return "answer"
             s.bitmap |= bit
             self._combine(op, acc, p)
         st["aggregated"] += 1

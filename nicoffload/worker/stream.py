@@ -387,6 +387,15 @@ class RoundStream:
                     f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
                     f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
                     f"the aggregator was reloaded; this run's results are gone")
+            if event == pump.EV_MISMATCH:
+                # the ranks' rounds are out of step from here on: every later call fails with this
+                i = int(np.flatnonzero(status[:K] == pump.MISMATCHED)[0])
+                self.abort(ProtocolError(
+                    f"rank {self.rank}: the ranks disagree on the round of block {int(blocks[i])} of this call: "
+                    f"the aggregator refused a contribution that differs from the round's first (its size, scale, "
+                    f"lanes or op): the ranks were not given tensors of the same shape and dtype; this job's "
+                    f"rounds are out of step, build new communicators"))
+                self._check_abort()
             if new:
                 ndone += new
                 timer.on_results(int(newly[new - 1]), hi, sent_at, now)

@@ -303,20 +303,41 @@ def test_sum16_adds_four_lanes_per_word_and_carries_twice_the_count(make_agg, jo
 
     assert agg.run(gen.batch([as_sum64(2 * E)], 1)).verdict == XDP_DROP and agg.stats()["bad_len"] == 1
     assert agg.run(gen.batch([as_sum64(E + 1)], 1)).verdict == XDP_DROP and agg.stats()["bad_len"] == 2
-    assert agg.run(gen.batch([as_sum64(E)], 1)).verdict == XDP_DROP and agg.stats()["mismatch"] == 1
+    out = agg.run(gen.batch([as_sum64(E)], 1))  # answered: the ranks disagree on the round
+    assert out.verdict == XDP_TX and agg.stats()["mismatch"] == 1
+    assert (hdr_of(out.data)["type"], hdr_of(out.data)["detail"]) == (proto.TYPE_STATUS, proto.DETAIL["mismatch"])
 
 
-def test_a_contribution_that_disagrees_with_its_round_is_rejected(make_agg, joined):
+def test_a_contribution_that_disagrees_with_its_round_is_answered_and_the_round_never_completes(make_agg, joined):
+    """Rank 1's contribution carries another exp than rank 0's (the ranks were not given the same
+    tensors): STATUS MISMATCH back to it, and the round is conflicted: every later record of it
+    (another disagreeing one, rank 0's retransmission, a contribution that agrees) gets the same
+    answer, and nothing completes. A completed round keeps its result."""
     agg = make_agg(workers=2)
     ep = joined(agg, 2)
     arrays = gen.sample_arrays(2, 256, seed=9)
-    a = gen.contributions(arrays, slots=8, epoch=ep, exp=5)
+    a = gen.contributions(arrays, slots=8, epoch=ep, exp=5)  # rank 0's record of round 0, then rank 1's
     b = gen.contributions(arrays, slots=8, epoch=ep, exp=6)
     c = gen.contributions(arrays, slots=8, epoch=ep, exp=5, op=proto.OP_MAX)
-    assert agg.run(a[0]).verdict == XDP_DROP
-    assert agg.run(b[1]).verdict == XDP_DROP and agg.run(c[1]).verdict == XDP_DROP
-    assert agg.stats()["mismatch"] == 2
-    assert agg.run(a[1]).verdict == XDP_TX
+    assert agg.run(a[0]).verdict == XDP_DROP  # rank 0 starts round 0
+    out = agg.run(b[1])
+    h = hdr_of(out.data)
+    assert out.verdict == XDP_TX and agg.stats()["mismatch"] == 1
+    assert (h["type"], h["detail"], h["mask"], h["rank"], h["round"]) == (
+        proto.TYPE_STATUS, proto.DETAIL["mismatch"], 0b01, 1, 0)
+    for frame in (c[1], a[1], gen.contributions(arrays, slots=8, epoch=ep, exp=5, retx=True)[0]):
+        out = agg.run(frame)
+        assert out.verdict == XDP_TX and hdr_of(out.data)["detail"] == proto.DETAIL["mismatch"]
+    st = agg.stats()
+    assert (st["mismatch"], st["status_sent"], st["completed"]) == (1, 3, 0), st
+    # a completed round keeps its result: a record that disagrees is answered, and the ranks'
+    # retransmissions still get the result
+    d = gen.contributions(arrays, slots=8, epoch=ep, exp=5, first_round=1, masks=0b01)
+    assert agg.run(d[0]).verdict == XDP_TX  # round 1, rank 0 alone: complete
+    late = gen.contributions(arrays, slots=8, epoch=ep, exp=5, first_round=1)[1]  # rank 1, mask 0b11
+    assert hdr_of(agg.run(late).data)["detail"] == proto.DETAIL["mismatch"] and agg.stats()["mismatch"] == 2
+    again = agg.run(gen.contributions(arrays, slots=8, epoch=ep, exp=5, first_round=1, masks=0b01, retx=True)[0])
+    assert hdr_of(again.data)["type"] == proto.TYPE_RESULT and agg.stats()["retx_answered"] == 1
 
 
 def test_stale_rounds_are_dropped(make_agg, joined):

@@ -253,3 +253,30 @@ def test_a_worker_restarted_mid_job_fails_the_job_clearly(make_testbed, tmp_path
     assert "no JOIN from rank(s) 0, 1" in results[2][1], results[2][1]
     for r in range(3):
         assert not outs[r].exists(), f"rank {r} wrote a result"
+
+
+@pytest.mark.parametrize("kind", ["xdp", "afxdp", "userspace"])
+def test_ranks_given_different_shapes_fail_at_once_saying_so(make_testbed, tmp_path, kind):
+    """Rank 1 holds 9,000 floats, the others 5,000: the round of their last block disagrees (its
+    count). The aggregator answers STATUS MISMATCH to that record and to every later one of the
+    round, so every rank fails within the call with a ProtocolError saying the tensors differ,
+    long before the 30 s progress timeout that used to blame a silent rank."""
+    tb = make_testbed(3)
+    enable_gro(tb)
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal(9000 if r == 1 else 5000).astype(np.float32) for r in range(3)]
+    ins, outs = save(tmp_path, xs)
+    with AggregatorProcess(tb, kind) as ap:
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError) as e:
+            run_workers(tb, ins, outs, timeout=30.0)
+        took = time.monotonic() - t0
+        st = ap.stats()
+    msg = str(e.value)
+    for r in range(3):
+        assert f"rank {r}: the ranks disagree on the round of block 19" in msg, msg
+    assert msg.count("not given tensors of the same shape and dtype") == 3, msg
+    assert took < 25, took  # process start-up included; the progress timeout alone is 30 s
+    assert not any(p.exists() for p in outs)
+    if kind == "xdp":
+        assert st["mismatch"] >= 1, st

@@ -177,6 +177,18 @@ def collectives(rank: int, world: int) -> None:
     # offloaded (aggregator mode: its own job) or through gloo (ring mode): within that path's bound
     ok = e.check(t.numpy()).within_bound or host_sum([x.numpy() for x in xs]).check(t.numpy()).within_bound
     check("new_group", ok and isinstance(sub, type(dist.distributed_c10d._get_default_group())))
+    # ranks that disagree on the tensor's size (aggregator mode; the ring's subgroup takes gloo):
+    # every rank's call fails at once, saying so
+    if os.environ.get("NICOFFLOAD_MODE") != "ring":
+        t = torch.ones(5000 + 4000 * (rank == 1))
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce(t, group=sub)
+            err = ""
+        except Exception as e:
+            err = str(e)
+        check("shapes-disagree", "not given tensors of the same shape" in err and time.perf_counter() - t0 < 10,
+              err[:300])
     dist.destroy_process_group(sub)
 
 

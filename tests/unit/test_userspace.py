@@ -245,23 +245,35 @@ def test_retransmissions_pulls_and_stale_rounds(harness):
     assert h.delta(before) == {"rx": 3, "records": 3, "stale_round": 1, "status_sent": 2}
 
 
-def test_mismatching_contributions(harness):
+@pytest.mark.parametrize("what", ["op", "exp", "count", "mask"])
+def test_mismatching_contributions(harness, what):
+    """A contribution that disagrees with its round (op, exp, count or mask: the ranks were not
+    given the same tensors) is counted and answered with STATUS MISMATCH, and the round never
+    completes: every later record of it (the first rank's retransmission, a contribution that
+    agrees) gets the same answer, so that every rank fails at once instead of timing out."""
     h = harness(workers=2)
     live = h.form()
     arrs = g.sample_arrays(2, E, seed=6)
     f = g.contributions(arrs, slots=S, epoch=live)
     h.feed(f[0])  # rank 0 starts round 0: SUM, exp 0, count E, mask 0b11
-    others = {
-        "op": g.contributions(arrs, slots=S, epoch=live, op=proto.OP_MAX)[1],
-        "exp": g.contributions(arrs, slots=S, epoch=live, exp=1)[1],
-        "count": g.batch([g.record(rank=1, round=0, slots=S, epoch=live, mask=0b11, count=E - 1)], 1),
-        "mask": g.batch([g.record(rank=1, round=0, slots=S, epoch=live, mask=0b10)], 1),
-    }
-    for what, x in others.items():
-        before = h.stats
-        assert h.feed(x) == []
-        assert h.delta(before) == {"rx": 1, "records": 1, "mismatch": 1}, what
-    assert h.feed(f[1]) == [(g.expected_results(arrs, slots=S, epoch=live)[0], (g.GROUP_IP, proto.DEFAULT_PORT))]
+    other = {
+        "op": lambda: g.contributions(arrs, slots=S, epoch=live, op=proto.OP_MAX)[1],
+        "exp": lambda: g.contributions(arrs, slots=S, epoch=live, exp=1)[1],
+        "count": lambda: g.batch([g.record(rank=1, round=0, slots=S, epoch=live, mask=0b11, count=E - 1)], 1),
+        "mask": lambda: g.batch([g.record(rank=1, round=0, slots=S, epoch=live, mask=0b10)], 1),
+    }[what]()
+    before = h.stats
+    (status, addr), = h.feed(other, sport=40001)
+    hd = header_of(status)
+    assert (hd["type"], hd["detail"], hd["mask"], hd["rank"], hd["round"]) == (
+        proto.TYPE_STATUS, proto.DETAIL["mismatch"], 0b01, 1, 0), what
+    assert addr == (g.worker_ip(1), 40001)
+    assert h.delta(before) == {"rx": 1, "records": 1, "mismatch": 1}, what
+    before = h.stats
+    for frame, rank in ((f[1], 1), (g.contributions(arrs, slots=S, epoch=live, retx=True)[0], 0)):
+        (status, addr), = h.feed(frame, sport=40002)
+        assert (header_of(status)["detail"], addr) == (proto.DETAIL["mismatch"], (g.worker_ip(rank), 40002))
+    assert h.delta(before) == {"rx": 2, "records": 2, "status_sent": 2}, what
 
 
 def test_batches_answer_once_with_only_their_answers(harness):
