@@ -149,7 +149,11 @@ class Communicator:
         communicator's ``lanes``: half the bytes on the wire, the precision of half-precision
         training; error bounds in nicoffload.wire.quant). Every rank must pass the same ``lanes``.
         ``op="max"`` / ``"min"``: the elementwise maximum / minimum of int32 or float32 arrays,
-        exact (the aggregator's MAX op on order-preserving int32 keys)."""
+        exact (the aggregator's MAX op on order-preserving int32 keys).
+
+        A NaN or an Inf in any rank's float input: every rank raises RefusedError naming that
+        rank, and the job's later calls go on. Ranks given tensors of different sizes (or
+        lanes): every rank raises a ProtocolError saying so, and so does every later call."""
         if lanes is not None and lanes not in quant.LANES:
             raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         if op != "sum":
