@@ -70,7 +70,12 @@ class InputError(NicoffloadError):
 
 class RefusedError(InputError):
     """Every rank of a job refused a call together (a NaN or an Inf in some rank's input, found
-    in the metadata round): the ranks' rounds stay in step, so the job's later calls go on."""
+    in the metadata round): the ranks' rounds stay in step, so the job's later calls go on.
+    ``rank``: the job's rank that refused it (None when not known)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class CapacityError(NicoffloadError):

@@ -53,7 +53,7 @@ def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, ele
     if bad >= 0:
         kind = "NaN" if np.isnan(flat[bad]) else "Inf"
         raise RefusedError(f"rank {rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
-                         f"refusing to sum it (every rank refuses this call)")
+                           f"refusing to sum it (every rank refuses this call)", rank)
     hit = np.flatnonzero(gexp >= quant.REFUSE_EXP)
     b = int(hit[0])
     reason, who = quant.refusal(int(gexp[b]))
@@ -61,6 +61,6 @@ def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, ele
     more = f" and {len(hit) - 1} more block(s)" if len(hit) > 1 else ""
     if reason == quant.REFUSE_RANGE:
         raise RefusedError(f"rank {who}'s gradients in elements {lo}..{hi - 1}{more} are out of the optimizer's "
-                         f"range; every rank refuses this step")
+                           f"range; every rank refuses this step", who)
     raise RefusedError(f"rank {who}'s input holds a non-finite value ({quant.REFUSE_WHAT.get(reason, '?')}) in "
-                     f"elements {lo}..{hi - 1}{more}; every rank refuses this call")
+                       f"elements {lo}..{hi - 1}{more}; every rank refuses this call", who)

@@ -156,12 +156,13 @@ def expected(arrays: Sequence[np.ndarray], quantizes: bool, elems: int = DEFAULT
     return quantized(arrays, elems, lanes) if quantizes else host_sum(arrays)
 
 
-def two_level(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expected:
+def two_level(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems, width: int | None = None) -> Expected:
     """What a job of more than 32 ranks (nicoffload.worker.hier: leaf groups, then their
     leaders) must return for float inputs: every leaf's bound on its group's sum, the half ulp of
     each group sum's cast, the root's bound on the sum of those sums (twice it: a group sum off by
     its leaf's error can cross a power of two and raise its block's exponent by one), and the
-    final cast. Integers: exact, as everywhere."""
+    final cast. Integers: exact, as everywhere. ``width``: ranks per leaf group at most (default
+    the aggregator's 32)."""
     from nicoffload.worker.hier import groups_of
 
     exp = _integer(arrays)
@@ -172,7 +173,7 @@ def two_level(arrays: Sequence[np.ndarray], elems: int = DEFAULT.elems) -> Expec
     exact = exact_sum(xs)
     bound = np.zeros(exact.size, np.float64)
     parts = []
-    for g in groups_of(len(xs)):
+    for g in (groups_of(len(xs)) if width is None else groups_of(len(xs), width)):
         group = [xs[r] for r in g]
         s = exact_sum(group)
         bound += quantization_bound(group, elems) + _half_ulp(s, dtype)

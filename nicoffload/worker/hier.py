@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nicoffload.datapath.tensors import DTYPES, call_arrays
-from nicoffload.errors import InputError
+from nicoffload.errors import InputError, RefusedError
 from nicoffload.jobspec import JobSpec
 from nicoffload.wire import proto
 from nicoffload.worker.comm import Communicator
@@ -69,14 +69,37 @@ def plan(spec: JobSpec, world: int, width: int = proto.MAX_WORKERS) -> tuple[lis
     return leaves, root
 
 
+#: the NaN a leader hands its group instead of the total when the root refused the call; the
+#: low bits carry the refusing leaf group + 1 (a sum of finite values is never NaN)
+_MARK32, _MARK64_HI = np.int32(0x7FC00000), np.int32(0x7FF80000)
+
+
+def _mark(out: np.ndarray, group: int) -> None:
+    w = out.reshape(-1).view(np.int32)
+    if out.dtype == np.float32:
+        w[0] = _MARK32 | np.int32(group + 1)
+    elif out.dtype == np.float64:  # little-endian: word 1 holds the sign, exponent and top mantissa
+        w[0], w[1] = np.int32(group + 1), _MARK64_HI
+
+
+def _marked(out: np.ndarray) -> int | None:
+    """The refusing group of a marked result, else None."""
+    if out.dtype.kind != "f" or not np.isnan(out.reshape(-1)[0]):
+        return None
+    w = out.reshape(-1).view(np.int32)
+    return int(w[0] & 0xFFFF) - 1
+
+
 class HierCommunicator:
     """One rank of a job of more than 32 ranks (the API of :class:`Communicator`)."""
 
-    def __init__(self, rank: int, world: int, aggregator: str, spec: JobSpec, local_ip: str | None = None, **kw):
+    def __init__(self, rank: int, world: int, aggregator: str, spec: JobSpec, local_ip: str | None = None,
+                 width: int = proto.MAX_WORKERS, **kw):
         if not 0 <= rank < world:
             raise InputError(f"rank {rank} / world {world}")
         self.rank, self.world = rank, world
-        leaves, self.root_level = plan(spec, world)
+        leaves, self.root_level = plan(spec, world, width)
+        self._levels = leaves
         self.leaf_level = next(lv for lv in leaves if rank in lv.ranks)
         me = self.leaf_level.ranks.index(rank)
         self.leader = me == 0
@@ -114,14 +137,38 @@ class HierCommunicator:
         if op != "sum":
             raise InputError("a job of more than 32 ranks sums (op sum) only")
         x, out = call_arrays(array, out, DTYPES)
-        part = self.leaf.allreduce(x, lanes=lanes)                              # 1. the group's sum
-        total = self.root.allreduce(part, lanes=lanes) if self.leader else None  # 2. the leaders' sum of sums
+        if x.size == 0:
+            return out
+        # A NaN or an Inf refuses the call in its group's leaf (RefusedError on every rank of the
+        # group). Every level still runs, so that every rank of the job refuses it too and the
+        # rounds stay in step: the group's leader makes the root refuse (a NaN in its part), and
+        # every leader hands its group a NaN marker naming the group instead of the total.
+        refused = None
+        try:
+            part = self.leaf.allreduce(x, lanes=lanes)                          # 1. the group's sum
+        except RefusedError as e:
+            refused, part = e, np.zeros_like(x)
+            part.reshape(-1)[0] = np.nan
         bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
+        bits[:] = 0
         if self.leader:
-            bits[:] = total.reshape(-1).view(np.int32)
-        else:
-            bits[:] = 0
+            try:
+                total = self.root.allreduce(part, lanes=lanes)                 # 2. the leaders' sum of sums
+                bits[:] = total.reshape(-1).view(np.int32)
+            except RefusedError as e:
+                _mark(out, e.rank or 0)  # the root's rank r is the leader of leaf group r
         self.leaf.allreduce(bits, out=bits)
+        group = _marked(out)
+        if refused is not None:  # named by its rank in the leaf: say which rank of the job it is
+            who = self.leaf_level.ranks[refused.rank] if refused.rank is not None else None
+            detail = str(refused).partition("non-finite value ")[2].partition(";")[0]  # "(NaN) in elements .."
+            raise RefusedError(f"rank {who}'s input holds a non-finite value {detail}; every rank of the job "
+                               f"refuses this call", who) from refused
+        if group is not None:
+            lv = self._levels[group] if 0 <= group < len(self._levels) else None
+            where = f"leaf group {group}" + (f" (ranks {lv.ranks[0]}..{lv.ranks[-1]})" if lv else "")
+            raise RefusedError(f"rank {self.rank}: a rank of {where} holds a non-finite value (or their sum "
+                               f"overflowed); every rank of the job refuses this call")
         return out
 
     def barrier(self) -> None:

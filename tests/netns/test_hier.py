@@ -3,6 +3,8 @@ jobs of 20 and a root job of their leaders on one XDP aggregator; int32 exact, f
 the two-level bound (small tensors: 40 rank processes share the machine's 2 cores)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from e2ekit import save
 
@@ -31,3 +33,59 @@ def test_forty_ranks_in_two_levels(make_testbed, tmp_path):
             assert c.within_bound, (tag, r, c.reason)
         # three jobs on the aggregator: the two leaves' rounds and the root's
         assert res.agg_stats["epoch_formed"] == 3 and res.agg_stats["bad_src"] == 0
+
+
+def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbed):
+    """Two levels with groups of two (width 2, four ranks): a NaN on rank 3 refuses the call in
+    its group's leaf, its leader makes the root refuse, and the other group's leader hands its
+    group a marker: every rank raises RefusedError at once (before: the other group waited at the
+    root until its timeout). The next call is right on every rank."""
+    import threading
+
+    from nicoffload.agg.control import Aggregator, AggSpec
+    from nicoffload.errors import RefusedError
+    from nicoffload.worker.hier import HierCommunicator
+
+    world, spec = 4, DEFAULT.replace(slots=32, timeout=20)
+    tb = make_testbed(world)
+    spec = spec.replace(port=tb.port, group=tb.mcast_group)
+    leaves, root = plan(spec, world, width=2)
+    ips = [w.ip for w in tb.workers]
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, spec.slots * 3, spec.elems, spec.port)) as agg:
+        for lv in [*leaves, root]:
+            agg.add_job(lv.job, len(lv.ranks), lv.group, [ips[r] for r in lv.ranks], slots=spec.slots)
+        comms = []
+        for r, w in enumerate(tb.workers):
+            with tb.in_host(w):
+                comms.append(HierCommunicator(r, world, tb.agg.ip, spec, local_ip=w.ip, width=2))
+        rng = np.random.default_rng(3)
+        calls = [[rng.standard_normal(3000).astype(np.float32) for _ in range(world)] for _ in range(2)]
+        calls[0][3][1234] = np.nan
+        got = [[None] * world for _ in calls]
+
+        def one(r):
+            for i, xs in enumerate(calls):
+                try:
+                    got[i][r] = comms[r].allreduce(xs[r])
+                except BaseException as e:
+                    got[i][r] = e
+
+        t0 = time.monotonic()
+        ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+        try:
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+        finally:
+            for c in comms:
+                c.close()
+    assert time.monotonic() - t0 < 15
+    errs = got[0]
+    assert all(isinstance(e, RefusedError) for e in errs), errs
+    assert "rank 3's input holds a non-finite value (NaN at flat index 1234); every rank of the job" in str(errs[3])
+    assert "rank 3's input holds a non-finite value (NaN) in elements 1024..1279; every rank of" in str(errs[2])
+    assert all("a rank of leaf group 1 (ranks 2..3) holds a non-finite value" in str(e) for e in errs[:2]), errs
+    want = reference.two_level(calls[1], width=2)
+    for r in range(world):
+        assert want.check(got[1][r]).within_bound, (r, got[1][r])
