@@ -150,13 +150,15 @@ class HierCommunicator:
             refused, part = e, np.zeros_like(x)
             part.reshape(-1)[0] = np.nan
         bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
-        bits[:] = 0
         if self.leader:
             try:
                 total = self.root.allreduce(part, lanes=lanes)                 # 2. the leaders' sum of sums
                 bits[:] = total.reshape(-1).view(np.int32)
             except RefusedError as e:
+                bits[:] = 0
                 _mark(out, e.rank or 0)  # the root's rank r is the leader of leaf group r
+        else:
+            bits[:] = 0
         self.leaf.allreduce(bits, out=bits)
         group = _marked(out)
         if refused is not None:  # named by its rank in the leaf: say which rank of the job it is
