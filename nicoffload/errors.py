@@ -71,11 +71,12 @@ class InputError(NicoffloadError):
 class RefusedError(InputError):
     """Every rank of a job refused a call together (a NaN or an Inf in some rank's input, found
     in the metadata round): the ranks' rounds stay in step, so the job's later calls go on.
-    ``rank``: the job's rank that refused it (None when not known)."""
+    ``rank``: the job's rank that refused it (None when not known); ``what``: what it refused,
+    e.g. "(NaN at flat index 7)" or "(Inf) in elements 0..255"."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, what: str = ""):
         super().__init__(message)
-        self.rank = rank
+        self.rank, self.what = rank, what
 
 
 class CapacityError(NicoffloadError):

@@ -51,9 +51,9 @@ def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, ele
     if not len(gexp) or int(gexp.max()) < quant.REFUSE_EXP:
         return
     if bad >= 0:
-        kind = "NaN" if np.isnan(flat[bad]) else "Inf"
-        raise RefusedError(f"rank {rank}'s input holds a non-finite value ({kind} at flat index {bad}); "
-                           f"refusing to sum it (every rank refuses this call)", rank)
+        what = f"({'NaN' if np.isnan(flat[bad]) else 'Inf'} at flat index {bad})"
+        raise RefusedError(f"rank {rank}'s input holds a non-finite value {what}; "
+                           f"refusing to sum it (every rank refuses this call)", rank, what)
     hit = np.flatnonzero(gexp >= quant.REFUSE_EXP)
     b = int(hit[0])
     reason, who = quant.refusal(int(gexp[b]))
@@ -62,5 +62,5 @@ def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, ele
     if reason == quant.REFUSE_RANGE:
         raise RefusedError(f"rank {who}'s gradients in elements {lo}..{hi - 1}{more} are out of the optimizer's "
                            f"range; every rank refuses this step", who)
-    raise RefusedError(f"rank {who}'s input holds a non-finite value ({quant.REFUSE_WHAT.get(reason, '?')}) in "
-                       f"elements {lo}..{hi - 1}{more}; every rank refuses this call", who)
+    what = f"({quant.REFUSE_WHAT.get(reason, '?')}) in elements {lo}..{hi - 1}{more}"
+    raise RefusedError(f"rank {who}'s input holds a non-finite value {what}; every rank refuses this call", who, what)

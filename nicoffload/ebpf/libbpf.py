@@ -206,14 +206,19 @@ def map_by_id(map_id: int) -> int:
     return fd
 
 
-def map_info(fd: int) -> dict:
-    """id, name, type, key and value size, entries and flags of a map fd."""
-    info = _MapInfo()
+def _obj_info(fd: int, info, what: str):
+    """``info`` (a _MapInfo or _ProgInfo) filled by BPF_OBJ_GET_INFO_BY_FD for ``fd``."""
     size = ctypes.c_uint32(ctypes.sizeof(info))
     rc = lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
     if rc != 0:
         err = _errno(rc)
-        raise OSError(err, f"reading the info of BPF map fd {fd} failed: {os.strerror(err)}")
+        raise OSError(err, f"reading the info of {what} failed: {os.strerror(err)}")
+    return info
+
+
+def map_info(fd: int) -> dict:
+    """id, name, type, key and value size, entries and flags of a map fd."""
+    info = _obj_info(fd, _MapInfo(), f"BPF map fd {fd}")
     return {"id": info.id, "name": info.name.decode(errors="replace"), "type": info.type,
             "key_size": info.key_size, "value_size": info.value_size, "max_entries": info.max_entries,
             "flags": info.map_flags}
@@ -339,13 +344,7 @@ def prog_stats(prog_id: int) -> ProgStats:
 
 
 def _prog_info(fd: int, what: str) -> _ProgInfo:
-    info = _ProgInfo()
-    size = ctypes.c_uint32(ctypes.sizeof(info))
-    rc = lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
-    if rc != 0:
-        err = _errno(rc)
-        raise OSError(err, f"reading the info of {what} failed: {os.strerror(err)}")
-    return info
+    return _obj_info(fd, _ProgInfo(), what)
 
 
 def prog_code(fd: int) -> tuple[str, int]:

@@ -273,7 +273,7 @@ class UserspaceAggregator(EpochState):
         else:
             if s.mask != mask or s.op != op or s.exp != exp or s.count != cnt:
                 # not the same tensors: the round cannot complete (the XDP program's SET_CONFLICT)
-                s.conflict = s.conflict or not s.complete
+                s.conflict = not s.complete  # a completed round keeps its result
                 st["mismatch"] += 1
                 self._status(r, s.bitmap, "mismatch")
                 return "answer"

@@ -163,9 +163,8 @@ class HierCommunicator:
         group = _marked(out)
         if refused is not None:  # named by its rank in the leaf: say which rank of the job it is
             who = self.leaf_level.ranks[refused.rank] if refused.rank is not None else None
-            detail = str(refused).partition("non-finite value ")[2].partition(";")[0]  # "(NaN) in elements .."
-            raise RefusedError(f"rank {who}'s input holds a non-finite value {detail}; every rank of the job "
-                               f"refuses this call", who) from refused
+            raise RefusedError(f"rank {who}'s input holds a non-finite value {refused.what}; every rank of the job "
+                               f"refuses this call", who, refused.what) from refused
         if group is not None:
             lv = self._levels[group] if 0 <= group < len(self._levels) else None
             where = f"leaf group {group}" + (f" (ranks {lv.ranks[0]}..{lv.ranks[-1]})" if lv else "")

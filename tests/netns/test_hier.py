@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from e2ekit import save
+from e2ekit import run_ranks, save
 
 from nicoffload.jobspec import DEFAULT
 from nicoffload.lab import reference
@@ -40,8 +40,6 @@ def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbe
     its group's leaf, its leader makes the root refuse, and the other group's leader hands its
     group a marker: every rank raises RefusedError at once (before: the other group waited at the
     root until its timeout). The next call is right on every rank."""
-    import threading
-
     from nicoffload.agg.control import Aggregator, AggSpec
     from nicoffload.errors import RefusedError
     from nicoffload.worker.hier import HierCommunicator
@@ -61,25 +59,24 @@ def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbe
         rng = np.random.default_rng(3)
         calls = [[rng.standard_normal(3000).astype(np.float32) for _ in range(world)] for _ in range(2)]
         calls[0][3][1234] = np.nan
-        got = [[None] * world for _ in calls]
 
-        def one(r):
-            for i, xs in enumerate(calls):
+        def one(r):  # every call's result, or its error
+            got = []
+            for xs in calls:
                 try:
-                    got[i][r] = comms[r].allreduce(xs[r])
+                    got.append(comms[r].allreduce(xs[r]))
                 except BaseException as e:
-                    got[i][r] = e
+                    got.append(e)
+            return got
 
         t0 = time.monotonic()
-        ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
         try:
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(60)
+            by_rank, crashed = run_ranks(one, world, 60)
         finally:
             for c in comms:
                 c.close()
+    assert not crashed, crashed
+    got = list(zip(*by_rank))  # by call, then rank
     assert time.monotonic() - t0 < 15
     errs = got[0]
     assert all(isinstance(e, RefusedError) for e in errs), errs

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from e2ekit import run_ranks
 
 from nicoffload import optim
 from nicoffload.agg.control import Aggregator, AggSpec
@@ -209,24 +210,23 @@ def test_a_step_one_rank_cannot_take_is_refused_by_every_rank_and_changes_nothin
             with tb.in_host(h):
                 comms.append(Communicator(r, len(ranks), tb.agg.ip, group=tb.mcast_group, local_ip=h.ip,
                                           slots=P, timeout=20, sparse=False))
-        outcome = [[None] * len(ranks) for _ in range(4)]
 
-        def go(r):
-            for i, grads in enumerate([good[0], huge, nan, good[1]]):
+        def go(r):  # every step's parameters, or its error
+            got = []
+            for grads in [good[0], huge, nan, good[1]]:
                 try:
-                    outcome[i][r] = comms[r].step(grads[r]).copy()
+                    got.append(comms[r].step(grads[r]).copy())
                 except BaseException as e:
-                    outcome[i][r] = e
+                    got.append(e)
+            return got
 
-        ts = [threading.Thread(target=go, args=(r,)) for r in range(len(ranks))]
-        try:
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(60)  # refusals come at once; a rank that waited out its 20 s timeout fails below
+        try:  # refusals come at once; a rank that waited out its 20 s timeout fails below
+            by_rank, crashed = run_ranks(go, len(ranks), 60)
         finally:
             for c in comms:
                 c.close()
+        assert not crashed, crashed
+        outcome = list(zip(*by_rank))  # by step, then rank
         st = agg.stats(1)
     model = optim.JobModel(SPEC, init, len(ranks), E)
     for i, r_says in ((1, "rank 1's gradients in elements 4096..4351 are out of the optimizer's range"),
