@@ -72,11 +72,17 @@ class RefusedError(InputError):
     """Every rank of a job refused a call together (a NaN or an Inf in some rank's input, found
     in the metadata round): the ranks' rounds stay in step, so the job's later calls go on.
     ``rank``: the job's rank that refused it (None when not known); ``what``: what it refused,
-    e.g. "(NaN at flat index 7)" or "(Inf) in elements 0..255"."""
+    e.g. "(NaN at flat index 7)" or "(Inf) in elements 0..255". Where the call knows them:
+    ``kind`` ("NaN", "Inf" or "range"), ``index`` (the flat index of the value, on the rank that
+    holds it), ``span`` (the elements ``(lo, hi)`` of the first refused block, on the others) and
+    ``more`` (how many more blocks were refused), so that a call over part of a tensor (a shard)
+    can say where in the whole tensor the value is (datapath.tensors.refusal)."""
 
-    def __init__(self, message: str, rank: int | None = None, what: str = ""):
+    def __init__(self, message: str, rank: int | None = None, what: str = "", *, kind: str = "",
+                 index: int | None = None, span: tuple[int, int] | None = None, more: int = 0):
         super().__init__(message)
         self.rank, self.what = rank, what
+        self.kind, self.index, self.span, self.more = kind, index, span, more
 
 
 class CapacityError(NicoffloadError):

@@ -44,6 +44,29 @@ def block_exponents(flat: np.ndarray, elems: int, exps: np.ndarray, rank: int) -
     return bad
 
 
+def refusal(who: int | None, kind: str, *, index: int | None = None, span: tuple[int, int] | None = None,
+            more: int = 0) -> RefusedError:
+    """The RefusedError every rank raises for a refused call: ``who`` refused it for ``kind``
+    ("NaN", "Inf", or "range": an optimizer step's gradient out of range); ``index``: the flat
+    index of the value (on the rank that holds it), else ``span``: the elements (lo, hi) of the
+    first refused block and ``more`` blocks after it."""
+    extra = f" and {more} more block(s)" if more else ""
+    if kind == "abort":
+        return RefusedError(f"rank {who} could not take part in this call and refused it for every rank", who,
+                            kind=kind, span=span, more=more)
+    if kind == "range":
+        lo, hi = span
+        return RefusedError(f"rank {who}'s gradients in elements {lo}..{hi - 1}{extra} are out of the optimizer's "
+                            f"range; every rank refuses this step", who, kind=kind, span=span, more=more)
+    if index is not None:
+        what = f"({kind} at flat index {index})"
+        return RefusedError(f"rank {who}'s input holds a non-finite value {what}; "
+                            f"refusing to sum it (every rank refuses this call)", who, what, kind=kind, index=index)
+    what = f"({kind}) in elements {span[0]}..{span[1] - 1}{extra}"
+    return RefusedError(f"rank {who}'s input holds a non-finite value {what}; every rank refuses this call", who, what,
+                        kind=kind, span=span, more=more)
+
+
 def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, elems: int) -> None:
     """After the metadata round: raise RefusedError, on every rank alike, if some rank's block
     exponent refused the call (``gexp``, the round's MAX). ``bad`` is this rank's first
@@ -51,16 +74,9 @@ def refuse_together(gexp: np.ndarray, rank: int, flat: np.ndarray, bad: int, ele
     if not len(gexp) or int(gexp.max()) < quant.REFUSE_EXP:
         return
     if bad >= 0:
-        what = f"({'NaN' if np.isnan(flat[bad]) else 'Inf'} at flat index {bad})"
-        raise RefusedError(f"rank {rank}'s input holds a non-finite value {what}; "
-                           f"refusing to sum it (every rank refuses this call)", rank, what)
+        raise refusal(rank, "NaN" if np.isnan(flat[bad]) else "Inf", index=int(bad))
     hit = np.flatnonzero(gexp >= quant.REFUSE_EXP)
     b = int(hit[0])
     reason, who = quant.refusal(int(gexp[b]))
-    lo, hi = b * elems, min((b + 1) * elems, flat.size)
-    more = f" and {len(hit) - 1} more block(s)" if len(hit) > 1 else ""
-    if reason == quant.REFUSE_RANGE:
-        raise RefusedError(f"rank {who}'s gradients in elements {lo}..{hi - 1}{more} are out of the optimizer's "
-                           f"range; every rank refuses this step", who)
-    what = f"({quant.REFUSE_WHAT.get(reason, '?')}) in elements {lo}..{hi - 1}{more}"
-    raise RefusedError(f"rank {who}'s input holds a non-finite value {what}; every rank refuses this call", who, what)
+    kind = {quant.REFUSE_RANGE: "range", quant.REFUSE_ABORT: "abort"}.get(reason) or quant.REFUSE_WHAT.get(reason, "?")
+    raise refusal(who, kind, span=(b * elems, min((b + 1) * elems, flat.size)), more=len(hit) - 1)

@@ -27,8 +27,10 @@ ZERO_EXP = np.iinfo(np.int32).min
 #: its exponent. It wins the metadata round's MAX over every real exponent, so every rank learns
 #: of it and refuses the call, instead of waiting for data the refusing rank will not send.
 REFUSE_EXP = 1 << 30
-REFUSE_INF, REFUSE_NAN, REFUSE_RANGE = 1, 2, 3
-REFUSE_WHAT = {REFUSE_INF: "Inf", REFUSE_NAN: "NaN", REFUSE_RANGE: "out of range"}
+#: REFUSE_ABORT: a rank that cannot take part refuses the call for it (a leader of a job of
+#: more than 32 ranks whose group failed; worker.hier); it wins over the other reasons
+REFUSE_INF, REFUSE_NAN, REFUSE_RANGE, REFUSE_ABORT = 1, 2, 3, 4
+REFUSE_WHAT = {REFUSE_INF: "Inf", REFUSE_NAN: "NaN", REFUSE_RANGE: "out of range", REFUSE_ABORT: "abort"}
 
 
 def refusal_code(reason: int, rank: int) -> int:

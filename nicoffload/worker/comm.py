@@ -143,7 +143,7 @@ class Communicator:
 
     # --- public -----------------------------------------------------------------------------
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
-                  lanes: int | None = None) -> np.ndarray:
+                  lanes: int | None = None, *, _refuse: bool = False) -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
         float32/float64: through fixed point in 32-bit lanes, or 16-bit ones (``lanes=16``, or the
         communicator's ``lanes``: half the bytes on the wire, the precision of half-precision
@@ -153,7 +153,10 @@ class Communicator:
 
         A NaN or an Inf in any rank's float input: every rank raises RefusedError naming that
         rank, and the job's later calls go on. Ranks given tensors of different sizes (or
-        lanes): every rank raises a ProtocolError saying so, and so does every later call."""
+        lanes): every rank raises a ProtocolError saying so, and so does every later call.
+
+        ``_refuse`` (floats; worker.hier): take part in the call only to refuse it, every block
+        (quant.REFUSE_ABORT), so that every rank raises RefusedError(kind="abort") at once."""
         if lanes is not None and lanes not in quant.LANES:
             raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         if op != "sum":
@@ -179,6 +182,10 @@ class Communicator:
         if is_float:  # a NaN or an Inf refuses the call on every rank, after the metadata round
             exps = self._buf.get("exps", nb, np.int32)
             bad = block_exponents(flat, E, exps, self.rank)
+            if _refuse:
+                exps[:], bad = quant.refusal_code(quant.REFUSE_ABORT, self.rank), -1
+        elif _refuse:
+            raise InputError("only a call of floats can be refused (int32 has no metadata round)")
         elif self.sparse:
             nz8 = self._buf.get("nz8", nb, np.uint8)
             kernels.block_nonzero_i32(flat, E, nz8)
@@ -452,8 +459,11 @@ class Communicator:
             # step's data rounds are skipped, so that the next step's rounds land on their slots
             self._s.reserve(nb)
             if bad < 0 and top > optim.RANGE:
-                raise RefusedError(f"rank {self.rank}: a gradient reaches 2^{top - 1}; the optimizer takes |g| < "
-                                   f"2^{optim.RANGE} (every rank refuses this step)")
+                b = int(np.flatnonzero(over)[0])
+                span = (b * E, min((b + 1) * E, flat.size))
+                raise RefusedError(f"rank {self.rank}: a gradient reaches 2^{top - 1} (elements {span[0]}..{span[1] - 1}"
+                                   f"); the optimizer takes |g| < 2^{optim.RANGE} (every rank refuses this step)",
+                                   self.rank, kind="range", span=span, more=int(over.sum()) - 1)
             refuse_together(gexp, self.rank, flat, bad, E)
         blocks = np.arange(nb, dtype=np.int64)
         masks = np.full(nb, np.int64(self._all), dtype=np.int64)

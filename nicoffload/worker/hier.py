@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nicoffload.datapath.tensors import DTYPES, call_arrays
-from nicoffload.errors import InputError, RefusedError
+from nicoffload.errors import InputError, NicoffloadError, ProtocolError, RefusedError, TimeoutError_
 from nicoffload.jobspec import JobSpec
 from nicoffload.wire import proto
 from nicoffload.worker.comm import Communicator
@@ -69,25 +69,28 @@ def plan(spec: JobSpec, world: int, width: int = proto.MAX_WORKERS) -> tuple[lis
     return leaves, root
 
 
-#: the NaN a leader hands its group instead of the total when the root refused the call; the
-#: low bits carry the refusing leaf group + 1 (a sum of finite values is never NaN)
+#: the NaN a leader hands its group instead of the total when the call failed at the root; the
+#: low 16 bits carry the leaf group + 1 the failure comes from, bits 16..17 why (a sum of finite
+#: values is never NaN)
 _MARK32, _MARK64_HI = np.int32(0x7FC00000), np.int32(0x7FF80000)
+REFUSED, GROUP_FAILED, ROOT_FAILED = 0, 1, 2
 
 
-def _mark(out: np.ndarray, group: int) -> None:
+def _mark(out: np.ndarray, group: int, why: int = REFUSED) -> None:
     w = out.reshape(-1).view(np.int32)
+    code = np.int32((why << 16) | (group + 1))
     if out.dtype == np.float32:
-        w[0] = _MARK32 | np.int32(group + 1)
+        w[0] = _MARK32 | code
     elif out.dtype == np.float64:  # little-endian: word 1 holds the sign, exponent and top mantissa
-        w[0], w[1] = np.int32(group + 1), _MARK64_HI
+        w[0], w[1] = code, _MARK64_HI
 
 
-def _marked(out: np.ndarray) -> int | None:
-    """The refusing group of a marked result, else None."""
+def _marked(out: np.ndarray) -> tuple[int, int] | None:
+    """(the group, why) of a marked result, else None."""
     if out.dtype.kind != "f" or not np.isnan(out.reshape(-1)[0]):
         return None
-    w = out.reshape(-1).view(np.int32)
-    return int(w[0] & 0xFFFF) - 1
+    w = int(out.reshape(-1).view(np.int32)[0])
+    return (w & 0xFFFF) - 1, (w >> 16) & 0x3
 
 
 class HierCommunicator:
@@ -143,34 +146,78 @@ class HierCommunicator:
         # group). Every level still runs, so that every rank of the job refuses it too and the
         # rounds stay in step: the group's leader makes the root refuse (a NaN in its part), and
         # every leader hands its group a NaN marker naming the group instead of the total.
+        # A group that fails otherwise (a rank gone, shapes that disagree) ends its ranks' call
+        # with that error; its leader still refuses the root's call (REFUSE_ABORT), so that the
+        # other groups fail at once, naming it, instead of waiting out their timeout at the root.
+        # Floats only: int32 has no metadata round to refuse, nor a NaN to mark its result with.
         refused = None
+        is_float = x.dtype.kind == "f"
         try:
             part = self.leaf.allreduce(x, lanes=lanes)                          # 1. the group's sum
         except RefusedError as e:
             refused, part = e, np.zeros_like(x)
             part.reshape(-1)[0] = np.nan
+        except NicoffloadError as e:
+            if self.leader and is_float:
+                try:
+                    self.root.allreduce(np.zeros_like(x), lanes=lanes, _refuse=True)
+                except NicoffloadError:
+                    pass  # the refusal every leader raises (or the root had failed already)
+            raise self._where(e, self.leaf_level) from e
         bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
+        failed = None
         if self.leader:
             try:
                 total = self.root.allreduce(part, lanes=lanes)                 # 2. the leaders' sum of sums
                 bits[:] = total.reshape(-1).view(np.int32)
             except RefusedError as e:
+                bits[:] = 0  # the root's rank r is the leader of leaf group r
+                _mark(out, e.rank or 0, GROUP_FAILED if e.kind == "abort" else REFUSED)
+            except NicoffloadError as e:
+                if not is_float:  # the group's ranks wait out their timeout, naming this leader
+                    raise self._where(e, self.root_level) from e
+                failed = e
                 bits[:] = 0
-                _mark(out, e.rank or 0)  # the root's rank r is the leader of leaf group r
+                _mark(out, self._levels.index(self.leaf_level), ROOT_FAILED)
         else:
             bits[:] = 0
-        self.leaf.allreduce(bits, out=bits)
-        group = _marked(out)
+        try:
+            self.leaf.allreduce(bits, out=bits)
+        except NicoffloadError as e:
+            raise self._where(e, self.leaf_level) from e
+        if failed is not None:
+            raise self._where(failed, self.root_level) from failed
+        marked = _marked(out)
         if refused is not None:  # named by its rank in the leaf: say which rank of the job it is
             who = self.leaf_level.ranks[refused.rank] if refused.rank is not None else None
             raise RefusedError(f"rank {who}'s input holds a non-finite value {refused.what}; every rank of the job "
                                f"refuses this call", who, refused.what) from refused
-        if group is not None:
+        if marked is not None:
+            group, why = marked
             lv = self._levels[group] if 0 <= group < len(self._levels) else None
             where = f"leaf group {group}" + (f" (ranks {lv.ranks[0]}..{lv.ranks[-1]})" if lv else "")
+            if why == GROUP_FAILED:
+                raise ProtocolError(f"rank {self.rank}: {where} failed in this call (its ranks name the cause: a rank "
+                                    f"gone, or tensors of different shapes); every rank of the job fails it")
+            if why == ROOT_FAILED:
+                raise ProtocolError(f"rank {self.rank}: the job's root level failed in this call (the leaders, "
+                                    f"rank {lv.ranks[0] if lv else '?'} of this group among them, name the cause); "
+                                    f"every rank of the job fails it")
             raise RefusedError(f"rank {self.rank}: a rank of {where} holds a non-finite value (or their sum "
                                f"overflowed); every rank of the job refuses this call")
         return out
+
+    def _where(self, e: NicoffloadError, lv: Level) -> NicoffloadError:
+        """``e`` of a level's job, whose ranks it names by their rank in that job: said which."""
+        if type(e) not in (ProtocolError, TimeoutError_):
+            return e
+        if lv is self.root_level:
+            how = f"in the root job of the leaders, whose rank g is leaf group g's leader: the job's ranks " \
+                  f"{', '.join(map(str, lv.ranks))}"
+        else:
+            how = f"in leaf group {self._levels.index(lv)}, whose ranks 0..{len(lv.ranks) - 1} are the job's ranks " \
+                  f"{lv.ranks[0]}..{lv.ranks[-1]}"
+        return type(e)(f"{e} [{how}]")
 
     def barrier(self) -> None:
         self.allreduce(np.zeros(1, np.int32))

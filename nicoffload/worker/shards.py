@@ -22,8 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
-from nicoffload.datapath.tensors import DTYPES, call_arrays
-from nicoffload.errors import InputError
+from nicoffload.datapath.tensors import DTYPES, call_arrays, refusal
+from nicoffload.errors import InputError, RefusedError
 from nicoffload.jobspec import JobSpec
 from nicoffload.wire import quant
 from nicoffload.worker.comm import Communicator
@@ -102,7 +102,8 @@ class ShardedCommunicator:
         if self.layout == "contiguous" or K == 1:
             cuts = [min(n, (k * nb // K) * E) for k in range(K + 1)]
             self._each(lambda c, k: c.allreduce(flat[cuts[k]:cuts[k + 1]], out=res[cuts[k]:cuts[k + 1]], op=op,
-                                                lanes=lanes) if cuts[k + 1] > cuts[k] else None)
+                                                lanes=lanes) if cuts[k + 1] > cuts[k] else None,
+                       where=lambda k, i: cuts[k] + i, n=n)
             return out
         # round robin: shard k is blocks k, k + K, ... gathered into a buffer of its own
         pad = nb * E
@@ -119,7 +120,7 @@ class ShardedCommunicator:
             if ins[k].size:
                 dst[k::K] = c.allreduce(ins[k], op=op, lanes=lanes).reshape(-1, E)
 
-        self._each(one)
+        self._each(one, where=lambda k, i: (k + i // E * K) * E + i % E, n=n)
         res[:] = dst.reshape(-1)[:n]
         return out
 
@@ -138,7 +139,7 @@ class ShardedCommunicator:
                 raise InputError(f"rank {self.rank}: the shard of aggregator {c.aggregator} is parameters {a}..{b} "
                                  f"({optim.share(b - a, self.elems)} slots, optim.shards), its job has {c.slots}")
         self._each(lambda c, k: c.step(flat[cuts[k][0]:cuts[k][1]], out=res[cuts[k][0]:cuts[k][1]])
-                   if cuts[k][1] > cuts[k][0] else None)
+                   if cuts[k][1] > cuts[k][0] else None, where=lambda k, i: cuts[k][0] + i, n=flat.size)
         return out
 
     def barrier(self) -> None:
@@ -165,9 +166,11 @@ class ShardedCommunicator:
             b = self._bufs[(which, str(dtype))] = np.empty(n, dtype)
         return b[:n]
 
-    def _each(self, fn) -> None:
+    def _each(self, fn, where=None, n: int = 0) -> None:
         """``fn(comm[, k])`` for every shard at once (one thread each beyond the first); the first
-        error, after every shard has ended, is raised."""
+        error, after every shard has ended, is raised. A refused call (RefusedError, on every rank
+        alike) names its elements in the whole tensor: ``where(k, i)`` is the flat index of shard
+        k's element i, ``n`` the tensor's size."""
         takes_k = fn.__code__.co_argcount == 2
         errors: list[BaseException | None] = [None] * len(self.comms)
 
@@ -185,5 +188,15 @@ class ShardedCommunicator:
         for t in threads:
             t.join()
         first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        if first is None:
+            return
+        if isinstance(first, RefusedError) and first.kind and where is not None:
+            k = errors.index(first)
+            more = first.more + sum(e.more + 1 for e in errors[k + 1:] if isinstance(e, RefusedError) and e.kind)
+            if first.index is not None:
+                raise refusal(first.rank, first.kind, index=where(k, first.index)) from first
+            if first.span is not None:
+                lo = where(k, first.span[0])
+                raise refusal(first.rank, first.kind, span=(lo, min(n, lo + first.span[1] - first.span[0])),
+                              more=more) from first
+        raise first

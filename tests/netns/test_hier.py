@@ -35,49 +35,61 @@ def test_forty_ranks_in_two_levels(make_testbed, tmp_path):
         assert res.agg_stats["epoch_formed"] == 3 and res.agg_stats["bad_src"] == 0
 
 
+def run_pairs(make_testbed, calls, world: int = 4, timeout: float = 20):
+    """Two levels with groups of two (width 2): every rank makes the calls ``calls`` (by call,
+    then rank: its input) through its HierCommunicator, new ones per list of calls. Returns, per
+    list, the results or errors by call then rank, and the seconds the list took."""
+    from nicoffload.agg.control import Aggregator, AggSpec
+    from nicoffload.worker.hier import HierCommunicator
+
+    spec = DEFAULT.replace(slots=32, timeout=timeout)
+    tb = make_testbed(world)
+    spec = spec.replace(port=tb.port, group=tb.mcast_group)
+    leaves, root = plan(spec, world, width=2)
+    ips = [w.ip for w in tb.workers]
+    runs = []
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, spec.slots * 3, spec.elems, spec.port)) as agg:
+        for lv in [*leaves, root]:
+            agg.add_job(lv.job, len(lv.ranks), lv.group, [ips[r] for r in lv.ranks], slots=spec.slots)
+        for these in calls:
+            comms = []
+            try:
+                for r, w in enumerate(tb.workers):
+                    with tb.in_host(w):
+                        comms.append(HierCommunicator(r, world, tb.agg.ip, spec, local_ip=w.ip, width=2))
+
+                def one(r):  # every call's result, or its error
+                    got = []
+                    for xs in these:
+                        try:
+                            got.append(comms[r].allreduce(xs[r]))
+                        except BaseException as e:
+                            got.append(e)
+                    return got
+
+                t0 = time.monotonic()
+                by_rank, crashed = run_ranks(one, world, 3 * timeout)
+                assert not crashed, crashed
+                runs.append((list(zip(*by_rank)), time.monotonic() - t0))  # by call, then rank
+            finally:
+                for c in comms:
+                    c.close()
+    return runs
+
+
 def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbed):
     """Two levels with groups of two (width 2, four ranks): a NaN on rank 3 refuses the call in
     its group's leaf, its leader makes the root refuse, and the other group's leader hands its
     group a marker: every rank raises RefusedError at once (before: the other group waited at the
     root until its timeout). The next call is right on every rank."""
-    from nicoffload.agg.control import Aggregator, AggSpec
     from nicoffload.errors import RefusedError
-    from nicoffload.worker.hier import HierCommunicator
 
-    world, spec = 4, DEFAULT.replace(slots=32, timeout=20)
-    tb = make_testbed(world)
-    spec = spec.replace(port=tb.port, group=tb.mcast_group)
-    leaves, root = plan(spec, world, width=2)
-    ips = [w.ip for w in tb.workers]
-    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, spec.slots * 3, spec.elems, spec.port)) as agg:
-        for lv in [*leaves, root]:
-            agg.add_job(lv.job, len(lv.ranks), lv.group, [ips[r] for r in lv.ranks], slots=spec.slots)
-        comms = []
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(HierCommunicator(r, world, tb.agg.ip, spec, local_ip=w.ip, width=2))
-        rng = np.random.default_rng(3)
-        calls = [[rng.standard_normal(3000).astype(np.float32) for _ in range(world)] for _ in range(2)]
-        calls[0][3][1234] = np.nan
-
-        def one(r):  # every call's result, or its error
-            got = []
-            for xs in calls:
-                try:
-                    got.append(comms[r].allreduce(xs[r]))
-                except BaseException as e:
-                    got.append(e)
-            return got
-
-        t0 = time.monotonic()
-        try:
-            by_rank, crashed = run_ranks(one, world, 60)
-        finally:
-            for c in comms:
-                c.close()
-    assert not crashed, crashed
-    got = list(zip(*by_rank))  # by call, then rank
-    assert time.monotonic() - t0 < 15
+    world = 4
+    rng = np.random.default_rng(3)
+    calls = [[rng.standard_normal(3000).astype(np.float32) for _ in range(world)] for _ in range(2)]
+    calls[0][3][1234] = np.nan
+    [(got, took)] = run_pairs(make_testbed, [calls])
+    assert took < 15
     errs = got[0]
     assert all(isinstance(e, RefusedError) for e in errs), errs
     assert "rank 3's input holds a non-finite value (NaN at flat index 1234); every rank of the job" in str(errs[3])
@@ -86,3 +98,29 @@ def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbe
     want = reference.two_level(calls[1], width=2)
     for r in range(world):
         assert want.check(got[1][r]).within_bound, (r, got[1][r])
+
+
+def test_a_failed_leaf_group_or_root_fails_every_rank_at_once(make_testbed):
+    """Ranks of one leaf group given tensors of different sizes: that group fails (its ranks'
+    shapes disagree) and its leader refuses the root's call for it, so the other group fails at
+    once naming it, instead of waiting out its timeout at the root. Then (new communicators) the
+    two groups given different sizes: the root fails on each leader, which hands its group a
+    marker, so every rank fails at once. The failures stay: the next call fails as fast."""
+    from nicoffload.errors import ProtocolError, RefusedError
+
+    world, timeout = 4, 20
+    rng = np.random.default_rng(5)
+    x = [rng.standard_normal(3000).astype(np.float32) for _ in range(world)]
+    in_group = [x[0], x[1], x[2], x[3][:2000]]   # rank 3's size differs from rank 2's
+    across = [x[0], x[1], x[2][:2000], x[3][:2000]]  # group 1's size differs from group 0's
+    (group, t1), (root, t2) = run_pairs(make_testbed, [[in_group] * 2, [across] * 2], world, timeout)
+    assert t1 < timeout / 2 and t2 < timeout / 2, (t1, t2)
+    for errs in group:
+        assert all(isinstance(e, ProtocolError) and not isinstance(e, RefusedError) for e in errs), errs
+        assert all("disagree" in str(e) for e in errs[2:]), errs
+        assert all("leaf group 1 (ranks 2..3) failed in this call" in str(e) for e in errs[:2]), errs
+    for errs in root:
+        assert all(isinstance(e, ProtocolError) for e in errs), errs
+        assert all("disagree" in str(e) for e in (errs[0], errs[2])), errs  # the leaders, at the root
+        assert "root level failed in this call (the leaders, rank 0 of this group" in str(errs[1]), errs
+        assert "root level failed in this call (the leaders, rank 2 of this group" in str(errs[3]), errs

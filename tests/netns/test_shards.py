@@ -9,10 +9,10 @@ import threading
 
 import numpy as np
 import pytest
-from e2ekit import save
+from e2ekit import run_ranks, save
 
 from nicoffload.agg import AggSpec, Aggregator
-from nicoffload.errors import TimeoutError_
+from nicoffload.errors import RefusedError, TimeoutError_
 from nicoffload.jobspec import DEFAULT
 from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job
@@ -95,6 +95,52 @@ def test_an_aggregator_that_goes_away_is_named(make_testbed):
             c.close()
         for a in aggs:
             a.close()
+
+
+def test_a_nan_in_a_shard_is_refused_by_every_rank_naming_its_place_in_the_whole_tensor(make_testbed):
+    """A NaN in the second shard of a call: every rank refuses the call, the rank that holds it
+    naming its flat index in the whole tensor and the others its block's elements there (not the
+    shard's), in both layouts; the next call is exact."""
+    world, k, n = 2, 2, 10 * E + 7
+    tb = make_testbed(world, aggregators=k)
+    aggs = [Aggregator.load(AggSpec(a.netns, a.iface, world, slots=64, port=tb.port, group=tb.mcast_group,
+                                    worker_ips=[w.ip for w in tb.workers])) for a in tb.aggs]
+    rng = np.random.default_rng(9)
+    x = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    try:
+        check_refusals(tb, x, n)
+    finally:
+        for a in aggs:
+            a.close()
+
+
+def check_refusals(tb, x, n):
+    world = len(x)
+    # contiguous: blocks 0..4 go to aggregator 0, 5..10 to aggregator 1; round robin: odd blocks to 1
+    for layout, at in (("contiguous", 7 * E + 3), ("roundrobin", 3 * E + 200)):
+        comms = []
+        try:
+            for r, w in enumerate(tb.workers):
+                with tb.in_host(w):
+                    comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs],
+                                                     DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64,
+                                                                     timeout=30, layout=layout), local_ip=w.ip))
+            bad = [a.copy() for a in x]
+            bad[1][at] = np.nan
+            _, errs = run_ranks(lambda r: comms[r].allreduce(bad[r]), world)
+            assert len(errs) == world, (layout, errs)
+            lo = at // E * E
+            for r, e in errs:
+                assert isinstance(e, RefusedError) and e.rank == 1, (layout, r, e)
+                says = f"(NaN at flat index {at})" if r == 1 else f"(NaN) in elements {lo}..{lo + E - 1}"
+                assert says in str(e), (layout, r, str(e))
+            outs, errs = run_ranks(lambda r: comms[r].allreduce(x[r]), world)
+            assert not errs, (layout, errs)
+            want = reference.quantized(x, E)
+            assert all(want.check(o).within_bound for o in outs), layout
+        finally:
+            for c in comms:
+                c.close()
 
 
 def test_adamw_state_sharded_over_two_aggregators_is_one_aggregators_bit_for_bit(make_testbed):

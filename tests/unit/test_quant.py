@@ -126,6 +126,8 @@ def test_a_non_finite_block_sends_a_refusal_that_wins_the_max_and_names_the_rank
     with pytest.raises(InputError, match=r"rank 5's input holds a non-finite value \(Inf at flat index 300\)"):
         refuse_together(gexp, 5, x, 300, E)
     with pytest.raises(InputError, match=r"rank 5's input holds a non-finite value \(NaN\) in elements "
-                                         r"256\.\.511 and 1 more block\(s\); every rank refuses"):
+                                         r"256\.\.511 and 1 more block\(s\); every rank refuses") as e:
         refuse_together(gexp, 0, clean, -1, E)
+    # what a call over part of a tensor (a shard) needs to name the place in the whole one
+    assert (e.value.rank, e.value.kind, e.value.span, e.value.more, e.value.index) == (5, "NaN", (256, 512), 1, None)
     refuse_together(want, 0, clean, -1, E)  # nothing refused: no error
