@@ -38,12 +38,20 @@ def _int(d: dict, name: str, lo: int, hi: int, default=None) -> int | None:
     return v
 
 
+def _finite(v) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits is not one)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _number(d: dict, name: str, lo: float, hi: float, default=None) -> float | None:
     v = d.get(name, default)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise InputError(f"{name} must be a finite number, not {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+        raise InputError(f"{name} must be a finite number, not {str(v)[:40]}")
     if not lo <= v <= hi:
         raise InputError(f"{name} must be {lo:g}..{hi:g}, not {v:g}")
     return float(v)
@@ -106,7 +114,7 @@ class JobRequest:
             o = d["optimizer"]
             if not isinstance(o, dict) or set(o) - _OPT_FIELDS:
                 raise InputError(f"optimizer must be an object with fields among {', '.join(sorted(_OPT_FIELDS))}")
-            if o.get("kind", "sgd") not in KINDS:
+            if not isinstance(o.get("kind", "sgd"), str) or o.get("kind", "sgd") not in KINDS:
                 raise InputError(f"optimizer kind {o.get('kind')!r} is not one the aggregator has: {', '.join(KINDS)}")
             for k in ("lr", "momentum", "dampening", "weight_decay"):
                 _number(o, k, 0.0, 1.0)

@@ -24,6 +24,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,7 +36,7 @@ from nicoffload import __version__
 from nicoffload.errors import (AlreadyExistsError, CapacityError, InputError, NicoffloadError, NotFoundError,
                                PrivilegeError)
 from nicoffload.service import metrics
-from nicoffload.service.api import MAX_JSON, MAX_PARAMS_BYTES, PREFIX, JobRequest
+from nicoffload.service.api import MAX_JSON, MAX_PARAMS_BYTES, PREFIX, JobRequest, _finite
 from nicoffload.service.core import Service
 
 log = logging.getLogger("nicoffload.service")
@@ -71,6 +72,11 @@ async def errors(request: web.Request, handler):
         if status == 500:
             log.error("%s %s failed: %s", request.method, request.path, e)
         return _error(status, str(e).splitlines()[0])
+    except (ValueError, TypeError, OverflowError) as e:
+        # a request no check foresaw (its values, not the service, are at fault): a 400 with why
+        log.warning("%s %s: a request the checks missed: %s: %s", request.method, request.path,
+                    type(e).__name__, e)
+        return _error(400, f"malformed request: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 @web.middleware
@@ -83,7 +89,8 @@ async def auth(request: web.Request, handler):
     if scheme.lower() != "bearer" or not given:
         return _error(401, "a bearer token is required (Authorization: Bearer <token>)",
                       **{"WWW-Authenticate": 'Bearer realm="nicoffload"'})
-    if not hmac.compare_digest(given.strip().encode(), request.app[TOKEN]):
+    # header bytes that are not UTF-8 arrive as surrogates: compared as bytes, they just differ
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), request.app[TOKEN]):
         log.warning("refused %s %s from %s: wrong token", request.method, request.path, request.remote)
         return _error(401, "wrong token", **{"WWW-Authenticate": 'Bearer realm="nicoffload", error="invalid_token"'})
     return await handler(request)
@@ -122,8 +129,8 @@ async def _json(request: web.Request):
 
 def _job_id(request: web.Request) -> int:
     text = request.match_info["job"]
-    if not text.isdigit() or not 1 <= int(text) <= 0xFFFFFFFF:
-        raise InputError(f"job id must be 1..{0xFFFFFFFF}, not {text!r}")
+    if not re.fullmatch(r"[0-9]{1,10}", text) or not 1 <= int(text) <= 0xFFFFFFFF:
+        raise InputError(f"job id must be 1..{0xFFFFFFFF}, not {text[:40]!r}")
     return int(text)
 
 
@@ -189,8 +196,8 @@ async def get_params(request):
 async def set_lr(request):
     d = await _json(request)
     lr = d.get("lr") if isinstance(d, dict) else None
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise InputError('the body must be {"lr": <number>}')
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not _finite(lr):
+        raise InputError('the body must be {"lr": <a finite number>}')
     return web.json_response(await _call(request, request.app[SERVICE].set_lr, _job_id(request), float(lr)))
 
 

@@ -32,6 +32,8 @@ def test_a_good_request_and_its_defaults():
     ({"world": 1, "optimizer": {"kind": "adam"}}, "kind"), ({"world": 1, "optimizer": {"lr": 2}}, "lr"),
     ({"world": 1, "optimizer": {"lr": 0.1}}, "params"), ({"world": 1, "params": 5}, "only for an optimizer"),
     ({"world": 1, "slots": 0}, "slots"), ({"world": 1, "job": -1}, "job"), ({"world": 1, "x": 1}, "unknown"),
+    ({"world": 1, "lease_s": 10 ** 400}, "finite"), ({"world": 1, "params": 1, "optimizer": {"kind": []}}, "kind"),
+    ({"world": 1, "params": 1, "optimizer": {"lr": -10 ** 400}}, "finite"),
 ])
 def test_bad_requests_are_refused_naming_the_field(body, words):
     with pytest.raises(InputError, match=words):
@@ -115,6 +117,8 @@ class FakeService:
     def remove_job(self, job):
         raise NotFoundError(f"job {job} is not registered")
 
+    job = set_lr = remove_job
+
     def snapshot(self):
         return {"jobs": [], "unattributed": {}, "slots": 8, "free_slots": 8, "uptime_s": 1.0, "leases_expired": 0}
 
@@ -148,5 +152,22 @@ def test_the_http_layer_token_and_limits():
             assert r.status == 404 and "error" in await r.json()
             r = await cl.get("/metrics")
             assert r.status == 200 and "nicoffload_jobs 0.0" in await r.text()
+            # hostile requests: a 4xx with its reason, never a 500
+            for path in ("/v1/jobs/%C2%B2", "/v1/jobs/" + "9" * 5000, "/v1/jobs/0x10"):
+                r = await cl.get(path, headers=ok)
+                assert r.status == 400 and "job id" in (await r.json())["error"], path
+            r = await cl.post("/v1/jobs", data=b'{"world": 2, "lease_s": 1' + b"0" * 400 + b"}",
+                              headers={**ok, "Content-Type": "application/json"})
+            assert r.status == 400 and "finite" in (await r.json())["error"]
+            r = await cl.post("/v1/jobs/1/lr", data=b'{"lr": Infinity}', headers={**ok, "Content-Type": "application/json"})
+            assert r.status == 400 and "finite" in (await r.json())["error"]
+            # a token that is not UTF-8 (raw bytes on the wire): refused like any wrong one
+            reader, writer = await asyncio.open_connection(cl.host, cl.port)
+            writer.write(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"Connection: close\r\n\r\n")
+            await writer.drain()
+            head = (await reader.read(200)).split(b"\r\n")[0]
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 401"), head
 
     asyncio.run(go())
