@@ -4,6 +4,7 @@ deadline; an unreachable service, a refused token and a refused request each rai
 person can act on, naming the URL."""
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import urllib.error
@@ -81,9 +82,16 @@ class ServiceClient:
                 raise TimeoutError_(f"the nicoffload service at {self.url} did not answer {method} {path} "
                                     f"within {self.timeout:g}s") from None
             raise ServiceUnreachable(f"the nicoffload service at {self.url} is unreachable: {why}") from None
+        except http.client.HTTPException as e:  # something answered, not in HTTP (a wrong port?)
+            raise ServiceUnreachable(f"{self.url} does not answer as a nicoffload service ({type(e).__name__}: "
+                                     f"{str(e).strip()[:100]!r}): is it the service's URL?") from None
         if accept_bytes:
             return payload
-        return json.loads(payload.decode()) if payload else None
+        try:
+            return json.loads(payload.decode()) if payload else None
+        except (UnicodeDecodeError, ValueError):
+            raise ServiceUnreachable(f"{self.url} answered {method} {path} with something that is not JSON: "
+                                     f"is it the service's URL?") from None
 
     # --- the API ------------------------------------------------------------------------------
     def health(self) -> dict:

@@ -171,3 +171,32 @@ def test_the_http_layer_token_and_limits():
             assert head.startswith(b"HTTP/1.1 401"), head
 
     asyncio.run(go())
+
+
+def test_a_url_that_is_not_the_service_is_named():
+    """Something that answers, but not in HTTP (a wrong port) or not in JSON: one line naming the URL."""
+    import socket
+    import threading
+
+    from nicoffload.service.client import ServiceClient, ServiceUnreachable
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    answers = [b"SSH-2.0-OpenSSH_9.2\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\n<html"]
+
+    def serve():
+        for a in answers:
+            c, _ = srv.accept()
+            c.recv(4096)
+            c.sendall(a)
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        for _ in answers:
+            with pytest.raises(ServiceUnreachable, match=f"{url} .*service's URL"):
+                ServiceClient(url, token="t", timeout=5).health()
+    finally:
+        srv.close()
+    t.join(5)
