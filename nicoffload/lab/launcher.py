@@ -9,7 +9,9 @@ to a person. A process killed at the deadline counts as a timeout.
 """
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,6 +119,15 @@ def failure(outcomes: list, what: str = "") -> NicoffloadError | None:
     return cls(f"{what}{text}")
 
 
+def _reap(p: subprocess.Popen) -> None:
+    """Kill what ``p`` (ended, a session leader) left running in its session: a rank that
+    torchrun started and that outlived it would keep the stdout pipe open for ever."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class Launch:
     """Processes started together. Their stdout lines arrive in one queue as they are printed
     (:meth:`next_line`) and are kept per process; stderr goes to a file per process."""
@@ -140,7 +151,9 @@ class Launch:
     def _start(self, tb, spec: RankSpec) -> None:
         err = tempfile.TemporaryFile("w+", errors="replace", prefix="nicoffload-stderr-")
         self._err.append(err)
-        p = tb.popen(spec.host, spec.argv, stdout=subprocess.PIPE, stderr=err, text=True, env=spec.env)
+        # a session of its own: what it starts (torchrun's ranks) goes with it (_reap)
+        p = tb.popen(spec.host, spec.argv, stdout=subprocess.PIPE, stderr=err, text=True, env=spec.env,
+                     start_new_session=True)
         lines: list[str] = []
         self.procs.append(p)
         self._out.append(lines)
@@ -187,6 +200,7 @@ class Launch:
                 p.kill()
                 p.wait()
                 killed.add(i)
+            _reap(p)
         self._final = [self._outcome(i, i in killed) for i in range(len(self.procs))]
         self._close()
         return self._final

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nicoffload.errors import NicoffloadError, NotFoundError, RefusedError, TimeoutError_
+from nicoffload.errors import CapacityError, NicoffloadError, NotFoundError, RefusedError, TimeoutError_
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.api import JobGrant, JobRequest
 from nicoffload.service.client import ServiceClient
@@ -62,17 +62,32 @@ FALLBACK_CALLS = ("broadcast", "allgather", "allgather_coalesced", "allgather_in
                   "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "gather", "scatter",
                   "alltoall", "alltoall_base", "all_to_all_single", "send", "recv", "recv_anysource", "reduce",
                   "monitored_barrier")
+POINT_TO_POINT = ("send", "recv", "recv_anysource")
 
 
 class Work(dist._Work):
     """A call's work: ``wait`` returns when its future completes and raises the call's error."""
 
-    def __init__(self, fut: torch.futures.Future, what: str):
+    def __init__(self, fut: torch.futures.Future, what: str, queue: "_Queue | None" = None):
         super().__init__()
-        self.fut, self.what = fut, what
+        self.fut, self.what, self._queue = fut, what, queue
         self._chained: torch.futures.Future | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the call (at most ``timeout``, when given and not zero: torch's "no timeout")
+        and raise its error."""
+        if not self.fut.done() and self._queue is not None and self._queue.on_its_thread():
+            # a callback of an earlier call's future, on the group's thread, waiting for a call
+            # queued behind that one: it could never run
+            raise NicoffloadError(f"{self.what}: waited for inside a callback of an earlier call of this nicoffload "
+                                  f"group, where it cannot run (it is queued behind that call); wait outside the "
+                                  f"callback, or issue the call from the callback itself")
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0.0
+        if seconds > 0 and not self.fut.done():
+            ended = threading.Event()
+            self.fut.add_done_callback(lambda _f: ended.set())
+            if not ended.wait(seconds):
+                raise TimeoutError_(f"{self.what} did not complete within the {seconds:g}s given to wait()")
         self.fut.wait()
         return True
 
@@ -133,6 +148,15 @@ def _outputs(name: str, args: tuple):
     return out
 
 
+def _sum_opts(opts, cls):
+    """``opts`` (or the defaults of ``cls``) with ReduceOp.SUM for ReduceOp.AVG."""
+    o = cls()
+    o.reduceOp = R.SUM
+    if opts is not None and getattr(opts, "timeout", None) is not None:
+        o.timeout = opts.timeout
+    return o
+
+
 def _fail(fut: torch.futures.Future, e: BaseException) -> None:
     fut.set_exception(e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__} in nicoffload"))
 
@@ -145,12 +169,23 @@ class _Queue:
     def __init__(self, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._running = threading.Lock()  # held while a call runs, on either thread
+        self._owner: int | None = None    # the thread running a call
         self._count = threading.Lock()
         self._pending = 0                  # submitted, not yet finished
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    def on_its_thread(self) -> bool:
+        """Whether this thread is running one of the queue's calls (or a callback of its future)."""
+        return self._owner == threading.get_ident()
+
     def submit(self, fn, fut: torch.futures.Future) -> None:
+        if self.on_its_thread():
+            # issued by a callback of a call's future as that call completes (torch's PowerSGD
+            # hook does, and waits for it there): run it now, or it would wait behind its caller.
+            # Every rank runs it at the same point: right after the call whose future it hangs on
+            _run(fn, fut)
+            return
         with self._count:
             self._pending += 1
         self._q.put((fn, fut))
@@ -163,7 +198,11 @@ class _Queue:
             with self._count:
                 if self._pending:
                     return False
-            _run(fn, fut)
+            self._owner = threading.get_ident()
+            try:
+                _run(fn, fut)
+            finally:
+                self._owner = None
             return True
         finally:
             self._running.release()
@@ -175,7 +214,11 @@ class _Queue:
                 return
             fn, fut = item
             with self._running:
-                _run(fn, fut)
+                self._owner = threading.get_ident()
+                try:
+                    _run(fn, fut)
+                finally:
+                    self._owner = None
             with self._count:
                 self._pending -= 1
 
@@ -193,13 +236,14 @@ def _run(fn, fut: torch.futures.Future) -> None:
             _fail(fut, e)
 
 
-def _gloo_group(store, rank: int, size: int, timeout: timedelta, ip: str) -> dist.ProcessGroup:
-    """A gloo process group on ``store`` whose device is bound to this rank's address (not to
-    whatever the host name resolves to, which in a namespace is the wrong interface)."""
+def _gloo_group(store, rank: int, size: int, timeout: timedelta, ip: str, prefix: str = "") -> dist.ProcessGroup:
+    """A gloo process group on ``store`` (its keys under ``prefix``) whose device is bound to this
+    rank's address (not to whatever the host name resolves to, which in a namespace is the wrong
+    interface)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
     opts._timeout = timeout
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, opts)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, size, opts)
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
@@ -220,7 +264,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         self.comm_timeout = self.config.timeout or self.timeout
         self.local_ip = self.config.resolve_local_ip()
         self.rdv = Rendezvous(store, rank, size, self.timeout)
-        self.fallback = _gloo_group(store, rank, size, timeout, self.local_ip)
+        self.fallback = _gloo_group(store, rank, size, timeout, self.local_ip, self.rdv.prefix)
         self.comm = None
         self.grant: JobGrant | None = None      # the (first) service's job
         self.grants: list[JobGrant] = []
@@ -277,25 +321,41 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             return
         # several services (NICOFFLOAD_SERVICE=URL1,URL2,...): a job at each, every tensor sharded
         urls = [u.strip() for u in self.config.service.split(",") if u.strip()]
-        self.clients = [ServiceClient.from_files(u, self.config.token_file, timeout=min(10.0, self.timeout))
-                        for u in urls]
-        self.client = self.clients[0]
         owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})"
+        # rank 0 asks the service, with the token; the others never talk to it (rank 0 tells them
+        # why it could not, token file or URL, instead of each failing on its own)
+        def clients() -> list[ServiceClient]:
+            if self._rank == 0:
+                return [ServiceClient.from_files(u, self.config.token_file, timeout=min(10.0, self.timeout))
+                        for u in urls]
+            return [ServiceClient(u, timeout=min(10.0, self.timeout)) for u in urls]
 
         def ask() -> dict:
+            self.clients = clients()
+            self.client = self.clients[0]
             req = JobRequest(world=self._size, workers=list(self.addresses), lease_s=self.config.lease_s,
                              owner=owner)
             got: list[JobGrant] = []
             try:
                 for c in self.clients:
                     got.append(c.create_job(req))
-            except BaseException:
+            except BaseException as e:
                 for c, g in zip(self.clients, got):
                     self._remove_job(g.job, c)
+                if isinstance(e, CapacityError) and self.group_id != "0":
+                    return {"gloo": str(e).splitlines()[0]}  # a subgroup works on, through gloo
                 raise
             return {"grants": [g.to_json() for g in got]}
 
-        self.grants = [JobGrant.from_json(g) for g in self.rdv.share("job", ask)["grants"]]
+        shared = self.rdv.share("job", ask)
+        if "gloo" in shared:
+            log.warning("group %s: the service has no room for its job (%s); this group takes the gloo path",
+                        self.group_id, shared["gloo"])
+            return
+        self.grants = [JobGrant.from_json(g) for g in shared["grants"]]
+        if self._rank:
+            self.clients = clients()
+            self.client = self.clients[0]
         self.grant = self.grants[0]
         self.jobs = list(zip(self.clients, [g.job for g in self.grants]))
         silence = min(SILENCE, self.comm_timeout)
@@ -365,7 +425,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
 
         if opts is None or getattr(opts, "asyncOp", True) or not self._queue.run_here(run, fut):
             self._queue.submit(run, fut)
-        return Work(fut, what)
+        return Work(fut, what, self._queue)
 
     def _offload(self, fn):
         """Run an offloaded call: after the offload failed once, every later call fails with it
@@ -404,7 +464,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
                         _fail(g, e)
 
                 threading.Thread(target=wait, name=f"nicoffload-{name}", daemon=True).start()
-            self._pending_gloo = [p for p in self._pending_gloo if not p.done()] + [g]
+            if name not in POINT_TO_POINT:  # gloo's barrier does not wait for a send or a receive
+                self._pending_gloo = [p for p in self._pending_gloo if not p.done()] + [g]
 
             def done(gf):
                 try:
@@ -415,7 +476,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             g.add_done_callback(done)
 
         self._queue.submit(run, fut)
-        return Work(fut, name)
+        return Work(fut, name, self._queue)
 
     # --- all-reduce ---------------------------------------------------------------------------
     def _route(self, op: str, dtype: torch.dtype) -> str | None:
@@ -457,7 +518,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             else:
                 torch.div(work, self._size, rounding_mode="trunc", out=work)
         if not direct:
-            t.copy_(work)
+            t.detach().copy_(work)  # a parameter (requires_grad) too, as gloo writes into it
 
     def allreduce(self, tensors, opts=None) -> Work:
         if isinstance(tensors, torch.Tensor):
@@ -465,10 +526,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         op = op_name(opts)
         routes = {self._route(op, t.dtype) for t in tensors}
         if None in routes or len(routes) != 1:
-            if op == "avg":
-                return self._failed("allreduce", NicoffloadError(
-                    f"ReduceOp.AVG of {', '.join(sorted({str(t.dtype) for t in tensors}))}: the offload sums "
-                    f"{', '.join(map(str, SUM_DTYPES))}, and gloo has no AVG"))
+            if op == "avg":  # gloo has no AVG: its SUM, divided
+                return self._gloo_avg("allreduce", tensors, tensors, _sum_opts(opts, dist.AllreduceOptions))
             return self._gloo("allreduce", tensors, opts if opts is not None else dist.AllreduceOptions())
         how = routes.pop()
         avg = op == "avg"
@@ -486,6 +545,27 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             opts = o
         return self.allreduce(list(tensors), opts)
 
+    def _gloo_avg(self, name: str, outputs, *args) -> Work:
+        """ReduceOp.AVG through gloo, which has none: the call ``name`` as a SUM (``args``), then
+        ``outputs`` divided by the group's size (integers truncated, as the offload does)."""
+        bad = sorted({str(t.dtype) for t in outputs if t.dtype == torch.bool or t.is_complex()})
+        if bad:
+            return self._failed(name, NicoffloadError(f"ReduceOp.AVG of {', '.join(bad)}: no average of those"))
+        w = self._gloo(name, *args)
+        size = self._size
+
+        def divide(f):
+            value = f.value()
+            with torch.no_grad():
+                for t in outputs:
+                    if t.is_floating_point():
+                        t.div_(size)
+                    else:
+                        t.copy_(torch.div(t, size, rounding_mode="trunc"))
+            return value
+
+        return Work(w.fut.then(divide), name, self._queue)
+
     def _failed(self, what: str, e: BaseException) -> Work:
         fut: torch.futures.Future = torch.futures.Future()
         _fail(fut, e)
@@ -496,12 +576,15 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         buf = flat.detach().to(torch.float32 if flat.dtype not in _NATIVE else flat.dtype).contiguous().clone()
         self._reduce_tensor(buf, how, avg, flat.dtype)
         n = output.numel()
-        output.copy_(buf.reshape(-1)[self._rank * n:(self._rank + 1) * n].view_as(output))
+        output.detach().copy_(buf.reshape(-1)[self._rank * n:(self._rank + 1) * n].view_as(output))
 
     def reduce_scatter_single(self, output, input, opts=None) -> Work:
         op = op_name(opts)
         how = self._route(op, input.dtype)
         if how != "sum" or input.numel() != output.numel() * self._size:
+            if op == "avg":
+                return self._gloo_avg("_reduce_scatter_base", [output], output, input,
+                                      _sum_opts(opts, dist.ReduceScatterOptions))
             return self._gloo("_reduce_scatter_base", output, input,
                               opts if opts is not None else dist.ReduceScatterOptions())
         return self._submit("reduce_scatter", lambda: self._reduce_scatter_flat(output, input, how, op == "avg"),
@@ -515,6 +598,9 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
                  all(i.numel() == o.numel() and i.dtype == o.dtype for i in ins)
                  for o, ins in zip(outputs, input_lists))
         if not ok:
+            if op == "avg":
+                return self._gloo_avg("reduce_scatter", list(outputs), outputs, input_lists,
+                                      _sum_opts(opts, dist.ReduceScatterOptions))
             return self._gloo("reduce_scatter", outputs, input_lists,
                               opts if opts is not None else dist.ReduceScatterOptions())
 
@@ -529,8 +615,12 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         ok = all(self._route(op, i.dtype) == "sum" and i.numel() == o.numel() * self._size
                  for o, i in zip(outputs, inputs))
         if not ok:
-            works = [self._gloo("_reduce_scatter_base", o, i, opts if opts is not None else
-                                dist.ReduceScatterOptions()) for o, i in zip(outputs, inputs)]
+            if op == "avg":
+                works = [self._gloo_avg("_reduce_scatter_base", [o], o, i, _sum_opts(opts, dist.ReduceScatterOptions))
+                         for o, i in zip(outputs, inputs)]
+            else:
+                works = [self._gloo("_reduce_scatter_base", o, i, opts if opts is not None else
+                                    dist.ReduceScatterOptions()) for o, i in zip(outputs, inputs)]
             return self._chain(works, list(outputs), "reduce_scatter")
 
         def run():

@@ -17,8 +17,13 @@ class Rendezvous:
 
     def __init__(self, store, rank: int, size: int, timeout: float):
         self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
-        # a run torchrun restarts must not read the keys of the run before it
-        self.prefix = f"nicoffload/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # a run torchrun restarts must not read the keys of the run before it, nor a group made
+        # again in the same process (destroy_process_group, then init_process_group: torch names
+        # it as before, and torchrun's store keeps the old keys) those of the group before it:
+        # every rank counts its own incarnations of the group, and they all make it alike
+        run = f"nicoffload/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        incarnation = store.add(f"{run}incarnation/{rank}", 1)
+        self.prefix = f"{run}{incarnation}/"
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -27,7 +32,12 @@ class Rendezvous:
         try:
             self.store.wait([self.key(k) for k in keys], timedelta(seconds=self.timeout))
         except Exception as e:  # DistStoreError / RuntimeError, by torch version
-            raise TimeoutError_(f"rank {self.rank}: {what} did not come within {self.timeout:g}s "
+            try:
+                missing = [k for k in keys if not self.store.check([self.key(k)])]
+            except Exception:
+                missing = []
+            who = f" (none yet from: {', '.join(missing)})" if missing and len(keys) > 1 else ""
+            raise TimeoutError_(f"rank {self.rank}: {what} did not come within {self.timeout:g}s{who} "
                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
     # --- addresses and the job ----------------------------------------------------------------
@@ -35,7 +45,7 @@ class Rendezvous:
         """Every rank's address, by rank (this one's is ``ip``)."""
         self.store.set(self.key(f"addr/{self.rank}"), ip)
         keys = [f"addr/{r}" for r in range(self.size)]
-        self._wait(keys, "the other ranks' addresses")
+        self._wait(keys, "the other ranks' addresses (addr/R: rank R's)")
         return [self.store.get(self.key(k)).decode() for k in keys]
 
     def share(self, name: str, make) -> dict:

@@ -25,10 +25,28 @@ from nicoffload.lab.reference import host_sum, quantized
 from nicoffload.wire import proto
 
 CHECKS: list[dict] = []
+REPORT: dict = {}
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
     CHECKS.append({"name": name, "ok": bool(ok), "detail": detail})
+
+
+def within(name: str, seconds: float, fn) -> None:
+    """``fn()`` on a thread; if it has not returned within ``seconds`` (a hang), the check fails
+    and the rank writes its report and exits at once (its group cannot go on)."""
+    import threading
+
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        check(name, False, f"still waiting after {seconds:g}s")
+        REPORT["error"] = f"{name} hung"
+        REPORT["checks"] = CHECKS
+        Path(REPORT["out"], f"rank{REPORT['rank']}.json").write_text(json.dumps(REPORT))
+        os._exit(1)
 
 
 def inputs(case: str, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -117,11 +135,50 @@ def collectives(rank: int, world: int) -> None:
     t = torch.ones(3000)
     dist.all_reduce(t)
     check("after-a-refusal", torch.equal(t, torch.full((3000,), float(world))))
-    # int64: the gloo path, exact
+    # int64: the gloo path, exact; its AVG (gloo has none: its SUM, divided, truncated)
     xs = [inputs("i64", r, (999,), torch.int64) for r in range(world)]
     t = xs[rank].clone()
     dist.all_reduce(t)
     check("int64-gloo", torch.equal(t, sum(xs)))
+    t = xs[rank].clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    check("int64-avg-gloo", torch.equal(t, torch.div(sum(xs), world, rounding_mode="trunc")))
+    # a group of one rank takes the gloo path: its AVG is its input
+    one = dist.new_group(ranks=[0])
+    if rank == 0:
+        t = inputs("one", 0, (100,), torch.float32)
+        dist.all_reduce(t, group=one, op=dist.ReduceOp.AVG)
+        check("avg-group-of-one", torch.equal(t, inputs("one", 0, (100,), torch.float32)))
+    # a parameter (requires grad) in a half type: the result is copied into it, as gloo writes it
+    xs, e = expect("param", world, (1000,), torch.bfloat16)
+    p = nn.Parameter(xs[rank].clone())
+    dist.all_reduce(p)
+    c = e.check(p.detach().to(torch.float64).numpy())
+    check("bf16-parameter", c.within_bound and p.requires_grad, c.reason)
+    # a call issued and waited for inside a callback of an earlier call's future (torch's
+    # PowerSGD hook does this): it runs, instead of waiting behind its caller for ever
+    a, b = torch.ones(1000), torch.full((1000,), 2.0)
+
+    def then(f):
+        dist.all_reduce(b, async_op=True).get_future().wait()
+        return f.value()
+
+    fut = dist.all_reduce(a, async_op=True).get_future().then(then)
+    within("nested-wait-in-a-callback", 60, fut.wait)
+    check("nested-wait-in-a-callback", torch.equal(a, torch.full((1000,), float(world)))
+          and torch.equal(b, torch.full((1000,), 2.0 * world)))
+    # a barrier while a receive is pending: gloo's barrier does not wait for it, nor does ours
+    if world >= 2:
+        t = torch.zeros(3)
+        if rank == 0:
+            r = dist.irecv(t, 1)
+            within("barrier-with-a-pending-irecv", 60, dist.barrier)
+            r.wait()
+        else:
+            dist.barrier()
+            if rank == 1:
+                dist.send(torch.full((3,), 7.0), 0)
+        check("barrier-with-a-pending-irecv", rank != 0 or torch.equal(t, torch.full((3,), 7.0)))
     # the rest of what training code calls
     b = inputs("bcast", 1 % world, (321,), torch.float32) if rank == 1 % world else torch.zeros(321)
     dist.broadcast(b, src=1 % world)
@@ -298,8 +355,9 @@ def main() -> None:
     t0 = time.perf_counter()
     dist.init_process_group("nicoffload")
     rank, world = dist.get_rank(), dist.get_world_size()
-    report = {"rank": rank, "world": world, "init_s": time.perf_counter() - t0,
-              "backend": dist.get_backend(), "group": repr(dist.distributed_c10d._get_default_group())}
+    report = REPORT
+    report |= {"rank": rank, "world": world, "init_s": time.perf_counter() - t0, "out": a.out,
+               "backend": dist.get_backend(), "group": repr(dist.distributed_c10d._get_default_group())}
     out = Path(a.out)
     try:
         phases = a.phases.split(",")
@@ -319,6 +377,12 @@ def main() -> None:
                 m, loss, step = train(lambda m: DDP(m), rank, a.steps, die=(a.die_rank, a.die_at))
                 report |= {"loss": loss, "step_s": step}
         dist.destroy_process_group()
+        if "collectives" in phases:  # the group made again in the same process: a job of its own
+            dist.init_process_group("nicoffload")
+            t = torch.full((5000,), float(rank))
+            dist.all_reduce(t)
+            check("init-again-after-destroy", torch.equal(t, torch.full((5000,), float(sum(range(world))))))
+            dist.destroy_process_group()
     except Exception as e:
         report["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         report["error_type"] = type(e).__name__
