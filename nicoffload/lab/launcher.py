@@ -119,6 +119,25 @@ def failure(outcomes: list, what: str = "") -> NicoffloadError | None:
     return cls(f"{what}{text}")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid`` (from /proc)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
 def _reap(p: subprocess.Popen) -> None:
     """Kill what ``p`` (ended, a session leader) left running in its session: a rank that
     torchrun started and that outlived it would keep the stdout pipe open for ever."""
@@ -197,8 +216,14 @@ class Launch:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                kids = _descendants(p.pid)  # torchrun's ranks sit in sessions of their own
                 p.kill()
                 p.wait()
+                for k in kids:
+                    try:
+                        os.kill(k, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
                 killed.add(i)
             _reap(p)
         self._final = [self._outcome(i, i in killed) for i in range(len(self.procs))]
@@ -215,8 +240,10 @@ class Launch:
         return self.wait(time.monotonic() + grace)
 
     def _close(self) -> None:
-        for p in self.procs:
-            if p.stdout:
+        for p, t in zip(self.procs, self._threads):
+            # a reader still blocked on the pipe (held open by something that outlived the
+            # process) holds the file's lock: closing it would wait for ever; the thread is a daemon
+            if p.stdout and not t.is_alive():
                 p.stdout.close()
         for f in self._err:
             f.close()

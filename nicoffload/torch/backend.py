@@ -510,8 +510,15 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
                                                         memory_format=torch.contiguous_format).contiguous()
         a = work.numpy().reshape(-1)  # 0-d tensors too (numpy makes them 1-d anyway)
         kw = self._lanes(dtype or t.dtype)
-        self._offload(lambda: self.comm.allreduce(a, out=a, **kw) if how == "sum" else
-                      self.comm.allreduce(a, out=a, op=how))
+        try:
+            self._offload(lambda: self.comm.allreduce(a, out=a, **kw) if how == "sum" else
+                          self.comm.allreduce(a, out=a, op=how))
+        except RefusedError as e:
+            # NICOFFLOAD_NONFINITE=nan: every rank refused it together, so every rank gets NaN
+            if self.config.nonfinite != "nan" or e.kind not in ("NaN", "Inf"):
+                raise
+            log.info("group %s: %s; the result is NaN (NICOFFLOAD_NONFINITE=nan)", self.group_id, e)
+            a[:] = np.nan
         if avg:
             if work.is_floating_point():
                 work.div_(self._size)

@@ -16,6 +16,10 @@
                                           auto (the default) sums bfloat16/float16 tensors in 16-bit
                                           lanes and float32/float64 in 32-bit ones; 16 or 32: every
                                           float tensor
+    NICOFFLOAD_NONFINITE=refuse|nan       a NaN or an Inf in a rank's float tensor: refuse the call on
+                                          every rank (RefusedError, the default), or give every rank
+                                          a tensor of NaN, as a sum with gloo holds NaN or Inf (what
+                                          AMP's GradScaler needs to skip an overflowing step)
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from nicoffload.errors import InputError, SetupError
 
 MODES = ("aggregator", "ring")
 LANES = ("auto", "16", "32")
+NONFINITE = ("refuse", "nan")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class BackendConfig:
     liveness: float = 10.0
     lease_s: float | None = None
     lanes: str = "auto"
+    nonfinite: str = "refuse"
 
     @classmethod
     def from_env(cls, env=None) -> "BackendConfig":
@@ -52,6 +58,9 @@ class BackendConfig:
             raise InputError(f"NICOFFLOAD_LANES must be auto, 16 or 32, not {lanes!r}")
         if lanes == "16" and mode == "ring":
             raise InputError("NICOFFLOAD_LANES=16 is for the aggregator mode: the ring sums in 32-bit lanes")
+        nonfinite = env.get("NICOFFLOAD_NONFINITE", "refuse").strip() or "refuse"
+        if nonfinite not in NONFINITE:
+            raise InputError(f"NICOFFLOAD_NONFINITE must be refuse or nan, not {nonfinite!r}")
         service = env.get("NICOFFLOAD_SERVICE") or None
         if mode == "aggregator" and not service:
             raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
@@ -60,7 +69,7 @@ class BackendConfig:
                    local_ip=env.get("NICOFFLOAD_LOCAL_IP") or None,
                    timeout=_seconds(env, "NICOFFLOAD_TIMEOUT"),
                    liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
-                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes)
+                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes, nonfinite=nonfinite)
 
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""

@@ -32,21 +32,33 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     CHECKS.append({"name": name, "ok": bool(ok), "detail": detail})
 
 
-def within(name: str, seconds: float, fn) -> None:
-    """``fn()`` on a thread; if it has not returned within ``seconds`` (a hang), the check fails
-    and the rank writes its report and exits at once (its group cannot go on)."""
+def within(name: str, seconds: float, fn):
+    """``fn()`` on a thread: its value, or its error raised here. If it has not returned within
+    ``seconds`` (a hang), the check fails and the rank writes its report and exits at once (its
+    group cannot go on)."""
     import threading
 
     box: list = []
-    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as e:
+            box.append((False, e))
+
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(seconds)
-    if t.is_alive():
-        check(name, False, f"still waiting after {seconds:g}s")
-        REPORT["error"] = f"{name} hung"
-        REPORT["checks"] = CHECKS
-        Path(REPORT["out"], f"rank{REPORT['rank']}.json").write_text(json.dumps(REPORT))
-        os._exit(1)
+    if box:
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+    check(name, False, f"still waiting after {seconds:g}s")
+    REPORT["error"] = f"{name} hung"
+    REPORT["checks"] = CHECKS
+    Path(REPORT["out"], f"rank{REPORT['rank']}.json").write_text(json.dumps(REPORT))
+    os._exit(1)
 
 
 def inputs(case: str, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -135,6 +147,22 @@ def collectives(rank: int, world: int) -> None:
     t = torch.ones(3000)
     dist.all_reduce(t)
     check("after-a-refusal", torch.equal(t, torch.full((3000,), float(world))))
+    # NICOFFLOAD_NONFINITE=nan (read when a group is made): NaN on every rank instead, as AMP's
+    # GradScaler needs (gloo's sum holds the NaN too: the ring's subgroups take gloo)
+    os.environ["NICOFFLOAD_NONFINITE"] = "nan"
+    amp = dist.new_group(ranks=list(range(world)))
+    del os.environ["NICOFFLOAD_NONFINITE"]
+    t = torch.ones(3000, dtype=torch.float16)
+    if rank == 0:
+        t[7] = float("inf")
+    dist.all_reduce(t, group=amp)
+    aggregator = os.environ.get("NICOFFLOAD_MODE") != "ring"
+    check("nonfinite-nan", (bool(torch.isnan(t).all()) if aggregator else not bool(torch.isfinite(t).all()))
+          and t.dtype == torch.float16)
+    t = torch.ones(3000)
+    dist.all_reduce(t, group=amp)
+    check("nonfinite-nan-then-a-clean-call", torch.equal(t, torch.full((3000,), float(world))))
+    dist.destroy_process_group(amp)
     # int64: the gloo path, exact; its AVG (gloo has none: its SUM, divided, truncated)
     xs = [inputs("i64", r, (999,), torch.int64) for r in range(world)]
     t = xs[rank].clone()
@@ -288,6 +316,20 @@ def ddp(rank: int, world: int, gloo) -> dict:
     m1, _, t1 = train(lambda m: DDP(m), rank, 20)
     m2, _, t2 = train(lambda m: DDP(m, process_group=gloo), rank, 20)
     compare("ddp-vs-gloo", m1, m2, 1e-4)
+
+    def powersgd(group):  # torch's PowerSGD hook: its all-reduces chained through futures
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        def wrap(m):
+            d = DDP(m, process_group=group)
+            d.register_comm_hook(ps.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                                  start_powerSGD_iter=2, min_compression_rate=1.0), ps.powerSGD_hook)
+            return d
+        return wrap
+
+    p1, _, _ = within("ddp-powersgd", 120, lambda: train(powersgd(None), rank, 8))
+    p2, _, _ = train(powersgd(gloo), rank, 8)
+    compare("ddp-powersgd-vs-gloo", p1, p2, 1e-4)
     return {"ddp_step_s": t1, "ddp_gloo_step_s": t2}
 
 

@@ -96,6 +96,10 @@ def test_the_backend_reads_its_environment():
         BackendConfig.from_env({"NICOFFLOAD_MODE": "star"})
     with pytest.raises(InputError, match="NICOFFLOAD_TIMEOUT"):
         BackendConfig.from_env({"NICOFFLOAD_SERVICE": "http://h:1", "NICOFFLOAD_TIMEOUT": "soon"})
+    assert (c.nonfinite, BackendConfig.from_env({"NICOFFLOAD_MODE": "ring", "NICOFFLOAD_NONFINITE": "nan"}).nonfinite
+            ) == ("refuse", "nan")
+    with pytest.raises(InputError, match="NICOFFLOAD_NONFINITE must be refuse or nan"):
+        BackendConfig.from_env({"NICOFFLOAD_MODE": "ring", "NICOFFLOAD_NONFINITE": "ignore"})
 
 
 class FakeService:
