@@ -42,6 +42,7 @@ def callbacks(optimizer: bool) -> tuple[str, ...]:
 
 
 def pin_dir(netns: str | None, iface: str) -> Path:
+    loadstate.check_names(netns, iface)
     return bpf.PIN_ROOT / (netns or "root") / iface
 
 
@@ -245,11 +246,20 @@ class Aggregator(OptimizerControl):
         "unicast": each result goes to every rank's registered address (a copy per rank, cloned
         at the interface's tc ingress; ``worker_macs``: the next hop towards each, default: looked
         up in the namespace's neighbour table), for networks that carry no multicast."""
+        if initial is not None:  # refused before anything reaches the kernel (a NaN, the wrong size)
+            init = np.asarray(initial).reshape(-1)
+            if init.size != params:
+                raise InputError(f"job {job} has {params} parameters, {init.size} initial values given")
+            optim.to_fixed(init)
         with self._changing():
             g = group or default_group(job, self.table)
             e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params, delivery, worker_macs)
             if initial is not None:
-                self.set_params(job, initial)
+                try:
+                    self.set_params(job, initial)
+                except BaseException:  # no job half made: out of the kernel's maps and the table
+                    self.maps.erase_job(self.table.remove(job))
+                    raise
             return e
 
     def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None,
@@ -405,17 +415,29 @@ def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
     fallback.stop_all(netns, iface)  # engines of jobs it handed off (agg job add --fallback afxdp)
     sf = state_file(netns, iface)
     pdir = pin_dir(netns, iface)
-    mode = "native"
+    mode, ours = "native", None
     if sf.exists():
         try:
-            mode = json.loads(sf.read_text()).get("mode", "native")
+            saved = json.loads(sf.read_text())
+            mode, ours = saved.get("mode", "native"), saved.get("prog_id")
         except ValueError:
             pass
     found = sf.exists() or pdir.exists() or sf.with_suffix(".tmp").exists()
     try:
-        detached = bpf.detach_xdp(iface, netns, mode)
-    except NotFoundError:
-        detached = False
+        attached = bpf.xdp_prog_id(iface, netns)
+    except NotFoundError:  # no such interface (any more)
+        attached = None
+    detached = False
+    # only the aggregator: the one its state names, else (a load killed before it saved its
+    # state) one by the aggregator's name; a ring program there is not ours to remove
+    if attached is not None and (attached == ours or ours is None and libbpf.prog_name(attached) in (None, ENTRY)):
+        try:
+            detached = bpf.detach_xdp(iface, netns, mode)
+        except NotFoundError:
+            pass
+    elif attached is not None and not found and not missing_ok:
+        raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}: it runs XDP "
+                            f"program {attached} ({libbpf.prog_name(attached) or '?'}), left attached")
     detached = bpf.detach_tc(iface, netns) or detached  # unicast delivery's ar_fanout
     bpf.remove_pin_dir(pdir)  # and its parents it leaves empty
     sf.unlink(missing_ok=True)

@@ -136,6 +136,8 @@ class JobTable:
                                  f"group (--group), or its results would reach the other job's hosts")
         if len(self.entries) >= proto.MAX_JOBS:
             raise CapacityError(f"the aggregator holds {proto.MAX_JOBS} jobs, its most; remove one first")
+        if slots is not None and slots < 1:
+            raise InputError(f"job {job}: a job's share of the pool (--slots) is at least 1 slot, not {slots}")
         free = self.free_ranges()
         largest = max((c for _, c in free), default=0)
         want = largest if slots is None else slots

@@ -74,7 +74,15 @@ class OptimizerControl:
         """Restore a checkpoint of :meth:`save_optimizer` into a registered job of the same shape
         and optimizer."""
         e = self._opt_entry(job)
-        with np.load(path) as z:
+        try:
+            z = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file") from None
+        except Exception as ex:
+            raise InputError(f"{path}: not a checkpoint of 'agg opt save' ({type(ex).__name__}: {ex})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile) or not {"frac_bits", "elems", "w", "optimizer"} <= set(z.files):
+            raise InputError(f"{path}: not a checkpoint of 'agg opt save' (an .npz of frac_bits, elems, w, optimizer, ...)")
+        with z:
             if int(z["frac_bits"]) != optim.FRAC or int(z["elems"]) != self.spec.elems or z["w"].size != e.params:
                 raise InputError(f"{path}: checkpoint of {z['w'].size} parameters, {int(z['elems'])} per record, "
                                  f"{int(z['frac_bits'])} fractional bits does not fit job {job} ({e.params}, "

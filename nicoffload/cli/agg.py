@@ -224,7 +224,9 @@ def _job_fallback(args, agg, why: str) -> int:
     from nicoffload.agg.jobtable import default_group
 
     group = args.group or default_group(args.job, agg.table, fallback.groups_in_use(args.netns, args.iface))
-    slots = args.job_slots or DEFAULT.slots
+    if args.job_slots is not None and args.job_slots < 1:
+        raise InputError(f"--slots is at least 1, not {args.job_slots}")
+    slots = DEFAULT.slots if args.job_slots is None else args.job_slots
     got = fallback.hand_off(agg, args.job, args.workers, group, list(args.worker_ip), slots,
                             args.delivery or "multicast")
     if args.json:
@@ -249,10 +251,14 @@ def _job_add_service(args, client) -> int:
                      group=args.group, lease_s=args.lease, optimizer=opt, params=args.params if opt else 0,
                      delivery=args.delivery,
                      owner=f"nicoffload agg job add ({getpass.getuser()}@{socket.gethostname()})")
+    initial = cli_aggopt.initial_params(args)  # a bad file is refused before the job exists
     g = client.create_job(req)
-    initial = cli_aggopt.initial_params(args)
     if initial is not None:
-        client.set_params(g.job, initial)
+        try:
+            client.set_params(g.job, initial)
+        except BaseException:
+            client.remove_job(g.job)  # no job left behind without its parameters
+            raise
     if args.json:
         print(json.dumps(g.to_json()))
         return 0

@@ -69,10 +69,20 @@ def optimizer_from(args) -> OptimizerSpec | None:
                          args.nesterov).validate()
 
 
+def _load(path) -> np.ndarray:
+    """Parameters from a .npy file, or a one-line InputError saying why not."""
+    from nicoffload.lab.inputs import load_input
+
+    a = load_input(path)
+    if a.dtype.kind != "f":
+        raise InputError(f"{path}: parameters are float32 or float64, not {a.dtype}")
+    return a
+
+
 def initial_params(args) -> np.ndarray | None:
     if args.init is None:
         return None
-    a = np.load(args.init)
+    a = _load(args.init)
     if a.size != args.params:
         raise InputError(f"{args.init} holds {a.size} values, --params is {args.params}")
     return a
@@ -135,14 +145,17 @@ def _show(args) -> int:
 
 
 def _params(args) -> int:
+    from nicoffload.lab.inputs import check_output, save_output
+
+    check_output(args.output)
     w = _open(args).params(args.job)
-    np.save(args.output, w)
+    save_output(args.output, w)
     print(f"{w.size} parameters of job {args.job} -> {args.output}")
     return 0
 
 
 def _upload(args) -> int:
-    a = np.load(args.file)
+    a = _load(args.file)
     _open(args).set_params(args.job, a)
     print(f"{a.size} parameters of {args.file} -> job {args.job} (momentum reset)")
     return 0

@@ -137,9 +137,7 @@ def _register_demo(sub) -> None:
 
 
 def _worker(args) -> int:
-    import numpy as np
-
-    from nicoffload.lab.inputs import load_input
+    from nicoffload.lab.inputs import check_output, load_input, save_output
     from nicoffload.lab.jobs import describe_rank, worker_rank
 
     spec = JobSpec.from_args(args)
@@ -149,10 +147,12 @@ def _worker(args) -> int:
     if spec.mode == "aggregator" and not args.aggregator:
         raise InputError("--mode aggregator needs --aggregator (the aggregator's address)")
     x = load_input(args.input, finite=False)  # a NaN or an Inf: every rank refuses the call together
+    if args.output:
+        check_output(args.output)
     out, report = worker_rank(args.rank, args.world, args.aggregator, x, spec, args.local_ip, args.reps, peers,
                               args.ring_userspace, args.capacity)
     if args.output:
-        np.save(args.output, out)
+        save_output(args.output, out)
     print(json.dumps(report) if args.json else describe_rank(report))
     return 0
 
@@ -184,16 +184,15 @@ def _afxdp(args) -> int:
 
 
 def _allreduce(args) -> int:
-    import numpy as np
-
     from nicoffload.lab.allreduce import allreduce_arrays, describe_allreduce
-    from nicoffload.lab.inputs import check_inputs
+    from nicoffload.lab.inputs import check_inputs, check_output, save_output
 
     arrays = check_inputs(args.inputs)
+    check_output(args.output)  # before the testbed is built and the job run
     spec = JobSpec.from_args(args, delivery=delivery_for(args))
     out, report = allreduce_arrays(arrays, args.aggregator, spec, args.drop, args.dup, args.seed,
                                    multicast=not args.no_multicast, aggregators=args.aggregators)
-    np.save(args.output, out)
+    save_output(args.output, out)
     report["output"] = str(args.output)
     print(json.dumps(report) if args.json else describe_allreduce(report))
     return 0

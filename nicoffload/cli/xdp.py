@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Callable
 
+from nicoffload.errors import InputError
+
 MODES = ["auto", "generic", "native"]
 
 
@@ -44,6 +46,8 @@ def print_stats(stats: dict, prev: dict | None, dt: float) -> None:
 def show_stats(read: Callable[[], dict], as_json: bool, watch: float | None) -> int:
     """The counters ``read()`` returns: once, or every ``watch`` seconds with their rates until
     interrupted (as JSON lines with ``as_json``)."""
+    if watch is not None and not (0 < watch < 1e6):
+        raise InputError(f"--watch takes seconds between readings, more than 0, not {watch:g}")
     if watch is None:
         s = read()
         if as_json:

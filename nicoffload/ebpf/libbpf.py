@@ -343,6 +343,17 @@ def prog_stats(prog_id: int) -> ProgStats:
         os.close(fd)
 
 
+def prog_name(prog_id: int) -> str | None:
+    """A loaded program's name (its first 15 characters), or None if there is none by that id."""
+    fd = lib().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        return None
+    try:
+        return _prog_info(fd, f"BPF program {prog_id}").name.decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _prog_info(fd: int, what: str) -> _ProgInfo:
     return _obj_info(fd, _ProgInfo(), what)
 

@@ -8,8 +8,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nicoffload.errors import InputError
+
+
+def check_names(netns: str | None, iface: str) -> None:
+    """A namespace and an interface name that can name files: no path separator, not . or ..
+    (``--iface ..`` must never reach the BPF filesystem's parent directory)."""
+    if not iface or len(iface) > 15 or "/" in iface or iface in (".", "..") or not iface.isprintable() \
+            or any(c.isspace() for c in iface):
+        raise InputError(f"{iface!r} is not an interface name (1..15 characters, no '/' or spaces, not . or ..)")
+    if netns is not None and (not netns or "/" in netns or netns in (".", "..") or not netns.isprintable()
+                              or len(netns) > 255):
+        raise InputError(f"{netns!r} is not a network namespace name (no '/', not . or ..)")
+
 
 def state_file(state_dir: Path, netns: str | None, iface: str) -> Path:
+    check_names(netns, iface)
     return state_dir / f"{netns or 'root'}__{iface}.json"
 
 

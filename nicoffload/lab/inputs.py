@@ -2,6 +2,7 @@
 seeded gradients (float32 with zero blocks, or int32 on the same pattern)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,11 +44,34 @@ def load_input(path: Path, finite: bool = True) -> np.ndarray:
         raise InputError(f"{path}: no such file")
     except Exception as e:
         raise InputError(f"{path}: not a readable .npy file ({e.__class__.__name__}: {e})")
+    if a.dtype.byteorder not in ("=", "|") and a.dtype.newbyteorder("=") in DTYPES:
+        a = a.astype(a.dtype.newbyteorder("="))  # big-endian values, in this machine's order
     if a.dtype not in DTYPES:
         raise InputError(f"{path}: dtype {a.dtype} is not supported (int32, float32, float64)")
+    a = np.ascontiguousarray(a)  # a Fortran-order array sums in C order, as its output is written
     if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
         raise InputError(f"{path}: holds NaN or Inf; refusing to sum it")
     return a
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output path that cannot be written, before a job runs for it."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a file for the output")
+    if not parent.is_dir():
+        raise InputError(f"{path}: no directory {parent} to write the output in")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{path}: cannot be written (permissions)")
+
+
+def save_output(path: Path, a: np.ndarray) -> None:
+    """np.save, or a one-line InputError saying why not."""
+    try:
+        np.save(path, a)
+    except OSError as e:
+        raise InputError(f"{path}: the output could not be written ({e.strerror or e})") from None
 
 
 def check_inputs(paths: list[Path]) -> list[np.ndarray]:

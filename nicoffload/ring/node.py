@@ -40,6 +40,7 @@ MAX_CAPACITY = 1 << 20
 
 
 def pin_dir(netns: str | None, iface: str) -> Path:
+    loadstate.check_names(netns, iface)
     return bpf.PIN_ROOT / (netns or "root") / f"ring-{iface}"
 
 

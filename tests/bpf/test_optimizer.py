@@ -10,7 +10,7 @@ import pytest
 from nicoffload import optim
 from nicoffload.agg.control import Aggregator
 from nicoffload.ebpf.libbpf import XDP_DROP, XDP_TX
-from nicoffload.errors import InputError
+from nicoffload.errors import InputError, NotFoundError
 from nicoffload.optim import OptimizerSpec
 from nicoffload.packets import generators as gen
 from nicoffload.wire import codec, proto
@@ -157,3 +157,24 @@ def test_a_job_without_optimizer_state_cannot_ask_for_sgd(joined):
         assert out.verdict == XDP_DROP and plain.stats()["bad_op"] == 1
         with pytest.raises(InputError, match="without optimizer state"):
             plain.add_job(2, 1, "239.77.0.9", optimizer=SPEC, params=10)
+
+
+def test_a_job_whose_initial_parameters_are_refused_is_not_registered():
+    """A NaN in --init: refused before the job reaches the kernel's maps, so no job is left half
+    made (in the maps, not in the table: invisible, and its row handed to the next job)."""
+    share = optim.share(N, E)
+    with Aggregator.for_test(W, slots=3 * share, elems=E, optimizer=SPEC, params=N,
+                             worker_ips=[gen.worker_ip(r) for r in range(W)]) as a:
+        bad = np.linspace(-1, 1, N)
+        bad[5] = np.nan
+        with pytest.raises(InputError, match="finite"):
+            a.add_job(2, W, "239.77.0.2", optimizer=SPEC, params=N, initial=bad)
+        with pytest.raises(InputError, match="700 parameters, 699 initial values"):
+            a.add_job(2, W, "239.77.0.2", optimizer=SPEC, params=N, initial=bad[:-1])
+        assert sorted(a.table.entries) == [1]
+        with pytest.raises(NotFoundError):
+            a.maps.job_index(2)
+        good = np.linspace(-1, 1, N)
+        a.add_job(3, W, "239.77.0.3", optimizer=SPEC, params=N, initial=good)
+        assert sorted(a.table.entries) == [1, 3]
+        assert np.allclose(a.params(3), good, atol=2.0 ** -optim.FRAC)

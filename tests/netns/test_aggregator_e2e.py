@@ -16,6 +16,7 @@ from nicoffload.ebpf import loader as bpf
 from nicoffload.lab.aggregators import AggregatorProcess
 from nicoffload.lab.jobs import run_workers
 from nicoffload.lab.links import enable_gro
+from nicoffload.ring.node import unload as ring_unload
 from nicoffload.wire import proto
 
 CLI = [sys.executable, "-m", "nicoffload.cli"]
@@ -110,8 +111,19 @@ def test_cli_load_outlives_the_process_and_errors_are_one_line(make_testbed):
             assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
         r = cli("agg", "load", "--netns", "nco-no-such-ns", "--iface", "eth0", "--workers", "2")
         assert r.returncode == 5 and "does not exist" in r.stderr
+        # another program on the interface (a ring node) is not the aggregator's to remove
+        r = cli("ring", "load", "--netns", ns, "--iface", ifc, "--rank", "0", "--peers",
+                f"{tb.agg.ip},{tb.workers[0].ip}")
+        assert r.returncode == 0, r.stderr
+        ring_prog = bpf.xdp_prog_id(ifc, ns)
+        r = cli("agg", "unload", "--netns", ns, "--iface", ifc)
+        assert r.returncode == 5 and "left attached" in r.stderr, r.stderr
+        assert bpf.xdp_prog_id(ifc, ns) == ring_prog
+        assert cli("ring", "unload", "--netns", ns, "--iface", ifc).returncode == 0
+        assert bpf.xdp_prog_id(ifc, ns) is None
     finally:
         unload(ns, ifc, missing_ok=True)
+        ring_unload(ns, ifc, missing_ok=True)
 
 
 def test_killed_cli_leaves_state_that_testbed_down_removes(make_testbed, uid):

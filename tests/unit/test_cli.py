@@ -24,3 +24,35 @@ def test_the_command_says_the_installation_is_broken(monkeypatch, capsys):
     assert cli.main(["demo", "--help"]) == 78
     err = capsys.readouterr().err
     assert "installation is broken" in err and "no_such_module" in err
+
+
+def test_names_that_would_leave_the_bpf_filesystem_are_refused():
+    """``--iface ..`` or ``--netns ../x`` must never name a directory above the pins."""
+    from nicoffload.agg.control import pin_dir, state_file
+    from nicoffload.errors import InputError
+
+    for netns, iface in ((None, ".."), (None, "."), (None, "a/b"), ("..", "eth0"), ("x/..", "eth0"), (None, ""),
+                         (None, "sixteen-chars-xx"), (None, "eth 0")):
+        for f in (pin_dir, state_file):
+            with pytest.raises(InputError):
+                f(netns, iface)
+    assert pin_dir("nco-a-agg", "eth0").name == "eth0"
+
+
+def test_inputs_in_any_order_or_byte_order_and_outputs_that_cannot_be_written(tmp_path):
+    import numpy as np
+
+    from nicoffload.errors import InputError
+    from nicoffload.lab.inputs import check_output, load_input, save_output
+
+    np.save(tmp_path / "f.npy", np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)))
+    np.save(tmp_path / "b.npy", np.arange(5, dtype=np.int32).astype(">i4"))
+    f, b = load_input(tmp_path / "f.npy"), load_input(tmp_path / "b.npy")
+    assert f.flags.c_contiguous and np.array_equal(f, np.arange(12).reshape(3, 4))
+    assert b.dtype == np.int32 and list(b) == [0, 1, 2, 3, 4]
+    for bad in (tmp_path / "no" / "dir.npy", tmp_path):
+        with pytest.raises(InputError):
+            check_output(bad)
+    with pytest.raises(InputError, match="could not be written"):
+        save_output(tmp_path / "no" / "dir.npy", f)
+    check_output(tmp_path / "ok.npy")

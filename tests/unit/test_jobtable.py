@@ -79,3 +79,9 @@ def test_the_table_round_trips_through_its_saved_form():
     t.admit(6, 2, group(6), slots=16)
     u = JobTable.from_dicts(128, t.to_dicts())
     assert u.to_dicts() == t.to_dicts() and u.free_ranges() == t.free_ranges()
+
+
+@pytest.mark.parametrize("slots", [0, -3])
+def test_a_share_of_no_slots_is_bad_input_not_a_full_pool(slots):
+    with pytest.raises(InputError, match="at least 1 slot"):
+        JobTable(64).admit(1, 2, group(1), slots=slots)
