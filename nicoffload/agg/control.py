@@ -251,8 +251,16 @@ class Aggregator(OptimizerControl):
             if init.size != params:
                 raise InputError(f"job {job} has {params} parameters, {init.size} initial values given")
             optim.to_fixed(init)
+        taken: set[str] = set()
+        if self.spec.iface:  # the groups of the jobs the AF_XDP engine serves beside the pool
+            from nicoffload.agg import fallback
+
+            taken = fallback.groups_in_use(self.spec.netns, self.spec.iface)
+        if group is not None and group in taken:
+            raise InputError(f"multicast group {group} is already that of a job the AF_XDP engine serves on "
+                             f"{self.spec.iface}: give each job its own group (--group)")
         with self._changing():
-            g = group or default_group(job, self.table)
+            g = group or default_group(job, self.table, taken)
             e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params, delivery, worker_macs)
             if initial is not None:
                 try:

@@ -121,11 +121,17 @@ def _start(agg, p: dict[str, Path], extra: list[str]) -> dict:
                                 start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT
     info = None
-    while time.monotonic() < deadline and info is None and proc.poll() is None:
-        for line in _read_json_text(p["log"]).splitlines():
-            if line.startswith("ready"):
-                info = json.loads(line[len("ready"):].strip() or "{}")
-        time.sleep(0.05)
+    try:
+        while time.monotonic() < deadline and info is None and proc.poll() is None:
+            for line in _read_json_text(p["log"]).splitlines():
+                if line.startswith("ready"):
+                    info = json.loads(line[len("ready"):].strip() or "{}")
+            time.sleep(0.05)
+    except BaseException:  # interrupted (Ctrl-C) while it starts: it is in a session of its own
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        raise
     if info is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

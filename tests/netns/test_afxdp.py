@@ -21,6 +21,7 @@ from test_worker_e2e import adversarial
 from nicoffload.afxdp.engine import AfxdpEngine
 from nicoffload.agg.control import Aggregator, AggSpec
 from nicoffload.ebpf import loader as bpf
+from nicoffload.errors import InputError
 from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job
 from nicoffload.packets import attacks
@@ -248,6 +249,10 @@ def test_jobs_the_xdp_pool_refuses_are_served_by_the_fallback_engine(make_testbe
         assert engine_procs() == [two["pid"]]
         run_int32_job(tb, 3, 64, seed=11, local_port=tb.port + 3)
         assert bpf.xdp_prog_id(tb.agg.iface, tb.agg.netns) is not None  # the XDP aggregator stays
+        # a job of the pool never takes the group of a job the engine serves
+        agg.remove_job(1)
+        with pytest.raises(InputError, match="AF_XDP engine serves"):
+            agg.add_job(4, 2, tb.topology.group_of(3), ips, slots=16)
     assert engine_procs() == []  # unloaded: the engine went with the aggregator
 
 
