@@ -40,13 +40,19 @@ def recorded(state_dir: Path, netns_prefix: str = "") -> list[tuple[str | None, 
     name starts with ``netns_prefix``; None: the root namespace)."""
     if not state_dir.is_dir():
         return []
-    stems = {f.stem for pat in ("*__*.json", "*__*.tmp") for f in state_dir.glob(pat)}
+    files = {f.stem: f for pat in ("*__*.tmp", "*__*.json") for f in state_dir.glob(pat)}  # .json wins
     out = []
-    for stem in sorted(stems):
-        ns, _, iface = stem.partition("__")
+    for stem, f in sorted(files.items()):
+        try:  # the file says where (a namespace's name may hold "__" too)
+            d = json.loads(f.read_text())
+            ns, iface = d["netns"] or "root", d["iface"]
+            if not isinstance(ns, str) or not isinstance(iface, str):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError):  # cut short: the name says where
+            ns, _, iface = stem.rpartition("__")
         if ns.startswith(netns_prefix):
             out.append((None if ns == "root" else ns, iface))
-    return out
+    return sorted(set(out), key=lambda t: (t[0] or "", t[1]))
 
 
 def release(prog, b) -> None:

@@ -56,3 +56,18 @@ def test_inputs_in_any_order_or_byte_order_and_outputs_that_cannot_be_written(tm
     with pytest.raises(InputError, match="could not be written"):
         save_output(tmp_path / "no" / "dir.npy", f)
     check_output(tmp_path / "ok.npy")
+
+
+def test_what_is_recorded_is_read_from_the_state_files(tmp_path):
+    """A namespace whose name holds "__" (testbed a__b) is found under its own name; a load
+    killed while it wrote its state (only the .tmp, cut short) by the file's name."""
+    import json
+
+    from nicoffload.ebpf import loadstate
+
+    loadstate.save(loadstate.state_file(tmp_path, "nco-a__b-agg", "eth0"), {"netns": "nco-a__b-agg", "iface": "eth0"})
+    loadstate.save(loadstate.state_file(tmp_path, None, "veth1"), {"netns": None, "iface": "veth1"})
+    (tmp_path / "nco-c-agg__eth0.tmp").write_text('{"netns": "nco-c')
+    assert loadstate.recorded(tmp_path) == [(None, "veth1"), ("nco-a__b-agg", "eth0"), ("nco-c-agg", "eth0")]
+    assert loadstate.recorded(tmp_path, "nco-a__b") == [("nco-a__b-agg", "eth0")]
+    assert json.loads((tmp_path / "root__veth1.json").read_text())["iface"] == "veth1"
