@@ -906,7 +906,11 @@ static __always_inline struct ar_job *job_of(u32 job_wire, u32 *ji)
     if (!jidx)
         return NULL;
     *ji = *jidx;
-    return ar_jobs.lookup(ji);
+    struct ar_job *job = ar_jobs.lookup(ji);
+    /* an index left by a job the control plane never finished must not reach another job's row */
+    if (!job || job->job != job_id)
+        return NULL;
+    return job;
 }
 
 /* A frame rejected as a whole counts as one record of its row. */

@@ -107,3 +107,19 @@ def test_a_full_pool_refuses_a_job(two_jobs):
     assert sorted(two_jobs.table.entries) == [1, 2]
     assert two_jobs.add_job(3, 2, "239.77.0.3").slot_count == 8
     assert proto.MAX_JOBS >= 3
+
+
+def test_an_index_entry_that_names_another_jobs_row_reaches_no_job(two_jobs):
+    """An index left behind (job 7 -> job 2's row, as a control plane killed half way could leave
+    it): job 7's frames are no job's, and job 2's epoch and counters are untouched."""
+    agg = two_jobs
+    ep = join(agg, 2, IPS_B)
+    index = agg.maps.b["ar_job_index"]
+    index[index.Key(7)] = index.Leaf(agg.maps.job_index(2))
+    before = agg.stats(2)
+    outs = [agg.run(gen.frame(gen.join_record(r, 3, gen.nonce_of(r + 50), job=7), src_mac=gen.worker_mac(r),
+                              dst_mac=gen.AGG_MAC, src_ip=IPS_B[r], dst_ip=gen.AGG_IP)) for r in range(3)]
+    assert [o.verdict for o in outs] == [XDP_DROP] * 3
+    assert agg.unattributed()["bad_job"] == 3 and agg.stats(2) == before
+    assert agg.job_state(2)["epoch"] == ep
+    del index[index.Key(7)]
