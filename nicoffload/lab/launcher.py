@@ -138,11 +138,10 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _reap(p: subprocess.Popen) -> None:
-    """Kill what ``p`` (ended, a session leader) left running in its session: a rank that
-    torchrun started and that outlived it would keep the stdout pipe open for ever."""
+def _kill(pid: int, group: bool = False) -> None:
+    """SIGKILL to ``pid`` (``group``: to its process group), if it is still there."""
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        (os.killpg if group else os.kill)(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -170,7 +169,7 @@ class Launch:
     def _start(self, tb, spec: RankSpec) -> None:
         err = tempfile.TemporaryFile("w+", errors="replace", prefix="nicoffload-stderr-")
         self._err.append(err)
-        # a session of its own: what it starts (torchrun's ranks) goes with it (_reap)
+        # a session of its own: what it starts goes with it (wait)
         p = tb.popen(spec.host, spec.argv, stdout=subprocess.PIPE, stderr=err, text=True, env=spec.env,
                      start_new_session=True)
         lines: list[str] = []
@@ -220,12 +219,11 @@ class Launch:
                 p.kill()
                 p.wait()
                 for k in kids:
-                    try:
-                        os.kill(k, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                    _kill(k)
                 killed.add(i)
-            _reap(p)
+            # what it left running in its session: a rank that torchrun started and that outlived
+            # it would keep the stdout pipe open for ever
+            _kill(p.pid, group=True)
         self._final = [self._outcome(i, i in killed) for i in range(len(self.procs))]
         self._close()
         return self._final

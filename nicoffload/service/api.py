@@ -38,7 +38,7 @@ def _int(d: dict, name: str, lo: int, hi: int, default=None) -> int | None:
     return v
 
 
-def _finite(v) -> bool:
+def finite_number(v) -> bool:
     """A JSON number that is a finite float (an integer of 400 digits is not one)."""
     try:
         return math.isfinite(float(v))
@@ -50,7 +50,7 @@ def _number(d: dict, name: str, lo: float, hi: float, default=None) -> float | N
     v = d.get(name, default)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not finite_number(v):
         raise InputError(f"{name} must be a finite number, not {str(v)[:40]}")
     if not lo <= v <= hi:
         raise InputError(f"{name} must be {lo:g}..{hi:g}, not {v:g}")

@@ -36,7 +36,7 @@ from nicoffload import __version__
 from nicoffload.errors import (AlreadyExistsError, CapacityError, InputError, NicoffloadError, NotFoundError,
                                PrivilegeError)
 from nicoffload.service import metrics
-from nicoffload.service.api import MAX_JSON, MAX_PARAMS_BYTES, PREFIX, JobRequest, _finite
+from nicoffload.service.api import MAX_JSON, MAX_PARAMS_BYTES, PREFIX, JobRequest, finite_number
 from nicoffload.service.core import Service
 
 log = logging.getLogger("nicoffload.service")
@@ -196,7 +196,7 @@ async def get_params(request):
 async def set_lr(request):
     d = await _json(request)
     lr = d.get("lr") if isinstance(d, dict) else None
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not _finite(lr):
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not finite_number(lr):
         raise InputError('the body must be {"lr": <a finite number>}')
     return web.json_response(await _call(request, request.app[SERVICE].set_lr, _job_id(request), float(lr)))
 

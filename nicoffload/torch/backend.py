@@ -198,11 +198,7 @@ class _Queue:
             with self._count:
                 if self._pending:
                     return False
-            self._owner = threading.get_ident()
-            try:
-                _run(fn, fut)
-            finally:
-                self._owner = None
+            self._run_owned(fn, fut)
             return True
         finally:
             self._running.release()
@@ -214,13 +210,17 @@ class _Queue:
                 return
             fn, fut = item
             with self._running:
-                self._owner = threading.get_ident()
-                try:
-                    _run(fn, fut)
-                finally:
-                    self._owner = None
+                self._run_owned(fn, fut)
             with self._count:
                 self._pending -= 1
+
+    def _run_owned(self, fn, fut: torch.futures.Future) -> None:
+        """Run a call (``_running`` held), this thread marked as the one running it."""
+        self._owner = threading.get_ident()
+        try:
+            _run(fn, fut)
+        finally:
+            self._owner = None
 
     def close(self, timeout: float) -> bool:
         self._q.put(None)
@@ -533,9 +533,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         op = op_name(opts)
         routes = {self._route(op, t.dtype) for t in tensors}
         if None in routes or len(routes) != 1:
-            if op == "avg":  # gloo has no AVG: its SUM, divided
-                return self._gloo_avg("allreduce", tensors, tensors, _sum_opts(opts, dist.AllreduceOptions))
-            return self._gloo("allreduce", tensors, opts if opts is not None else dist.AllreduceOptions())
+            return self._gloo_reduce("allreduce", tensors, op, opts, dist.AllreduceOptions, tensors)
         how = routes.pop()
         avg = op == "avg"
 
@@ -552,13 +550,16 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             opts = o
         return self.allreduce(list(tensors), opts)
 
-    def _gloo_avg(self, name: str, outputs, *args) -> Work:
-        """ReduceOp.AVG through gloo, which has none: the call ``name`` as a SUM (``args``), then
-        ``outputs`` divided by the group's size (integers truncated, as the offload does)."""
+    def _gloo_reduce(self, name: str, outputs, op: str, opts, options, *args) -> Work:
+        """The reduction ``name(*args, opts)`` through gloo (``options``: its options' class, for
+        the defaults). ReduceOp.AVG, which gloo has not: its SUM, then ``outputs`` divided by the
+        group's size (integers truncated, as the offload does)."""
+        if op != "avg":
+            return self._gloo(name, *args, opts if opts is not None else options())
         bad = sorted({str(t.dtype) for t in outputs if t.dtype == torch.bool or t.is_complex()})
         if bad:
             return self._failed(name, NicoffloadError(f"ReduceOp.AVG of {', '.join(bad)}: no average of those"))
-        w = self._gloo(name, *args)
+        w = self._gloo(name, *args, _sum_opts(opts, options))
         size = self._size
 
         def divide(f):
@@ -589,11 +590,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         op = op_name(opts)
         how = self._route(op, input.dtype)
         if how != "sum" or input.numel() != output.numel() * self._size:
-            if op == "avg":
-                return self._gloo_avg("_reduce_scatter_base", [output], output, input,
-                                      _sum_opts(opts, dist.ReduceScatterOptions))
-            return self._gloo("_reduce_scatter_base", output, input,
-                              opts if opts is not None else dist.ReduceScatterOptions())
+            return self._gloo_reduce("_reduce_scatter_base", [output], op, opts, dist.ReduceScatterOptions,
+                                     output, input)
         return self._submit("reduce_scatter", lambda: self._reduce_scatter_flat(output, input, how, op == "avg"),
                             [output], opts)
 
@@ -605,11 +603,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
                  all(i.numel() == o.numel() and i.dtype == o.dtype for i in ins)
                  for o, ins in zip(outputs, input_lists))
         if not ok:
-            if op == "avg":
-                return self._gloo_avg("reduce_scatter", list(outputs), outputs, input_lists,
-                                      _sum_opts(opts, dist.ReduceScatterOptions))
-            return self._gloo("reduce_scatter", outputs, input_lists,
-                              opts if opts is not None else dist.ReduceScatterOptions())
+            return self._gloo_reduce("reduce_scatter", list(outputs), op, opts, dist.ReduceScatterOptions,
+                                     outputs, input_lists)
 
         def run():
             for o, ins in zip(outputs, input_lists):
@@ -622,12 +617,8 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
         ok = all(self._route(op, i.dtype) == "sum" and i.numel() == o.numel() * self._size
                  for o, i in zip(outputs, inputs))
         if not ok:
-            if op == "avg":
-                works = [self._gloo_avg("_reduce_scatter_base", [o], o, i, _sum_opts(opts, dist.ReduceScatterOptions))
-                         for o, i in zip(outputs, inputs)]
-            else:
-                works = [self._gloo("_reduce_scatter_base", o, i, opts if opts is not None else
-                                    dist.ReduceScatterOptions()) for o, i in zip(outputs, inputs)]
+            works = [self._gloo_reduce("_reduce_scatter_base", [o], op, opts, dist.ReduceScatterOptions, o, i)
+                     for o, i in zip(outputs, inputs)]
             return self._chain(works, list(outputs), "reduce_scatter")
 
         def run():

@@ -191,7 +191,8 @@ class HierCommunicator:
         if refused is not None:  # named by its rank in the leaf: say which rank of the job it is
             who = self.leaf_level.ranks[refused.rank] if refused.rank is not None else None
             raise RefusedError(f"rank {who}'s input holds a non-finite value {refused.what}; every rank of the job "
-                               f"refuses this call", who, refused.what) from refused
+                               f"refuses this call", who, refused.what, kind=refused.kind, index=refused.index,
+                               span=refused.span, more=refused.more) from refused
         if marked is not None:
             group, why = marked
             lv = self._levels[group] if 0 <= group < len(self._levels) else None

@@ -93,6 +93,7 @@ def test_a_nan_in_one_leaf_group_is_refused_by_every_rank_of_the_job(make_testbe
     errs = got[0]
     assert all(isinstance(e, RefusedError) for e in errs), errs
     assert "rank 3's input holds a non-finite value (NaN at flat index 1234); every rank of the job" in str(errs[3])
+    assert (errs[3].rank, errs[3].kind, errs[3].index) == (3, "NaN", 1234)
     assert "rank 3's input holds a non-finite value (NaN) in elements 1024..1279; every rank of" in str(errs[2])
     assert all("a rank of leaf group 1 (ranks 2..3) holds a non-finite value" in str(e) for e in errs[:2]), errs
     want = reference.two_level(calls[1], width=2)

@@ -56,6 +56,24 @@ def test_a_sharded_job_is_the_single_aggregators_bit_for_bit(make_testbed, tmp_p
             assert res.agg_stats["completed"] > 0 and len(many.aggs) == k
 
 
+def sharded_comms(tb, world: int, **kw) -> list:
+    """A ShardedCommunicator per rank of ``tb`` over its aggregators (``kw``: the spec's fields,
+    and silence); the caller closes them."""
+    silence = kw.pop("silence", None)
+    extra = {} if silence is None else {"silence": silence}
+    spec = DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64, **kw)
+    comms = []
+    try:
+        for r, w in enumerate(tb.workers[:world]):
+            with tb.in_host(w):
+                comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs], spec, local_ip=w.ip, **extra))
+    except BaseException:
+        for c in comms:
+            c.close()
+        raise
+    return comms
+
+
 def test_an_aggregator_that_goes_away_is_named(make_testbed):
     world = 2
     tb = make_testbed(world, aggregators=2)
@@ -63,11 +81,7 @@ def test_an_aggregator_that_goes_away_is_named(make_testbed):
                                     worker_ips=[w.ip for w in tb.workers])) for a in tb.aggs]
     comms = []
     try:
-        for r, w in enumerate(tb.workers):
-            with tb.in_host(w):
-                comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs],
-                                                 DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64,
-                                                                 timeout=60), local_ip=w.ip, silence=2.0))
+        comms = sharded_comms(tb, world, timeout=60, silence=2.0)
         x = [np.arange(20 * E, dtype=np.int32) * (r + 1) for r in range(world)]
         outs, errs = [None] * world, []
 
@@ -108,39 +122,30 @@ def test_a_nan_in_a_shard_is_refused_by_every_rank_naming_its_place_in_the_whole
     rng = np.random.default_rng(9)
     x = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
     try:
-        check_refusals(tb, x, n)
+        # contiguous: blocks 0..4 go to aggregator 0, 5..10 to aggregator 1; round robin: odd blocks to 1
+        for layout, at in (("contiguous", 7 * E + 3), ("roundrobin", 3 * E + 200)):
+            comms = sharded_comms(tb, world, timeout=30, layout=layout)
+            try:
+                bad = [a.copy() for a in x]
+                bad[1][at] = np.nan
+                _, errs = run_ranks(lambda r: comms[r].allreduce(bad[r]), world)
+                assert len(errs) == world, (layout, errs)
+                lo = at // E * E
+                for r, e in errs:
+                    assert isinstance(e, RefusedError) and e.rank == 1 and e.kind == "NaN", (layout, r, e)
+                    says = f"(NaN at flat index {at})" if r == 1 else f"(NaN) in elements {lo}..{lo + E - 1}"
+                    assert says in str(e), (layout, r, str(e))
+                    assert (e.index, e.span) == ((at, None) if r == 1 else (None, (lo, lo + E))), (layout, r)
+                outs, errs = run_ranks(lambda r: comms[r].allreduce(x[r]), world)
+                assert not errs, (layout, errs)
+                want = reference.quantized(x, E)
+                assert all(want.check(o).within_bound for o in outs), layout
+            finally:
+                for c in comms:
+                    c.close()
     finally:
         for a in aggs:
             a.close()
-
-
-def check_refusals(tb, x, n):
-    world = len(x)
-    # contiguous: blocks 0..4 go to aggregator 0, 5..10 to aggregator 1; round robin: odd blocks to 1
-    for layout, at in (("contiguous", 7 * E + 3), ("roundrobin", 3 * E + 200)):
-        comms = []
-        try:
-            for r, w in enumerate(tb.workers):
-                with tb.in_host(w):
-                    comms.append(ShardedCommunicator(r, world, [a.ip for a in tb.aggs],
-                                                     DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64,
-                                                                     timeout=30, layout=layout), local_ip=w.ip))
-            bad = [a.copy() for a in x]
-            bad[1][at] = np.nan
-            _, errs = run_ranks(lambda r: comms[r].allreduce(bad[r]), world)
-            assert len(errs) == world, (layout, errs)
-            lo = at // E * E
-            for r, e in errs:
-                assert isinstance(e, RefusedError) and e.rank == 1, (layout, r, e)
-                says = f"(NaN at flat index {at})" if r == 1 else f"(NaN) in elements {lo}..{lo + E - 1}"
-                assert says in str(e), (layout, r, str(e))
-            outs, errs = run_ranks(lambda r: comms[r].allreduce(x[r]), world)
-            assert not errs, (layout, errs)
-            want = reference.quantized(x, E)
-            assert all(want.check(o).within_bound for o in outs), layout
-        finally:
-            for c in comms:
-                c.close()
 
 
 def test_adamw_state_sharded_over_two_aggregators_is_one_aggregators_bit_for_bit(make_testbed):

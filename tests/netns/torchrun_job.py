@@ -171,6 +171,11 @@ def collectives(rank: int, world: int) -> None:
     t = xs[rank].clone()
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     check("int64-avg-gloo", torch.equal(t, torch.div(sum(xs), world, rounding_mode="trunc")))
+    xs = [inputs("i64rs", r, (world * 50,), torch.int64) for r in range(world)]
+    out = torch.zeros(50, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, xs[rank].clone(), op=dist.ReduceOp.AVG)
+    want = torch.div(sum(xs), world, rounding_mode="trunc")[rank * 50:(rank + 1) * 50]
+    check("int64-reduce-scatter-avg-gloo", torch.equal(out, want))
     # a group of one rank takes the gloo path: its AVG is its input
     one = dist.new_group(ranks=[0])
     if rank == 0:
