@@ -41,6 +41,7 @@ from nicoffload.datapath.kernels import (
     T_ACK,
     T_RESULT,
     T_STATUS,
+    U,
     _be16,
     _be32,
     pow2_split,
@@ -84,25 +85,25 @@ F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a f
 # --- decoding --------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def unfix(lanes, cnt, nb32, s, kind, out_f32, out_f64, lo):
-    """``cnt`` fixed-point lanes into out_f32 (kind KIND_FLOAT32) or out_f64 from element ``lo``
-    on: (lane - nb32) * 2^-s, nb32 the contributors' offset-binary bias (the int32 difference is
-    exact: |sum| <= 2^30), with one rounding. Shared with the ring's decode."""
+def unfix(lanes, at, cnt, nb32, s, kind, out_f32, out_f64, lo):
+    """``cnt`` fixed-point lanes from lanes[at] on into out_f32 (kind KIND_FLOAT32) or out_f64
+    from element ``lo`` on: (lane - nb32) * 2^-s, nb32 the contributors' offset-binary bias (the
+    int32 difference is exact: |sum| <= 2^30), with one rounding. Whole arrays and unsigned
+    indices, no slices (see kernels.U). Shared with the ring's decode."""
+    a = U(at)
+    d = U(lo)
     if kind == KIND_FLOAT32 and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
         f = np.float32(math.ldexp(1.0, -s))
-        d32 = out_f32[lo:lo + cnt]
         for k in range(cnt):
-            d32[k] = np.float32(np.int32(lanes[k] - nb32)) * f
+            out_f32[d + U(k)] = np.float32(np.int32(lanes[a + U(k)] - nb32)) * f
     elif kind == KIND_FLOAT32:
-        d = math.ldexp(1.0, -s)
-        d32 = out_f32[lo:lo + cnt]
+        g = math.ldexp(1.0, -s)
         for k in range(cnt):
-            d32[k] = np.float32(np.float64(np.int32(lanes[k] - nb32)) * d)
+            out_f32[d + U(k)] = np.float32(np.float64(np.int32(lanes[a + U(k)] - nb32)) * g)
     else:
         d1, d2 = pow2_split(-s)  # float64 subnormal sums: 2^-s alone would underflow to 0
-        d64 = out_f64[lo:lo + cnt]
         for k in range(cnt):
-            d64[k] = np.float64(np.int32(lanes[k] - nb32)) * d1 * d2
+            out_f64[d + U(k)] = np.float64(np.int32(lanes[a + U(k)] - nb32)) * d1 * d2
 
 
 @njit(cache=True, boundscheck=False)
@@ -185,12 +186,11 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
             if cnt > per:
                 continue
             lo = blocks[i] * per
-            p = (o + HDR) // 4
-            lanes = wi[p:p + cnt]  # slices, not computed indices: LLVM vectorises these loops
-            if shifts[i] == META_SHIFT:
-                dst = out_i[lo:lo + cnt]
-                for k in range(cnt):
-                    dst[k] = lanes[k]
+            dl = U(lo)
+            p = U((o + HDR) // 4)
+            if shifts[i] == META_SHIFT or kind == KIND_INT32:
+                for k in range(cnt):  # int32 data or metadata: copied
+                    out_i[dl + U(k)] = wi[p + U(k)]
             elif half:
                 mask = _be32(buf, o + O_MASK)
                 c = 0
@@ -198,24 +198,17 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                     mask &= mask - 1
                     c += 1
                 # the 16-bit lanes' sum is at most 2^15: lane - contributors * bias is exact in int32
-                h = (o + HDR) // 2
-                unfix(wh[h:h + cnt], cnt, np.int32(np.int64(c) * bias), shifts[i],
+                unfix(wh, (o + HDR) // 2, cnt, np.int32(np.int64(c) * bias), shifts[i],
                       KIND_FLOAT32 if kind == KIND_HALF32 else KIND_FLOAT64, out_f32, out_f64, lo)
-            elif kind == KIND_INT32:
-                dst = out_i[lo:lo + cnt]
-                for k in range(cnt):
-                    dst[k] = lanes[k]
             elif kind == KIND_PARAMS32 or kind == KIND_PARAMS64:
                 e = _be16(buf, o + O_EXP)
-                d = math.ldexp(1.0, e - 0x10000 if e >= 0x8000 else e)
+                g = math.ldexp(1.0, e - 0x10000 if e >= 0x8000 else e)
                 if kind == KIND_PARAMS32:
-                    d32 = out_f32[lo:lo + cnt]
                     for k in range(cnt):
-                        d32[k] = np.float32(np.float64(lanes[k]) * d)
+                        out_f32[dl + U(k)] = np.float32(np.float64(wi[p + U(k)]) * g)
                 else:
-                    d64 = out_f64[lo:lo + cnt]
                     for k in range(cnt):
-                        d64[k] = np.float64(lanes[k]) * d
+                        out_f64[dl + U(k)] = np.float64(wi[p + U(k)]) * g
             else:
                 mask = _be32(buf, o + O_MASK)
                 c = 0
@@ -223,7 +216,7 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                     mask &= mask - 1
                     c += 1
                 # lane - contributors * bias in int32 arithmetic: exact, |sum| <= 2^30
-                unfix(lanes, cnt, np.int32(np.int64(c) * bias), shifts[i], kind, out_f32, out_f64, lo)
+                unfix(wi, (o + HDR) // 4, cnt, np.int32(np.int64(c) * bias), shifts[i], kind, out_f32, out_f64, lo)
             done[i] = 1
             newly[new] = i
             new += 1

@@ -27,6 +27,7 @@ from nicoffload.datapath.kernels import (
     O_ROUND,
     O_SLOT,
     O_TYPE,
+    U,
     _be16,
     _be32,
     _put16,
@@ -402,13 +403,12 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
             cnt = elems
         lo = first + k * elems
         p = (o + HDR) // 4
-        lanes = w[p:p + cnt]
         if kind == KIND_INT32:
-            dst = out_i[lo:lo + cnt]
+            a, d = U(p), U(lo)
             for i in range(cnt):
-                dst[i] = lanes[i]
+                out_i[d + U(i)] = w[a + U(i)]
             continue
-        unfix(lanes, cnt, nb32, shifts[k], kind, out_f32, out_f64, lo)
+        unfix(w, p, cnt, nb32, shifts[k], kind, out_f32, out_f64, lo)
 
 
 @njit(cache=True, boundscheck=False)
