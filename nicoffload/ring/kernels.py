@@ -33,7 +33,7 @@ from nicoffload.datapath.kernels import (
     _put16,
     _put32,
 )
-from nicoffload.datapath.pump import KIND_INT32, gro_segment, recv_batch, unfix
+from nicoffload.datapath.pump import KIND_INT32, UNFIX_BATCH, gro_segment, recv_batch, unfix
 from nicoffload.ring.layout import (
     FLAG_RESTART,
     FLAG_SKIP,
@@ -396,6 +396,8 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
     offset-binary bias; |sum| <= 2^30, so the int32 difference is exact), with one rounding."""
     w = result.view(np.int32)
     nb32 = np.int32(bias_n)
+    todo = np.empty((UNFIX_BATCH, 5), np.int64)  # records queued for unfix
+    nt = 0
     for k in range(nrec):
         o = k * rec
         cnt = _be16(result, o + O_COUNT)
@@ -408,7 +410,17 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
             for i in range(cnt):
                 out_i[d + U(i)] = w[a + U(i)]
             continue
-        unfix(w, p, cnt, nb32, shifts[k], kind, out_f32, out_f64, lo)
+        todo[nt, 0] = p
+        todo[nt, 1] = cnt
+        todo[nt, 2] = nb32
+        todo[nt, 3] = shifts[k]
+        todo[nt, 4] = lo
+        nt += 1
+        if nt == UNFIX_BATCH:
+            unfix(result, False, todo, nt, kind, out_f32, out_f64)
+            nt = 0
+    if nt:
+        unfix(result, False, todo, nt, kind, out_f32, out_f64)
 
 
 @njit(cache=True, boundscheck=False)
