@@ -88,7 +88,7 @@ F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a f
 #: counts of its array arguments on entry and decrements them on exit, with locked instructions
 #: that wait for every store before them to drain. Called per record, the decrement after each
 #: record's stores (1 KiB into a block anywhere in the output) was the hottest instruction of a
-#: rank (perf, 16 MiB at 75% sparsity: 15% of rank 0's samples). Queued, it is paid per batch.
+#: rank (perf, 16 MiB at 75% sparsity: 16% of rank 0's samples). Queued, it is paid per batch.
 UNFIX_BATCH = 64
 
 
