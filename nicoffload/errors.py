@@ -56,6 +56,12 @@ class ProtocolError(NicoffloadError):
     exit_code = 8
 
 
+class MismatchError(ProtocolError):
+    """The aggregator refused a contribution that disagrees with its round's first (size, scale,
+    lanes or op): the ranks were not given tensors of the same shape and dtype (or, in a job of
+    more than 32 ranks, a level was told that another failed). The job's rounds are out of step."""
+
+
 class TimeoutError_(NicoffloadError):
     """A worker or the aggregator did not answer in time (names who)."""
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nicoffload.datapath.tensors import DTYPES, call_arrays
-from nicoffload.errors import InputError, NicoffloadError, ProtocolError, RefusedError, TimeoutError_
+from nicoffload.errors import (InputError, MismatchError, NicoffloadError, ProtocolError, RefusedError,
+                               TimeoutError_)
 from nicoffload.jobspec import JobSpec
 from nicoffload.wire import proto
 from nicoffload.worker.comm import Communicator
@@ -93,6 +94,17 @@ def _marked(out: np.ndarray) -> tuple[int, int] | None:
     return (w & 0xFFFF) - 1, (w >> 16) & 0x3
 
 
+def _poison(comm: Communicator, like: np.ndarray) -> None:
+    """Tell the other ranks of ``comm``'s job that this rank's level failed (int32 calls): a MAX
+    of ``like``'s shape where they sum disagrees with every round (the aggregator answers STATUS
+    MISMATCH), so that they fail at once instead of waiting for this rank. Its own error is not
+    the news: it is dropped."""
+    try:
+        comm.allreduce(np.zeros(like.shape, np.int32), op="max")
+    except NicoffloadError:
+        pass
+
+
 class HierCommunicator:
     """One rank of a job of more than 32 ranks (the API of :class:`Communicator`)."""
 
@@ -149,7 +161,10 @@ class HierCommunicator:
         # A group that fails otherwise (a rank gone, shapes that disagree) ends its ranks' call
         # with that error; its leader still refuses the root's call (REFUSE_ABORT), so that the
         # other groups fail at once, naming it, instead of waiting out their timeout at the root.
-        # Floats only: int32 has no metadata round to refuse, nor a NaN to mark its result with.
+        # int32 has no metadata round to refuse, nor a NaN to mark its result with: there a
+        # failed level is told by a contribution that disagrees with the round (_poison), and its
+        # ranks fail at once with MismatchError. That leaves the job's rounds out of step, as
+        # shapes that disagree do: every later call fails too.
         refused = None
         is_float = x.dtype.kind == "f"
         try:
@@ -163,6 +178,8 @@ class HierCommunicator:
                     self.root.allreduce(np.zeros_like(x), lanes=lanes, _refuse=True)
                 except NicoffloadError:
                     pass  # the refusal every leader raises (or the root had failed already)
+            elif self.leader:
+                _poison(self.root, x)
             raise self._where(e, self.leaf_level) from e
         bits = out.reshape(-1).view(np.int32)                      # 3. the total, as bits, to the group
         failed = None
@@ -174,7 +191,8 @@ class HierCommunicator:
                 bits[:] = 0  # the root's rank r is the leader of leaf group r
                 _mark(out, e.rank or 0, GROUP_FAILED if e.kind == "abort" else REFUSED)
             except NicoffloadError as e:
-                if not is_float:  # the group's ranks wait out their timeout, naming this leader
+                if not is_float:  # the group's ranks fail at once in step 3
+                    _poison(self.leaf, bits)
                     raise self._where(e, self.root_level) from e
                 failed = e
                 bits[:] = 0
@@ -183,6 +201,10 @@ class HierCommunicator:
             bits[:] = 0
         try:
             self.leaf.allreduce(bits, out=bits)
+        except MismatchError as e:
+            if is_float or self.leader:  # every rank passes bits of one shape: only _poison disagrees
+                raise self._where(e, self.leaf_level) from e
+            raise MismatchError(self._root_failed()) from e
         except NicoffloadError as e:
             raise self._where(e, self.leaf_level) from e
         if failed is not None:
@@ -201,16 +223,18 @@ class HierCommunicator:
                 raise ProtocolError(f"rank {self.rank}: {where} failed in this call (its ranks name the cause: a rank "
                                     f"gone, or tensors of different shapes); every rank of the job fails it")
             if why == ROOT_FAILED:
-                raise ProtocolError(f"rank {self.rank}: the job's root level failed in this call (the leaders, "
-                                    f"rank {lv.ranks[0] if lv else '?'} of this group among them, name the cause); "
-                                    f"every rank of the job fails it")
+                raise ProtocolError(self._root_failed())
             raise RefusedError(f"rank {self.rank}: a rank of {where} holds a non-finite value (or their sum "
                                f"overflowed); every rank of the job refuses this call")
         return out
 
+    def _root_failed(self) -> str:
+        return (f"rank {self.rank}: the job's root level failed in this call (the leaders, rank "
+                f"{self.leaf_level.ranks[0]} of this group among them, name the cause); every rank of the job fails it")
+
     def _where(self, e: NicoffloadError, lv: Level) -> NicoffloadError:
         """``e`` of a level's job, whose ranks it names by their rank in that job: said which."""
-        if type(e) not in (ProtocolError, TimeoutError_):
+        if type(e) not in (ProtocolError, MismatchError, TimeoutError_):
             return e
         if lv is self.root_level:
             how = f"in the root job of the leaders, whose rank g is leaf group g's leader: the job's ranks " \

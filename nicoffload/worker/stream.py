@@ -21,7 +21,7 @@ import numpy as np
 
 from nicoffload.datapath import kernels, pump
 from nicoffload.datapath.transport import SLOT_BYTES, Transport, faulted_in
-from nicoffload.errors import InputError, ProtocolError, TimeoutError_
+from nicoffload.errors import InputError, MismatchError, ProtocolError, TimeoutError_
 from nicoffload.wire import proto, quant
 from nicoffload.worker.records import RankRecords, ack_column, flags_column, read_join_reply
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
@@ -390,7 +390,7 @@ class RoundStream:
             if event == pump.EV_MISMATCH:
                 # the ranks' rounds are out of step from here on: every later call fails with this
                 i = int(np.flatnonzero(status[:K] == pump.MISMATCHED)[0])
-                self.abort(ProtocolError(
+                self.abort(MismatchError(
                     f"rank {self.rank}: the ranks disagree on the round of block {int(blocks[i])} of this call: "
                     f"the aggregator refused a contribution that differs from the round's first (its size, scale, "
                     f"lanes or op): the ranks were not given tensors of the same shape and dtype; this job's "

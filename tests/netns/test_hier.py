@@ -125,3 +125,30 @@ def test_a_failed_leaf_group_or_root_fails_every_rank_at_once(make_testbed):
         assert all("disagree" in str(e) for e in (errs[0], errs[2])), errs  # the leaders, at the root
         assert "root level failed in this call (the leaders, rank 0 of this group" in str(errs[1]), errs
         assert "root level failed in this call (the leaders, rank 2 of this group" in str(errs[3]), errs
+
+
+def test_int32_a_failed_leaf_group_or_root_fails_every_rank_at_once(make_testbed):
+    """The same failures with int32 tensors, which have no metadata round to refuse nor a NaN to
+    mark: the failed level's leader contributes a MAX where the others sum (hier._poison), the
+    aggregator answers every rank of that round STATUS MISMATCH, and every rank fails at once
+    (before: the other group waited out its timeout at the root, and a leader's group in step 3)."""
+    from nicoffload.errors import MismatchError, ProtocolError
+
+    world, timeout = 4, 20
+    rng = np.random.default_rng(6)
+    x = [rng.integers(-1000, 1000, 3000, dtype=np.int32) for _ in range(world)]
+    in_group = [x[0], x[1], x[2], x[3][:2000]]   # rank 3's size differs from rank 2's
+    across = [x[0], x[1], x[2][:2000], x[3][:2000]]  # group 1's size differs from group 0's
+    (group, t1), (root, t2) = run_pairs(make_testbed, [[in_group] * 2, [across] * 2], world, timeout)
+    assert t1 < timeout / 2 and t2 < timeout / 2, (t1, t2)
+    for errs in group + root:  # the second call fails as fast: every level is out of step
+        assert all(isinstance(e, MismatchError) for e in errs), errs
+    errs = group[0]
+    assert all("disagree" in str(e) for e in errs[2:]), errs   # group 1, in its leaf
+    assert "disagree" in str(errs[0]) and "in the root job" in str(errs[0]), errs  # group 0's leader
+    assert "root level failed in this call (the leaders, rank 0 of this group" in str(errs[1]), errs
+    errs = root[0]
+    assert all("disagree" in str(e) and "in the root job" in str(e) for e in (errs[0], errs[2])), errs
+    assert "root level failed in this call (the leaders, rank 0 of this group" in str(errs[1]), errs
+    assert "root level failed in this call (the leaders, rank 2 of this group" in str(errs[3]), errs
+    assert issubclass(MismatchError, ProtocolError)
