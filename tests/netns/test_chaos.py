@@ -123,13 +123,23 @@ def test_agg_load_killed_at_each_step_is_cleaned_by_unload(make_testbed, tmp_pat
                 "attached": (attached, lambda: holds_program(p.pid)),
                 "saving": (attached, lambda: holds_program(p.pid)),
             }[step]
-            assert kill_when(p, reached, slices), f"{step}: agg load ended first: {p.stderr.read()}"
+            killed = kill_when(p, reached, slices)
+            err = "" if killed else p.stderr.read()
             p.stderr.close()
+            if not killed:
+                # ended first: on a busy machine this test can be descheduled for longer than the
+                # window from the second program's load to the process's exit (the slices start at
+                # that load); only there, and that load is whole (it exits 0), so again
+                assert step in ("attached", "saving") and p.returncode == 0, f"{step}: agg load ended first: {err}"
+                aggregator.unload(ns, ifc)
+                continue
             if not (step in ("attached", "saving") and sf.exists()):
                 break
             # the kill landed after the state was saved: on a busy machine this test's 1 ms slices
             # can stretch past the window between attach and save; that load is whole, so again
             aggregator.unload(ns, ifc)
+        else:
+            pytest.fail(f"{step}: five loads of `agg load` ran past the point to kill them")
         if step == "saving":
             # a kill inside the state file's write (microseconds: too narrow to hit) leaves this too
             sf.with_suffix(".tmp").write_text('{"netns": "')
