@@ -231,6 +231,8 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                     c += 1
                 # lane - contributors * bias in int32 arithmetic: exact (|sum| <= 2^30; 16-bit
                 # lanes: <= 2^15)
+                # written out, as in ring.kernels.decode: a helper with array arguments,
+                # called per record, would bring back the per-record reference counts (UNFIX_BATCH)
                 todo[nt, 0] = (o + HDR) // 2 if half else (o + HDR) // 4
                 todo[nt, 1] = cnt
                 todo[nt, 2] = np.int32(np.int64(c) * bias)

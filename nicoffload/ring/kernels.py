@@ -410,6 +410,8 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
             for i in range(cnt):
                 out_i[d + U(i)] = w[a + U(i)]
             continue
+        # written out, as in pump.decode_results: a helper with array arguments,
+        # called per record, would bring back the per-record reference counts (UNFIX_BATCH)
         todo[nt, 0] = p
         todo[nt, 1] = cnt
         todo[nt, 2] = nb32
