@@ -31,7 +31,7 @@ def worker_rank(rank: int, world: int, aggregator: str | None, x: np.ndarray, sp
     """``reps`` AllReduces of ``x`` as rank ``rank``, each behind a barrier: (the sum, a report
     with each rep's time and the last call's counters). ``spec.mode`` ring: around the ring of
     ``peers`` (the user-space UDP ring with ``ring_userspace``)."""
-    from nicoffload.worker.comm import communicator
+    from nicoffload.communicators import communicator
 
     kw = {}
     if spec.mode == "ring":

@@ -23,16 +23,19 @@ one pass of op SUM. A tensor larger than the maps' ``capacity`` goes in several 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
+from nicoffload import collective
 from nicoffload.datapath import kernels
 from nicoffload.datapath.pump import KIND_FLOAT32, KIND_FLOAT64, KIND_INT32
 from nicoffload.datapath.tensors import KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import MAX_GSO_SEGS, MAX_MSGS, Transport
-from nicoffload.errors import InputError
+from nicoffload.errors import InputError, NicoffloadError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.ring import kernels as rk
 from nicoffload.ring.diag import RingDiagnosis
@@ -95,6 +98,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
     rto: float = 0.02
     max_rto: float = 0.5
     xdp_mode: str = "auto"
+    capabilities: ClassVar[collective.Capabilities] = collective.RING
     stats: RingStats = field(default_factory=RingStats)
     last: RingStats = field(default_factory=RingStats)
 
@@ -122,6 +126,11 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         self._lock = None
         self._t = None
         self._closed = False
+        self._aborted: BaseException | None = None
+        # abort() writes a byte here: the pass's select wakes at once (ring.passes)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._call = 0
         self._my_ip = self.peers[self.rank]
         try:
@@ -180,6 +189,9 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         self._closed = True
         if self._t is not None:
             self._t.close()
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            os.close(fd)
         self._local = self._result = self._state = self._events = None
         if self._node is not None:
             self._node.close()
@@ -207,10 +219,31 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         return {k: prog[k] + host[k] for k in STATS}
 
     # --- public -----------------------------------------------------------------------------
-    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def abort(self, error: BaseException) -> None:
+        """Make the call in flight (from any thread) and every later one raise ``error``: the
+        pass's wait wakes at once (a byte on the wake-up pipe)."""
+        self._aborted = error
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"!")
+            except OSError:
+                pass  # closed meanwhile, or already full: the pass wakes anyway
+
+    def _check_abort(self) -> None:
+        if self._aborted is not None:
+            raise self._aborted
+
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
         float32/float64: through the fixed point of nicoffload.wire.quant (the aggregator's, bit for
-        bit: integer sums do not depend on their order)."""
+        bit: integer sums do not depend on their order). Sums only, in 32-bit lanes."""
+        if op != "sum" or lanes not in (None, 32):
+            raise collective.unsupported("the ring", self.capabilities, op, getattr(array, "dtype", "float32"),
+                                         lanes)
+        self._check_abort()
+        if self._closed:
+            raise NicoffloadError(f"rank {self.rank}: allreduce on a closed ring communicator")
         x, out = call_arrays(array, out)
         t0 = time.perf_counter()
         self.last = RingStats()

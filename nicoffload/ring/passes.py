@@ -110,7 +110,7 @@ class RingPasses:
         rto = self.rto
         last_progress = self._stored()
         retry_at = time.monotonic() + rto
-        poll = [self._t.sock] + ([self._events] if self._events is not None else [])
+        poll = [self._t.sock, self._wake_r] + ([self._events] if self._events is not None else [])
         t1 = time.perf_counter()
         while True:
             # Stage one slice of every chunk (in the order their reduces arrive, this rank's own
@@ -176,6 +176,7 @@ class RingPasses:
                 self.last.timeouts += 1
                 rto = min(rto * 2, self.max_rto)
                 retry_at = now + rto
+            self._check_abort()  # RingCommunicator.abort: a peer is gone (the torch backend's liveness)
             wait = max(0.0, min(retry_at, deadline_idle) - time.monotonic())
             ready, _, _ = select.select(poll, [], [], wait)
             if self._events is not None and self._events in ready:

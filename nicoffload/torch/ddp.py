@@ -56,7 +56,7 @@ except ImportError as _e:  # an optional extra: say what to install, in one line
                      f"(torch==2.13.0, the CPU wheel) ({_e})") from None
 
 from nicoffload.worker.comm import Communicator
-from nicoffload.worker.comm import communicator as make_communicator
+from nicoffload.communicators import communicator as make_communicator
 
 #: dtypes the Communicator sums as they are; others (float16, bfloat16) go through float32
 _NATIVE = (torch.float32, torch.float64)

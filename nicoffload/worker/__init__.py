@@ -5,8 +5,7 @@
         total = c.allreduce(grad)
 
     comm       :class:`Communicator` (the aggregator mode: JOIN, the metadata round, the data
-               rounds) and :func:`communicator`, the factory that also builds the ring's
-               communicator (``mode="ring"``)
+               rounds)
     stream     :class:`~nicoffload.worker.stream.RoundStream`: rounds through the slot pool,
                window, results, loss recovery, timeouts naming the silent ranks
     recovery   the decisions of loss recovery (RTO, fast retransmission, pulls, giving up), pure
@@ -14,13 +13,25 @@
     shards     :class:`ShardedCommunicator`: one job spread over several aggregators
     hier       :class:`HierCommunicator`: jobs of more than 32 ranks, two levels of aggregator jobs
 
+``communicator(mode=...)``, the factory of every mode's communicator, lives one floor up
+(:mod:`nicoffload.communicators`); ``nicoffload.worker.communicator`` is that function, resolved
+on first use (its documented old home).
+
 Below it: the host data path (:mod:`nicoffload.datapath`) and the wire (:mod:`nicoffload.wire`).
 """
 from __future__ import annotations
 
 from nicoffload._exports import lazy_exports
 
-_NAMES = {"Communicator": "comm", "communicator": "comm", "CallStats": "comm", "DTYPES": "comm",
+_NAMES = {"Communicator": "comm", "CallStats": "comm", "DTYPES": "comm",
           "ShardedCommunicator": "shards", "HierCommunicator": "hier"}
-__all__ = list(_NAMES)
-__getattr__, __dir__ = lazy_exports(__name__, _NAMES)
+__all__ = [*_NAMES, "communicator"]
+_lazy, __dir__ = lazy_exports(__name__, _NAMES)
+
+
+def __getattr__(name: str):
+    if name == "communicator":  # the factory's old home (tests/unit/test_layers.py: ALIASES)
+        from nicoffload.communicators import communicator
+
+        return communicator
+    return _lazy(name)

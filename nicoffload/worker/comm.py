@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
-from nicoffload import optim
+from nicoffload import collective, optim
 from nicoffload.datapath import kernels, pump
 from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
@@ -44,7 +45,7 @@ from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto, quant
 from nicoffload.worker.stream import Buffers, CallStats, RoundStream
 
-__all__ = ["Communicator", "CallStats", "DTYPES", "communicator"]
+__all__ = ["Communicator", "CallStats", "DTYPES"]
 
 #: float tensors of at most this many blocks are sent speculatively (Communicator.speculate)
 SPECULATE_BLOCKS = 256
@@ -85,6 +86,7 @@ class Communicator:
     # call of their size had, beside this call's exponent round: one round trip where those hold.
     # Every rank of a job must use the same setting.
     speculate: bool = True
+    capabilities: ClassVar[collective.Capabilities] = collective.AGGREGATOR
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
 
@@ -529,38 +531,3 @@ class Communicator:
         if exps is None:
             return None, out[0]
         return out[0], (out[1] if bits is not None else None)
-
-
-def communicator(rank: int, world: int, *, mode: str | None = None, aggregator: str | None = None,
-                 peers=None, spec: JobSpec = DEFAULT, local_ip: str | None = None, **kw):
-    """The communicator of ``mode`` (default ``spec.mode``), with the same API (``allreduce``,
-    ``barrier``, ``close``, context manager): ``aggregator``, a :class:`Communicator` that sums
-    through the aggregator at ``aggregator`` (several, comma-separated: a
-    :class:`~nicoffload.worker.shards.ShardedCommunicator`, one shard of every tensor on each);
-    ``ring``, a
-    :class:`~nicoffload.ring.RingCommunicator` for the ring of ``peers`` (every rank's
-    address, by rank; ``offload=False`` in ``kw``: the user-space UDP ring). ``kw`` goes to the
-    class."""
-    mode = mode or spec.mode
-    if mode == "aggregator" and world > proto.MAX_WORKERS:
-        from nicoffload.worker.hier import HierCommunicator
-
-        if not aggregator or "," in aggregator:
-            raise InputError(f"a job of {world} ranks (two levels of aggregator jobs) takes one aggregator")
-        return HierCommunicator(rank, world, aggregator, spec, local_ip=local_ip, **kw)
-    if mode == "aggregator" and aggregator and "," in aggregator:
-        from nicoffload.worker.shards import ShardedCommunicator
-
-        aggs = [a.strip() for a in aggregator.split(",") if a.strip()]
-        return ShardedCommunicator(rank, world, aggs, spec, local_ip=local_ip, layout=spec.layout, **kw)
-    if mode == "ring":
-        from nicoffload.ring.comm import RingCommunicator
-
-        if not peers:
-            raise InputError("the ring mode needs every rank's address (peers)")
-        return RingCommunicator.from_spec(rank, world, list(peers), spec, **kw)
-    if mode != "aggregator":
-        raise InputError(f"mode must be aggregator or ring, not {mode!r}")
-    if not aggregator:
-        raise InputError("the aggregator mode needs the aggregator's address")
-    return Communicator.from_spec(rank, world, aggregator, spec, local_ip=local_ip, **kw)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nicoffload import collective
 from nicoffload.datapath.tensors import DTYPES, call_arrays
 from nicoffload.errors import (InputError, MismatchError, NicoffloadError, ProtocolError, RefusedError,
                                TimeoutError_)
@@ -107,6 +108,8 @@ def _poison(comm: Communicator, like: np.ndarray) -> None:
 
 class HierCommunicator:
     """One rank of a job of more than 32 ranks (the API of :class:`Communicator`)."""
+
+    capabilities = collective.Capabilities(lanes=(32, 16))  # sums only, no optimizer
 
     def __init__(self, rank: int, world: int, aggregator: str, spec: JobSpec, local_ip: str | None = None,
                  width: int = proto.MAX_WORKERS, **kw):

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from nicoffload import collective
 from nicoffload.datapath.tensors import DTYPES, call_arrays, refusal
 from nicoffload.errors import InputError, RefusedError
 from nicoffload.jobspec import JobSpec
@@ -41,6 +42,8 @@ def shard_specs(spec: JobSpec, k: int) -> list[JobSpec]:
 class ShardedCommunicator:
     """The API of :class:`Communicator` (``allreduce``, ``step``, ``barrier``, ``close``, context manager)
     over ``aggregators`` (one address each, the job ``specs[k]`` on aggregator k)."""
+
+    capabilities = collective.AGGREGATOR
 
     def __init__(self, rank: int, world: int, aggregators: Sequence[str], specs: Sequence[JobSpec] | JobSpec,
                  local_ip: str | None = None, layout: str = "contiguous", **kw):

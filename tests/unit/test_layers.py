@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: the unit (first name under nicoffload, or a top-level module) -> its layer
 LAYER = {
-    "base": "base", "errors": "base", "jobspec": "base", "optim": "base", "_exports": "base",
+    "base": "base", "errors": "base", "jobspec": "base", "optim": "base", "_exports": "base", "collective": "base",
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
     "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp",
-    "service": "service", "torch": "torch", "ddp": "torch",
+    "communicators": "factory", "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli",
 }
@@ -27,25 +27,31 @@ ALLOWED = {
     "base": {"base"},
     "datapath": {"base", "datapath"},
     # the core subsystems: the XDP aggregator's control plane, the ring offload, the user-space
-    # aggregator, and the worker library (whose factory also builds the ring's communicator)
+    # aggregator, and the worker library
     "agg": {"base", "agg"},
     "ring": {"base", "datapath", "ring"},
     "userspace": {"base", "datapath", "userspace"},
     # the AF_XDP engine (the XDP aggregator hands jobs to it as a process, importing nothing of it)
     "afxdp": {"base", "afxdp"},
-    "worker": {"base", "datapath", "ring", "worker"},
+    "worker": {"base", "datapath", "worker"},
+    # the communicator factory (communicator(mode=...)), one floor above what it builds
+    "factory": {"base", "datapath", "worker", "ring", "factory"},
     # integrations: the aggregator service (over the XDP control plane), the torch backend (a
     # client of the service, over both communicators)
     "service": {"base", "agg", "service"},
-    "torch": {"base", "datapath", "worker", "ring", "service", "torch"},
+    "torch": {"base", "datapath", "worker", "ring", "factory", "service", "torch"},
     # beside the core: packet generators and the testbed
     "packets": {"base", "packets"},
     "testbed": {"base", "testbed"},
-    "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "service", "torch", "packets",
-            "testbed", "lab"},
-    "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "service", "torch", "packets",
-            "testbed", "lab", "cli"},
+    "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "factory", "service", "torch",
+            "packets", "testbed", "lab"},
+    "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "factory", "service", "torch",
+            "packets", "testbed", "lab", "cli"},
 }
+
+#: documented entry points kept at an old home one floor down, resolved there on first use:
+#: (module, the module it may import for them)
+ALIASES = {("nicoffload.worker", "nicoffload.communicators")}
 
 
 def module_name(path: Path) -> str:
@@ -94,8 +100,10 @@ def test_every_unit_has_a_layer():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_imports_upward(path):
-    mine = layer(module_name(path))
-    bad = sorted(n for n in imports(path) if layer(n) not in ALLOWED[mine])
+    me = module_name(path)
+    mine = layer(me)
+    bad = sorted(n for n in imports(path) if layer(n) not in ALLOWED[mine] and
+                 not any(me == a and (n == b or n.startswith(b + ".")) for a, b in ALIASES))
     assert not bad, f"{module_name(path)} ({mine}) imports {bad}"
 
 
@@ -124,3 +132,53 @@ def test_the_checker_sees_an_upward_import(tmp_path):
                        "nicoffload.worker", "nicoffload.worker.Communicator"]
     finally:
         ROOT = saved
+
+
+def _module_of(name: str, known: set[str]) -> str | None:
+    """The module of ``known`` that an imported name lives in (``a.b.C`` -> ``a.b``)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports), one path per circle."""
+    found, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                found.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def folder_graphs(files) -> dict[str, dict[str, set[str]]]:
+    """Per folder, the imports between its own modules (a package's __init__ left out: it only
+    maps names to its modules)."""
+    mods = {module_name(p): p for p in files if p.name != "__init__.py"}
+    graphs: dict[str, dict[str, set[str]]] = {}
+    for m, p in mods.items():
+        folder = m.rpartition(".")[0]
+        peers = {n for n in mods if n.rpartition(".")[0] == folder}
+        deps = {_module_of(n, peers) for n in imports(p)} - {None, m}
+        graphs.setdefault(folder, {})[m] = {d for d in deps if d in peers}
+    return graphs
+
+
+def test_no_import_circle_inside_a_folder():
+    circles = [c for g in folder_graphs(FILES).values() for c in cycles(g)]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_checker_sees_a_circle():
+    g = {"w.comm": {"w.hier"}, "w.hier": {"w.comm"}, "w.stream": set(), "w.shards": {"w.comm"}}
+    assert cycles(g) == [["w.comm", "w.hier", "w.comm"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

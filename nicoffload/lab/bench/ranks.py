@@ -61,7 +61,7 @@ class _Adapter:
 
 class _Nicoffload(_Adapter):
     def __init__(self, plan: dict, rank: int):
-        from nicoffload.worker.comm import communicator
+        from nicoffload.communicators import communicator
 
         p = plan["params"]
         self.rank = rank
