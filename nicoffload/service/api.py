@@ -142,6 +142,10 @@ class JobRequest:
         return {k: v for k, v in d.items() if v is not None and v != [] and not (k == "params" and not v)}
 
 
+#: ports between the ranks' sockets of two shards of one group (JobGrant.spec)
+SHARD_PORT_STRIDE = 64
+
+
 @dataclass(frozen=True)
 class JobGrant:
     """What the service answers a job request with: everything a rank needs to build its
@@ -182,9 +186,13 @@ class JobGrant:
             raise InputError(f"the service's answer lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def spec(self, timeout: float):
-        """The :class:`~nicoffload.jobspec.JobSpec` of this job for its ranks."""
+    def spec(self, timeout: float, shard: int = 0):
+        """The :class:`~nicoffload.jobspec.JobSpec` of this job for its ranks; ``shard``: this
+        job's place among the jobs of one sharded group, each at its own service. Every service
+        numbers its jobs' ports alike (its port + 1 + the job's entry), so the ranks' sockets of
+        shard k sit SHARD_PORT_STRIDE * k ports higher, where no other shard's can be."""
         from nicoffload.jobspec import JobSpec
 
         return JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems,
-                       timeout=timeout, local_port=self.local_port, delivery=self.delivery).validate()
+                       timeout=timeout, local_port=self.local_port + SHARD_PORT_STRIDE * shard,
+                       delivery=self.delivery).validate()

@@ -4,11 +4,16 @@ torch.distributed backend ``"nicoffload"``:
     import nicoffload.torch
     dist.init_process_group("nicoffload")      # under torchrun; configured from NICOFFLOAD_* (config)
 
-    backend     :class:`~nicoffload.torch.backend.ProcessGroupNicoffload`: all-reduces (and
-                reduce-scatters, barriers) through the offload, every other collective through an
-                internal gloo group on the same store; work completed from a background thread
+    backend     :class:`~nicoffload.torch.backend.ProcessGroupNicoffload`, the ProcessGroup itself:
+                all-reduces (and reduce-scatters, barriers) through the offload, every other
+                collective through the internal gloo group
+    routing     which call takes which path (the communicator's capabilities)
+    work        the work queue: one thread per group runs its calls in order; Work objects
+    gloo        the internal gloo group on the same store, and the calls it takes
+    jobs        the group's jobs at the aggregator services: asking, leases, removal
     rendezvous  how a group's ranks meet in torchrun's store: addresses, the job rank 0 gets from
                 the service, heartbeats, leaving
+    liveness    the heartbeat watcher that fails the offload naming a rank that is gone
     config      the ``NICOFFLOAD_*`` environment
     ddp         the DDP communication hook (:func:`~nicoffload.torch.ddp.register`) and
                 :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the

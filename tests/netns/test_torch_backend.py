@@ -153,6 +153,29 @@ def test_a_rank_killed_mid_training_is_named_and_its_job_freed(service, tmp_path
     wait_for(lambda: with_service(c, tb, lambda c: c.jobs())["jobs"] == [], 30, "the dead job's removal")
 
 
+def test_a_rank_killed_in_ring_mode_fails_the_others_naming_it_within_liveness(service, tmp_path):
+    """Ring mode: the liveness watcher aborts the ring's call in flight (RingCommunicator.abort),
+    so the living ranks fail naming the dead one within NICOFFLOAD_LIVENESS, not after the
+    ring's own timeout (or never: the ring waits for a record that cannot come)."""
+    from nicoffload.jobspec import DEFAULT
+    from nicoffload.lab.rings import RingPrograms
+
+    tb, svc = service(3)
+    spec = DEFAULT.replace(mode="ring", port=tb.port)
+    out = tmp_path / "out"
+    with RingPrograms(tb, spec):
+        outcomes, reports = run(tb, svc, out, ["--phases", "train", "--steps", "4000", "--die-rank", "2",
+                                               "--die-at", "20"],
+                                env={"NICOFFLOAD_MODE": "ring", "NICOFFLOAD_LIVENESS": "3",
+                                     "NICOFFLOAD_TIMEOUT": "120"}, timeout=150)
+    assert sorted(reports) == [0, 1], [o.describe() + o.stderr[-3000:] for o in outcomes]
+    died = float((out / "died2").read_text())
+    for r in (0, 1):
+        assert "rank 2" in reports[r].get("error", ""), reports[r]
+        # LIVENESS (3 s) plus a beat's period and a scheduler's slack; the ring's timeout is 120 s
+        assert reports[r]["error_at"] - died < 3 + 7, (r, reports[r]["error_at"] - died)
+
+
 def test_the_service_killed_and_restarted_mid_training(service, tmp_path):
     tb, svc = service(2)
     out = tmp_path / "out"

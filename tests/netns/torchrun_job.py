@@ -297,8 +297,9 @@ def train(wrap, rank: int, steps: int, die: tuple[int, int] | None = None):
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     t0 = time.perf_counter()
     for s, (x, y) in enumerate(batches(rank, steps)):
-        if die and die == (rank, s):
-            os._exit(3)  # a rank dies mid-training: no clean-up, no goodbye
+        if die and die == (rank, s):  # a rank dies mid-training: no clean-up, no goodbye
+            (Path(REPORT["out"]) / f"died{rank}").write_text(str(time.time()))
+            os._exit(3)
         loss = nn.functional.cross_entropy(m(x), y)
         opt.zero_grad()
         loss.backward()
@@ -431,6 +432,7 @@ def main() -> None:
             check("init-again-after-destroy", torch.equal(t, torch.full((5000,), float(sum(range(world))))))
             dist.destroy_process_group()
     except Exception as e:
+        report["error_at"] = time.time()
         report["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         report["error_type"] = type(e).__name__
     report["checks"] = CHECKS

@@ -1,0 +1,164 @@
+"""The jobs a group holds at its aggregator services: rank 0 asks for them (with the token; the
+others never talk to a service, rank 0 tells them why it could not), every rank builds its
+communicator from the grants, rank 0 renews their leases and removes them when the group ends.
+
+Several services (``NICOFFLOAD_SERVICE=URL1,URL2,...``): a job at each, every tensor sharded
+over their aggregators (the port rule is the grant's: :meth:`JobGrant.spec` with ``shard``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from nicoffload.collective import Collective
+from nicoffload.communicators import communicator
+from nicoffload.errors import CapacityError, NicoffloadError, NotFoundError
+from nicoffload.service.api import JobGrant, JobRequest
+from nicoffload.service.client import ServiceClient
+from nicoffload.torch.config import BackendConfig
+from nicoffload.torch.rendezvous import Rendezvous
+from nicoffload.worker.comm import Communicator
+
+log = logging.getLogger("nicoffload.torch")
+
+#: seconds without any answer from the aggregator (which answers every retransmission) before an
+#: offloaded call fails naming it: a slow rank keeps the others waiting, a gone aggregator does not
+SILENCE = 30.0
+
+
+class ServiceJobs:
+    """One group's jobs: ``held`` is ``[(client, grant)]``, the group's own job at each service
+    first (in the services' order), then its optimizer jobs."""
+
+    def __init__(self, rdv: Rendezvous, config: BackendConfig, addresses: list[str], group_id: str,
+                 timeout: float):
+        self.rdv, self.config, self.addresses, self.group_id = rdv, config, addresses, group_id
+        self.rank, self.size = rdv.rank, rdv.size
+        self.timeout = timeout
+        self.urls = [u.strip() for u in (config.service or "").split(",") if u.strip()]
+        self.held: list[tuple[ServiceClient, JobGrant]] = []
+        self._optimizer_jobs = 0
+
+    # --- what rank 0 asks for, every rank gets -------------------------------------------------
+    def _clients(self) -> list[ServiceClient]:
+        t = min(10.0, self.timeout)
+        if self.rank == 0:
+            return [ServiceClient.from_files(u, self.config.token_file, timeout=t) for u in self.urls]
+        return [ServiceClient(u, timeout=t) for u in self.urls]
+
+    def ask(self) -> str | None:
+        """Get the group's job at every service (rank 0 asks, every rank learns the grants);
+        returns None, or why the group takes the gloo path (a subgroup the services have no room
+        for). Raises what stopped rank 0 on every rank."""
+        owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})"
+        made: list[ServiceClient] = []
+
+        def make() -> dict:
+            clients = self._clients()  # rank 0 reads the token here: its failure reaches every rank
+            made.extend(clients)
+            req = JobRequest(world=self.size, workers=list(self.addresses), lease_s=self.config.lease_s, owner=owner)
+            got: list[JobGrant] = []
+            try:
+                for c in clients:
+                    got.append(c.create_job(req))
+            except BaseException as e:
+                for c, g in zip(clients, got):
+                    self.remove(c, g.job)
+                if isinstance(e, CapacityError) and self.group_id != "0":
+                    return {"gloo": str(e).splitlines()[0]}  # a subgroup works on, through gloo
+                raise
+            return {"grants": [g.to_json() for g in got]}
+
+        shared = self.rdv.share("job", make)
+        if "gloo" in shared:
+            return shared["gloo"]
+        clients = made if self.rank == 0 else self._clients()
+        self.held = list(zip(clients, [JobGrant.from_json(g) for g in shared["grants"]]))
+        return None
+
+    @property
+    def grant(self) -> JobGrant | None:
+        """The group's (first) job."""
+        return self.held[0][1] if self.held else None
+
+    @property
+    def client(self) -> ServiceClient | None:
+        return self.held[0][0] if self.held else None
+
+    def communicator(self, local_ip: str, timeout: float) -> Collective:
+        """This rank's communicator of the group's jobs (one job: a Communicator; one at each of
+        several services: a shard of every tensor on each aggregator). On failure rank 0 removes
+        the jobs."""
+        grants = [g for _c, g in self.held]
+        try:
+            return communicator(self.rank, self.size, mode="aggregator",
+                                aggregator=",".join(g.aggregator for g in grants),
+                                specs=[g.spec(timeout, shard=k) for k, g in enumerate(grants)],
+                                local_ip=local_ip, silence=min(SILENCE, timeout))
+        except BaseException:
+            if self.rank == 0:
+                self.remove_all()
+            raise
+
+    def optimizer_job(self, params: np.ndarray, optimizer, local_ip: str, timeout: float) -> Communicator:
+        """A job at the (first) service that holds ``optimizer`` (an OptimizerSpec) and the flat
+        initial ``params`` (rank 0's are uploaded); returns this rank's communicator for it."""
+        client = self.client
+        n = int(params.size)
+        owner = f"torchrun optimizer of group {self.group_id} (rank 0 at {self.addresses[0]})"
+
+        def make() -> dict:
+            req = JobRequest(world=self.size, workers=list(self.addresses), lease_s=self.config.lease_s,
+                             owner=owner, optimizer=optimizer, params=n)
+            g = client.create_job(req)
+            try:
+                client.set_params(g.job, params)
+            except BaseException:
+                self.remove(client, g.job)
+                raise
+            return g.to_json()
+
+        grant = JobGrant.from_json(self.rdv.share(f"optimizer/{self._optimizer_jobs}", make))
+        self._optimizer_jobs += 1
+        self.held.append((client, grant))
+        return Communicator.from_spec(self.rank, self.size, grant.aggregator,
+                                      grant.spec(timeout).replace(sparse=False), local_ip=local_ip,
+                                      silence=min(SILENCE, timeout))
+
+    # --- leases and removal (rank 0) ------------------------------------------------------------
+    def renew_forever(self, stop: threading.Event, on_lost) -> None:
+        """Renew every job's lease a few times per lease until ``stop``; a job the service no
+        longer has calls ``on_lost(error)`` and ends the loop (the data path does not need the
+        service otherwise: a failed renewal is retried)."""
+        every = max(0.5, self.grant.lease_s / 3)
+        warned = False
+        while not stop.wait(every):
+            for c, g in list(self.held):
+                try:
+                    c.renew(g.job)
+                    warned = False
+                except NotFoundError:
+                    on_lost(NicoffloadError(
+                        f"the service at {c.url} no longer has job {g.job} (its lease expired, an operator removed "
+                        f"it, or the service was restarted without it)"))
+                    return
+                except NicoffloadError as e:
+                    if not warned:
+                        log.warning("renewing job %d's lease at %s failed (%s); the data path does not need the "
+                                    "service, retrying", g.job, c.url, str(e).splitlines()[0])
+                        warned = True
+
+    @staticmethod
+    def remove(client: ServiceClient, job: int) -> None:
+        try:
+            client.remove_job(job)
+        except NotFoundError:
+            pass
+        except NicoffloadError as e:
+            log.warning("removing job %d from the service at %s failed: %s (its lease frees it)", job, client.url, e)
+
+    def remove_all(self) -> None:
+        for c, g in self.held:
+            self.remove(c, g.job)
