@@ -30,6 +30,7 @@ and grows only when a larger tensor comes along; results are written straight in
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -43,20 +44,27 @@ from nicoffload.datapath.transport import SLOT_BYTES
 from nicoffload.errors import InputError, RefusedError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto, quant
-from nicoffload.worker.stream import Buffers, CallStats, RoundStream
+from nicoffload.worker.extremes import extreme
+from nicoffload.worker.speculation import SPECULATE_BLOCKS, Guesses, speculative_run
+from nicoffload.worker.calls import Buffers, CallStats, Rounds
+from nicoffload.worker.stream import RoundStream
 
 __all__ = ["Communicator", "CallStats", "DTYPES"]
 
-#: float tensors of at most this many blocks are sent speculatively (Communicator.speculate)
-SPECULATE_BLOCKS = 256
-#: exponent vectors remembered for speculation (distinct tensor sizes of a training step)
-SPECULATE_SIZES = 512
-#: after a guess that missed, calls of that size without speculation: 1, 3, 7, ... up to this
-#: (a miss costs the missed blocks' bytes twice; every rank sees the same misses, so all agree)
-SPECULATE_BACKOFF = 63
-#: the contributor words of a job without them (dense): the speculative kernels take an empty array
-_NO_BITS = np.empty(0, np.int32)
+@dataclass
+class _Sum:
+    """One sum's arrays: the input ``x`` and its flat view, ``out`` and its flat view ``res``;
+    16-bit lanes or not, and ``E`` elements per block."""
 
+    x: np.ndarray
+    out: np.ndarray
+    half: bool
+    E: int
+
+    def __post_init__(self):
+        self.flat, self.res = self.x.reshape(-1), self.out.reshape(-1)
+        self.is_float = self.x.dtype.kind == "f"
+        self.blocks = -(-self.x.size // self.E)
 
 
 @dataclass
@@ -116,8 +124,7 @@ class Communicator:
                               timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf,
                               silence=self.silence, delivery=self.delivery)
         self._rec = self._s.record_size
-        self._guesses: dict = {}  # (blocks, dtype) -> the global block exponents of the last such call
-        self._backoff: dict = {}  # (blocks, dtype) -> (calls left without speculating, current backoff)
+        self._guesses = Guesses()  # the last call of each size's metadata (speculation)
 
     def close(self) -> None:
         self._s.close()
@@ -162,270 +169,131 @@ class Communicator:
         if lanes is not None and lanes not in quant.LANES:
             raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         if op != "sum":
-            return self._extreme(array, out, op)
+            with self._call():
+                return extreme(self, array, out, op)
         x, out = call_arrays(array, out)
         if lanes == 16 and x.dtype.kind != "f":
             raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
-        t0 = time.perf_counter()
-        st = self.last = self._s.last = CallStats()
-        sys0, foreign0 = self._s.syscalls, self._s.foreign
-        n = x.size
-        if n == 0:
-            return out
-        flat, res = x.reshape(-1), out.reshape(-1)
-        W = self.world
-        is_float = x.dtype.kind == "f"
-        half = is_float and (lanes or self.lanes) == 16
-        E = quant.block_elems(self.elems, 16 if half else 32)  # elements per block and record
-        nb = -(-n // E)
-
-        # 1. local metadata
-        bad = -1
-        if is_float:  # a NaN or an Inf refuses the call on every rank, after the metadata round
-            exps = self._buf.get("exps", nb, np.int32)
-            bad = block_exponents(flat, E, exps, self.rank)
-            if _refuse:
-                exps[:], bad = quant.refusal_code(quant.REFUSE_ABORT, self.rank), -1
-        elif _refuse:
+        if _refuse and x.dtype.kind != "f":
             raise InputError("only a call of floats can be refused (int32 has no metadata round)")
-        elif self.sparse:
-            nz8 = self._buf.get("nz8", nb, np.uint8)
-            kernels.block_nonzero_i32(flat, E, nz8)
-            nonzero = nz8.view(bool)
-        self.join()
+        with self._call():
+            if x.size == 0:
+                return out
+            half = x.dtype.kind == "f" and (lanes or self.lanes) == 16
+            c = _Sum(x, out, half, quant.block_elems(self.elems, 16 if half else 32))
+            self._sum(c, _refuse)
+            return out
 
-        # 2. metadata rounds (one stream: MAX of the exponents, OR of the contributor bits)
-        full = np.int64(self._all)
-        bits = None
-        if self.sparse:
-            bits = self._buf.get("bits", nb, np.int32)
-            bit = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
-            if is_float:  # non-zero where the block has an exponent
-                kernels.contributor_bits(exps, quant.ZERO_EXP, bit, bits)
-            else:
-                bits[:] = 0
-                bits[nonzero] = bit
-        key = (nb, x.dtype.str)
-        speculative = is_float and not half and self.speculate and nb <= SPECULATE_BLOCKS
-        guess = self._guesses.get(key) if speculative else None
-        if guess is not None:
-            left, backoff = self._backoff.get(key, (0, 0))
-            if left:  # the last guess for this size missed: wait a while (every rank alike)
-                self._backoff[key] = (left - 1, backoff)
-                guess = None
-        if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
-            gexp, gbits, blocks, masks = self._speculative(x, flat, res, exps, bits, guess)
-            refuse_together(gexp, self.rank, flat, bad, E)
-            self._remember(key, gexp, gbits)
-            backoff = min(2 * backoff + 1, SPECULATE_BACKOFF) if st.spec_missed else 0
-            self._backoff[key] = (backoff, backoff)
-            mine = np.flatnonzero(masks >> self.rank & 1) if len(masks) else masks  # every guess hit: none
-            return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, False, E, t0, st, sys0, foreign0)
-        gexp, gbits = self._meta(exps if is_float else None, bits)
-        if is_float:
-            refuse_together(gexp, self.rank, flat, bad, E)
-        if speculative:
-            self._remember(key, gexp, gbits)
-        if is_float:
-            active = gexp != quant.ZERO_EXP
-        if self.sparse:
-            masks_all = gbits.astype(np.int64) & full
-            active = masks_all != 0
-        elif not is_float:
-            active = None  # dense int32: every block, every rank
-
-        # 3. data rounds
-        if active is None:
-            blocks = np.arange(nb, dtype=np.int64)
-            masks = np.full(nb, full, dtype=np.int64)
-        else:
-            blocks = np.flatnonzero(active)
-            masks = masks_all[blocks] if self.sparse else np.full(len(blocks), full, dtype=np.int64)
-            if len(blocks) < nb:  # blocks zero on every rank get no round: their output is zero
-                words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
-                kernels.zero_blocks(words, active, E)
-        st.blocks_skipped = nb - len(blocks)
-        mine = np.flatnonzero(masks >> self.rank & 1)
-        return self._data(x, flat, out, res, blocks, masks, mine, gexp, W, half, E, t0, st, sys0, foreign0)
-
-    def _data(self, x, flat, out, res, blocks, masks, mine, gexp, W, half, E, t0, st, sys0, foreign0) -> np.ndarray:
-        """The data rounds of a sum into ``res`` (the flat view of ``out``, which it returns): one
-        per block of ``blocks``, this rank's records those of ``mine``; floats scaled by the
-        blocks' global exponents ``gexp``."""
-        is_float = x.dtype.kind == "f"
-        K = len(blocks)
-        st.own_blocks = len(mine)
-        if K:
-            base = self._s.reserve(K)
-            send = self._s.send_buffer(len(mine))
-            tmpl = self._s.template(proto.TYPE_CONTRIB)
-            if half:
-                shifts = quant.shifts_for(gexp[blocks], W, 16).astype(np.int32)
-                single = x.dtype == np.float32
-
-                def encode(j0: int, j1: int, at: int) -> None:
-                    kernels.encode_half(send, self._rec, self.elems, tmpl, flat, mine[j0:j1], base, self.slots,
-                                        blocks, masks, shifts, self._s.bias16, single, at)
-            elif is_float:
-                shifts = quant.shifts_for(gexp[blocks], W, 32).astype(np.int32)
-                single = x.dtype == np.float32
-
-                def encode(j0: int, j1: int, at: int) -> None:
-                    kernels.encode_float(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
-                                         masks, shifts, self._s.bias, single, at, proto.OP_SUM64)
-            else:
-                shifts = self._buf.get("noshift", K, np.int32)
-
-                def encode(j0: int, j1: int, at: int) -> None:
-                    kernels.encode_int(send, self._rec, E, tmpl, flat, mine[j0:j1], base, self.slots, blocks,
-                                       masks, proto.OP_SUM, at)
-            kind = (pump.KIND_HALF32 if x.dtype == np.float32 else pump.KIND_HALF64) if half else KIND[x.dtype]
-            self._s.run(base, K, blocks, masks, mine, shifts, send, kind, res, encode)
-            st.results += K
+    @contextlib.contextmanager
+    def _call(self):
+        """One call's statistics: ``last`` while it runs, added to ``stats`` when it returns."""
+        st = self.last = self._s.last = CallStats()
+        t0, sys0, foreign0 = time.perf_counter(), self._s.syscalls, self._s.foreign
+        yield st
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
         st.foreign = self._s.foreign - foreign0
         self.stats.add(st)
-        return out
 
-    def _remember(self, key, gexp: np.ndarray, gbits: np.ndarray | None) -> None:
-        if len(self._guesses) >= SPECULATE_SIZES and key not in self._guesses:
-            self._guesses.clear()
-            self._backoff.clear()
-        self._guesses[key] = (gexp.copy(), None if gbits is None else gbits.copy())
+    def _sum(self, c: "_Sum", refuse: bool) -> None:
+        """1. local metadata, 2. the metadata rounds (or a speculative run), 3. the data rounds."""
+        nb = c.blocks
+        bad, exps, bits = self._local_meta(c, refuse)
+        self.join()
+        key = (nb, c.x.dtype.str)
+        speculative = c.is_float and not c.half and self.speculate and nb <= SPECULATE_BLOCKS
+        guess, backoff = self._guesses.take(key) if speculative else (None, 0)
+        if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
+            gexp, gbits, blocks, masks = speculative_run(self, c.x, c.flat, c.res, exps, bits, guess)
+            refuse_together(gexp, self.rank, c.flat, bad, c.E)
+            self._guesses.remember(key, gexp, gbits)
+            self._guesses.missed(key, backoff, self.last.spec_missed > 0)
+            self._data(c, blocks, masks, gexp)
+            return
+        gexp, gbits = self._meta(exps, bits)
+        if c.is_float:
+            refuse_together(gexp, self.rank, c.flat, bad, c.E)
+        if speculative:
+            self._guesses.remember(key, gexp, gbits)
+        blocks, masks = self._active(c, gexp, gbits)
+        self._data(c, blocks, masks, gexp)
 
-    def _speculative(self, x: np.ndarray, flat: np.ndarray, res: np.ndarray, exps: np.ndarray,
-                     bits: np.ndarray | None, guess: tuple) -> tuple:
-        """One run of rounds: this call's metadata rounds (MAX of the exponents; in sparse jobs
-        OR of the contributor bits too), then a data round per block the last call of this size
-        had non-zero, scaled by that call's global exponents and waiting for that call's
-        contributors (``guess``). Every rank makes the same guess: the last call's results are
-        the same everywhere. A block whose exponent and contributors are the guessed ones got
-        exactly the result a normal call gives it (the same scale, the same round); the others
-        are returned for data rounds of their own (those zero everywhere are zeroed here). A rank
-        whose values outgrow the guessed scale, or that has none any more where it was guessed to
-        contribute, sends zeros there: the metadata then differs from the guess, and the block
-        goes again. Returns (exponents, contributor bits or None, blocks to redo, their masks)."""
-        E, W, S, rec = self.elems, self.world, self.slots, self._rec
-        st = self.last
-        nb = len(exps)
-        full = np.int64(self._all)
-        gexp0, gbits0 = guess
-        per = -(-nb // E)
-        parts = [(exps, proto.OP_MAX)] + ([(bits, proto.OP_OR)] if bits is not None else [])
-        k = per * len(parts)  # metadata rounds
-        # the plan in one pass (kernels.spec_plan): at these sizes numpy's per-call cost is the CPU
-        blocks = self._buf.get("spec_blocks", k + nb, np.int64)
-        masks = self._buf.get("spec_masks", k + nb, np.int64)
-        shifts = self._buf.get("spec_shifts", k + nb, np.int32)
-        mine = self._buf.get("spec_mine", k + nb, np.int64)
-        keep = self._buf.get("spec_keep", nb, np.bool_)
-        no_bits = _NO_BITS
-        K, nmine, nover = kernels.spec_plan(gexp0, no_bits if gbits0 is None else gbits0, exps, quant.ZERO_EXP, full,
-                                            self.rank, quant.top_bits(32) - quant.headroom_bits(W), k,
-                                            pump.META_SHIFT, blocks, masks, shifts, mine, keep)
-        n = k + K
-        blocks, masks, shifts, mine = blocks[:n], masks[:n], shifts[:n], mine[:nmine]
-        base = self._s.reserve(n)
-        values = self._meta_values(parts, nb, per)
-        src = flat
-        if nover:  # this rank's values there do not fit the guessed scale: zeros instead
-            src = flat.copy()
-            kernels.zero_blocks(src.view(np.int64) if src.dtype.itemsize == 8 else src.view(np.int32), keep, E)
+    def _local_meta(self, c: "_Sum", refuse: bool) -> tuple:
+        """Step 1, this rank's own: (the first block holding a NaN or an Inf or -1, the block
+        exponents (floats; a refusal code where refused), the contributor bits (sparse jobs))."""
+        nb, bad, exps, bits = c.blocks, -1, None, None
+        if c.is_float:  # a NaN or an Inf refuses the call on every rank, after the metadata round
+            exps = self._buf.get("exps", nb, np.int32)
+            bad = block_exponents(c.flat, c.E, exps, self.rank)
+            if refuse:
+                exps[:], bad = quant.refusal_code(quant.REFUSE_ABORT, self.rank), -1
+        if self.sparse:
+            bits = self._buf.get("bits", nb, np.int32)
+            bit = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
+            if c.is_float:  # non-zero where the block has an exponent
+                kernels.contributor_bits(exps, quant.ZERO_EXP, bit, bits)
+            else:
+                nz8 = self._buf.get("nz8", nb, np.uint8)
+                kernels.block_nonzero_i32(c.flat, c.E, nz8)
+                bits[:] = 0
+                bits[nz8.view(bool)] = bit
+        return bad, exps, bits
+
+    def _active(self, c: "_Sum", gexp: np.ndarray | None, gbits: np.ndarray | None) -> tuple:
+        """Step 3's rounds: (blocks, their contributor masks): a block zero on every rank gets
+        no round (its output is zeroed here); dense int32 sums every block of every rank."""
+        nb, full = c.blocks, np.int64(self._all)
+        if gbits is not None:
+            masks_all = gbits.astype(np.int64) & full
+            active = masks_all != 0
+        elif c.is_float:
+            active = gexp != quant.ZERO_EXP
+        else:
+            return np.arange(nb, dtype=np.int64), np.full(nb, full, dtype=np.int64)
+        blocks = np.flatnonzero(active)
+        masks = masks_all[blocks] if gbits is not None else np.full(len(blocks), full, dtype=np.int64)
+        if len(blocks) < nb:  # blocks zero on every rank get no round: their output is zero
+            words = c.res.view(np.int64) if c.res.dtype.itemsize == 8 else c.res.view(np.int32)
+            kernels.zero_blocks(words, active, c.E)
+        self.last.blocks_skipped = nb - len(blocks)
+        return blocks, masks
+
+    def _data(self, c: "_Sum", blocks: np.ndarray, masks: np.ndarray, gexp: np.ndarray | None) -> None:
+        """The data rounds of a sum into ``c.res``: one per block of ``blocks``, this rank's
+        records those its bit is set in ``masks`` for; floats scaled by the blocks' global
+        exponents ``gexp``."""
+        st, E, K = self.last, c.E, len(blocks)
+        mine = np.flatnonzero(masks >> self.rank & 1) if K else masks
+        st.own_blocks = len(mine)
+        if not K:
+            return
+        base = self._s.reserve(K)
         send = self._s.send_buffer(len(mine))
         tmpl = self._s.template(proto.TYPE_CONTRIB)
-        single = x.dtype == np.float32
-        bias = self._s.bias
+        single = c.x.dtype == np.float32
+        flat, rec, S = c.flat, self._rec, self.slots
+        if c.half:
+            shifts = quant.shifts_for(gexp[blocks], self.world, 16).astype(np.int32)
+            bias16 = self._s.bias16
 
-        def encode(j0: int, j1: int, at: int) -> None:
-            while j0 < j1 and j0 < k:  # metadata records, one op per part
-                p = j0 // per
-                m1 = min(j1, (p + 1) * per)
-                kernels.encode_int(send, rec, E, tmpl, values, mine[j0:m1], base, S, blocks, masks, parts[p][1], at)
-                at += m1 - j0
-                j0 = m1
-            if j0 < j1:
-                kernels.encode_float(send, rec, E, tmpl, src, mine[j0:j1], base, S, blocks, masks, shifts, bias,
+            def encode(j0: int, j1: int, at: int) -> None:
+                kernels.encode_half(send, rec, self.elems, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts,
+                                    bias16, single, at)
+        elif c.is_float:
+            shifts = quant.shifts_for(gexp[blocks], self.world, 32).astype(np.int32)
+            bias = self._s.bias
+
+            def encode(j0: int, j1: int, at: int) -> None:
+                kernels.encode_float(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts, bias,
                                      single, at, proto.OP_SUM64)
-
-        meta_out = self._buf.get("meta_out", k * E, np.int32)
-        # an in-place call's results go to a scratch array: a block the guess got wrong must not
-        # overwrite the input before its own round sends it again (elsewhere the redo overwrites it)
-        inplace = np.may_share_memory(res, flat)
-        got = self._buf.get("spec_out", res.size, res.dtype) if inplace else res
-        self._s.run(base, n, blocks, masks, mine, shifts, send, KIND[x.dtype], got, encode, meta_out=meta_out)
-        st.meta_rounds += k
-        gexp = meta_out[:nb]
-        gbits = meta_out[per * E:per * E + nb] if bits is not None else None
-        hit = self._buf.get("spec_hit", nb, np.bool_)
-        cover = self._buf.get("spec_cover", nb, np.bool_)
-        redo = self._buf.get("spec_redo", nb, np.int64)
-        masks_redo = self._buf.get("spec_masks_redo", nb, np.int64)
-        hits, hole, nredo, skipped = kernels.spec_verdict(gexp, no_bits if gbits is None else gbits, blocks, k, n,
-                                                          gexp0, no_bits if gbits0 is None else gbits0,
-                                                          quant.ZERO_EXP, full, hit, cover, redo, masks_redo)
-        if inplace and hits == nb:
-            res[:] = got
-        elif inplace and hits:
-            take = np.repeat(hit, E)[:res.size]
-            res[take] = got[take]
-        st.spec_blocks += K
-        st.spec_missed += K - hits
-        st.results += hits
-        st.blocks_skipped = skipped
-        if hole:  # zero everywhere now, and no round gave it a result
-            words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
-            kernels.zero_blocks(words, cover, E)
-        return gexp, gbits, redo[:nredo], masks_redo[:nredo]  # scratch: read before the next call
-
-    def _extreme(self, array: np.ndarray, out: np.ndarray | None, op: str) -> np.ndarray:
-        """MAX or MIN over the ranks, exact: each element becomes an int32 key whose signed order
-        is the values' (a float's bits with the magnitude bits of negatives flipped; MIN inverts
-        every key), the aggregator takes the MAX of the keys (dense: every rank, every block), and
-        the key of the result maps back to its value. A NaN whose sign bit is clear is larger
-        than +inf here, one whose sign bit is set smaller than -inf."""
-        if op not in ("max", "min"):
-            raise InputError(f"op must be sum, max or min, not {op!r}")
-        x, out = call_arrays(array, out, (np.dtype(np.int32), np.dtype(np.float32)),
-                             f"allreduce op={op} takes int32 or float32 arrays")
-        t0 = time.perf_counter()
-        st = self.last = self._s.last = CallStats()
-        n, E = x.size, self.elems
-        if n == 0:
-            return out
-        bits = x.reshape(-1).view(np.int32)
-        keys = self._buf.get("xkeys", n, np.int32)
-        if x.dtype == np.float32:
-            np.bitwise_xor(bits, (bits >> 31) & np.int32(0x7FFFFFFF), out=keys)
         else:
-            keys[:] = bits
-        if op == "min":
-            np.invert(keys, out=keys)
-        nb = -(-n // E)
-        self.join()
-        blocks = np.arange(nb, dtype=np.int64)
-        masks = np.full(nb, np.int64(self._all), dtype=np.int64)
-        base = self._s.reserve(nb)
-        send = self._s.send_buffer(nb)
-        tmpl = self._s.template(proto.TYPE_CONTRIB)
+            shifts = self._buf.get("noshift", K, np.int32)
 
-        def encode(j0: int, j1: int, at: int) -> None:
-            kernels.encode_int(send, self._rec, E, tmpl, keys, blocks[j0:j1], base, self.slots, blocks, masks,
-                               proto.OP_MAX, at)
-
-        res = self._buf.get("xres", n, np.int32)
-        self._s.run(base, nb, blocks, masks, blocks, self._buf.get("noshift", nb, np.int32), send, pump.KIND_INT32,
-                    res, encode)
-        if op == "min":
-            np.invert(res, out=res)
-        if x.dtype == np.float32:
-            res ^= (res >> 31) & np.int32(0x7FFFFFFF)
-        out.reshape(-1).view(np.int32)[:] = res
-        st.results = nb
-        st.own_blocks = nb
-        st.seconds = time.perf_counter() - t0
-        self.stats.add(st)
-        return out
+            def encode(j0: int, j1: int, at: int) -> None:
+                kernels.encode_int(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, proto.OP_SUM, at)
+        kind = (pump.KIND_HALF32 if single else pump.KIND_HALF64) if c.half else KIND[c.x.dtype]
+        self._s.run(base, Rounds(blocks, masks, mine, shifts, send, kind, c.res, encode))
+        st.results += K
 
     def abort(self, error: BaseException) -> None:
         """Make the call in flight (from any thread) and every later one raise ``error`` (within
@@ -444,8 +312,13 @@ class Communicator:
         if self.slots != optim.share(n, E):
             raise InputError(f"rank {self.rank}: {n} gradients need a job of {optim.share(n, E)} slots "
                              f"(optim.share), this communicator has {self.slots}: register the job with --params {n}")
-        t0 = time.perf_counter()
-        st = self.last = self._s.last = CallStats()
+        with self._call() as st:
+            self._step(g, out, nb)
+            st.results = nb
+        return out
+
+    def _step(self, g: np.ndarray, out: np.ndarray, nb: int) -> None:
+        E = self.elems
         flat, res = g.reshape(-1), out.reshape(-1)
         exps = self._buf.get("exps", nb, np.int32)
         bad = block_exponents(flat, E, exps, self.rank)
@@ -480,11 +353,7 @@ class Communicator:
                                  shifts, self._s.bias, single, at, proto.OP_SGD)
 
         kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
-        self._s.run(base, nb, blocks, masks, blocks, shifts, send, kind, res, encode)
-        st.results = nb
-        st.seconds = time.perf_counter() - t0
-        self.stats.add(st)
-        return out
+        self._s.run(base, Rounds(blocks, masks, blocks, shifts, send, kind, res, encode))
 
     def barrier(self) -> None:
         """Returns once every rank has called it (one metadata round of one record)."""
@@ -524,8 +393,8 @@ class Communicator:
             kernels.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op,
                                p * per)
         res = self._buf.get("meta_out", k * E, np.int32)
-        self._s.run(base, k, blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,
-                     pump.KIND_INT32, res)
+        self._s.run(base, Rounds(blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,
+                                 pump.KIND_INT32, res))
         self.last.meta_rounds += k
         out = [res[p * per * E:p * per * E + nb] for p in range(len(parts))]
         if exps is None:

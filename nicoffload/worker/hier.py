@@ -140,13 +140,13 @@ class HierCommunicator:
 
     @property
     def last(self):
-        from nicoffload.worker.stream import CallStats
+        from nicoffload.worker.calls import CallStats
 
         return CallStats.total(c.last for c in (self.leaf, self.root) if c is not None)
 
     @property
     def stats(self):
-        from nicoffload.worker.stream import CallStats
+        from nicoffload.worker.calls import CallStats
 
         return CallStats.total(c.stats for c in (self.leaf, self.root) if c is not None)
 

@@ -77,13 +77,13 @@ class ShardedCommunicator:
     @property
     def last(self):
         """The call statistics of the last call, summed over the shards."""
-        from nicoffload.worker.stream import CallStats
+        from nicoffload.worker.calls import CallStats
 
         return CallStats.total(c.last for c in self.comms)
 
     @property
     def stats(self):
-        from nicoffload.worker.stream import CallStats
+        from nicoffload.worker.calls import CallStats
 
         return CallStats.total(c.stats for c in self.comms)
 

@@ -15,91 +15,21 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from nicoffload.datapath import kernels, pump
-from nicoffload.datapath.transport import SLOT_BYTES, Transport, faulted_in
-from nicoffload.errors import InputError, MismatchError, ProtocolError, TimeoutError_
+from nicoffload.datapath.transport import Transport, faulted_in
+from nicoffload.errors import MismatchError, ProtocolError, TimeoutError_
 from nicoffload.wire import proto, quant
-from nicoffload.worker.records import RankRecords, ack_column, flags_column, read_join_reply
+from nicoffload.worker.join import join_job
+from nicoffload.worker.calls import Buffers, CallStats, Rounds, ring_spans
+from nicoffload.worker.records import RankRecords, ack_column, flags_column
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
-
-
-@dataclass
-class CallStats:
-    packets_sent: int = 0       # records sent (data, metadata, retransmissions, pulls)
-    bytes_sent: int = 0
-    retransmissions: int = 0
-    pulls: int = 0
-    acks: int = 0
-    results: int = 0            # data rounds that produced output
-    rounds: int = 0             # every round of the call (metadata included)
-    meta_rounds: int = 0
-    blocks_skipped: int = 0     # blocks zero on every rank: no round at all
-    own_blocks: int = 0         # blocks this rank sent data for
-    spec_blocks: int = 0        # blocks sent speculatively, scaled by the last call's exponents
-    spec_missed: int = 0        # ... whose exponent had changed: sent again at the right scale
-    seconds: float = 0.0
-    timeouts: int = 0
-    loops: int = 0              # iterations of the send/receive loop
-    syscalls: int = 0
-    foreign: int = 0            # datagrams from someone other than the aggregator, skipped
-
-    def add(self, other: "CallStats") -> None:
-        mine, theirs = self.__dict__, other.__dict__
-        for k in self.__dataclass_fields__:
-            mine[k] += theirs[k]
-
-    @classmethod
-    def total(cls, many) -> "CallStats":
-        """The sum of several communicators' statistics (shards, levels)."""
-        st = cls()
-        for other in many:
-            st.add(other)
-        return st
-
-
-def ring_spans(j0: int, j1: int, cap: int):
-    """Records j0 .. j1 - 1 of a stream kept in a ring of ``cap`` records, as (position, count)
-    spans that do not cross the ring's end."""
-    while j0 < j1:
-        a = j0 % cap
-        c = min(j1 - j0, cap - a)
-        yield a, c
-        j0 += c
 
 
 #: the outputs a stream does not write (decode_results takes all three kinds)
 _NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32), np.empty(0, np.float64)
-
-
-class Buffers:
-    """Per-communicator memory, grown on demand and reused across calls."""
-
-    #: views kept at most (a view is a few hundred bytes; sizes that change every call must not grow it)
-    MAX_VIEWS = 512
-
-    def __init__(self):
-        self.arrays: dict[str, np.ndarray] = {}
-        # the views handed out, by (name, length): a small call asks for some twenty per call,
-        # and slicing anew each time was a measurable part of its CPU; a grown array drops its views
-        self._views: dict[tuple, np.ndarray] = {}
-
-    def get(self, name: str, n: int, dtype) -> np.ndarray:
-        v = self._views.get((name, n))
-        if v is not None and v.dtype == dtype:
-            return v
-        a = self.arrays.get(name)
-        if a is None or a.size < n or a.dtype != dtype:
-            a = np.empty(max(n, 1), dtype=dtype)
-            self.arrays[name] = a
-            self._views = {k: w for k, w in self._views.items() if k[0] != name}
-        if len(self._views) >= self.MAX_VIEWS:  # calls of ever new sizes: keep the cache small
-            self._views.clear()
-        v = self._views[(name, n)] = a[:n]
-        return v
 
 
 #: this many results taken only as answers, none as a first delivery: the group's frames do not
@@ -224,50 +154,7 @@ class RoundStream:
     def join(self) -> int:
         """Join the job: returns once every rank of it has joined this run (the aggregator then
         hands out the run's epoch). Called by the first collective; calling it again is free."""
-        self._check_abort()
-        if self._epoch:
-            return self._epoch
-        rec = self._records.join(self.nonce)
-        dest = (self.aggregator, self.port)
-        buf = bytearray(SLOT_BYTES)
-        deadline = time.monotonic() + self.timeout
-        rto, joined = self.rto, -1
-        heard_at = time.monotonic()
-        while True:
-            self._t.send_one(rec, dest)
-            # from the second send on, ask for the forming epoch's state (who has joined)
-            rec[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
-            until = min(deadline, time.monotonic() + rto)
-            while time.monotonic() < until:
-                if not self._t.wait(until - time.monotonic()):
-                    continue
-                while True:
-                    n, _seg, _addr = self._t.recv_into(buf)
-                    if not n:
-                        break
-                    heard_at = time.monotonic()
-                    kind, value = read_join_reply(buf, n, self.rank, self.job, self.nonce)
-                    if kind == "joined":
-                        self._gate[2 if buf[proto.FIELD_OFFSETS["flags"]] & proto.FLAG_ANSWER else 1] += 1
-                        self._epoch = value
-                        self._round = self._acked = 0
-                        self._gate[0] = 0
-                        return self._epoch
-                    if kind == "world":
-                        raise InputError(
-                            f"rank {self.rank}: job {self.job} on the aggregator has {value} ranks, but this "
-                            f"worker was started with world {self.world}")
-                    if kind == "superseded":
-                        raise ProtocolError(
-                            f"rank {self.rank}: a newer process has joined job {self.job} as rank {self.rank}; "
-                            f"this one gives way")
-                    if kind == "joining":
-                        joined = value
-            self._check_abort()
-            if time.monotonic() >= deadline:
-                self._join_timeout(joined)
-            self._check_silence(heard_at, "joining")
-            rto = min(rto * 2, self.max_rto)
+        return join_job(self)
 
     def _no_group_delivery(self) -> None:
         raise ProtocolError(
@@ -284,19 +171,6 @@ class RoundStream:
                 f"answered anything for {self.silence:g}s while asked again and again: it is gone (unloaded, its "
                 f"host down, or the network between cut)")
 
-    def _join_timeout(self, joined: int) -> None:
-        where = f"aggregator {self.aggregator}:{self.port}"
-        if joined >= 0:
-            have = [r for r in range(self.world) if joined >> r & 1]
-            missing = [r for r in range(self.world) if not joined >> r & 1]
-            raise TimeoutError_(
-                f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s; the {where} "
-                f"has heard from rank(s) {', '.join(map(str, have))}: no JOIN from rank(s) "
-                f"{', '.join(map(str, missing))}")
-        raise TimeoutError_(
-            f"rank {self.rank}: joining job {self.job} timed out after {self.timeout:g}s: the {where} did "
-            f"not answer; is the aggregator loaded with job {self.job} for {self.world} workers?")
-
     # --- the stream of rounds ---------------------------------------------------------------
     #: records encoded ahead of the sends at a time: the kernel copies them while they are in cache
     ENCODE_CHUNK = 256
@@ -306,134 +180,116 @@ class RoundStream:
         ``send_ring`` records, whatever the tensor's size)."""
         return self._send[:min(records, self.send_ring) * self._rec]
 
-    def run(self, base: int, K: int, blocks, masks, mine, shifts, send: np.ndarray, kind: int, res,
-                encode=None, meta_out: np.ndarray | None = None) -> None:
-        """Run rounds base .. base + K - 1 through the slot pool: send this rank's records
-        (``mine``: indices of its rounds). With ``encode``, ``send`` is a ring
-        (:meth:`send_buffer`): ``encode(j0, j1, at)`` writes records j0 .. j1 - 1 at record
-        ``at`` of it just before they go out; without, ``send`` holds every record, in order.
-        Collect every round's result into ``res`` (rounds whose shift is pump.META_SHIFT: int32
-        into ``meta_out``, at their block's offset), recover losses; return when every round has
-        its result."""
-        t, rec, S = self._t, self._rec, self.slots
-        cap = len(send) // rec if encode is not None else len(mine)  # records the buffer holds
-        if encode is not None and cap < len(mine) and cap < self.window + self.ENCODE_CHUNK:
-            raise ValueError(f"a send ring of {cap} records cannot hold a window of {self.window}")
-        st = self.last
-        dest = (self.aggregator, self.port)
-        done = self._buf.get("done", K, np.uint8)
-        sent_at = self._buf.get("sent_at", K, np.float64)
-        status = self._buf.get("status", K, np.int64)
-        newly = self._buf.get("newly", K, np.int64)
-        pos = self._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
-        kernels.reset_rounds(done, status, pos, mine)
-        recs = send[:min(cap, len(mine)) * rec].reshape(-1, rec)
-        ack_col, flags_col = ack_column(recs), flags_column(recs)
-        out_i = res.view(np.int32) if kind == pump.KIND_INT32 else \
-            meta_out if meta_out is not None else _NONE_I32
-        out_f32 = res if res.dtype == np.float32 else _NONE_F32
-        out_f64 = res if res.dtype == np.float64 else _NONE_F64
-        dense = len(mine) == K
-        rx_args = t.recv_args()
-        stash = (self._stash, self._stash_round)
-        gate = self._gate
-        bias = self._bias16 if kind in (pump.KIND_HALF32, pump.KIND_HALF64) else self._bias
-        ndone = pump.replay_stash(*stash, rec, self.elems, self.job, self._epoch, self.rank, base, K, S, blocks,
-                                     shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly,
-                                     self._stash_lens, self._stash_segs, gate)
-
-        head = pump.advance(done, 0, K)  # lowest round without a result (the stash may have some)
-        hi = 0        # rounds [0, hi) have entered the window
-        j_sent = 0    # this rank's records [0, j_sent) have been sent
-        j_enc = 0 if encode is not None else len(mine)  # ... and [0, j_enc) are written
-        timer = self._timer
-        timer.start(time.monotonic())
-        heard_at = time.monotonic()
-
-        def resend(rounds: np.ndarray) -> None:
-            self._resend(rounds, pos, cap, flags_col, ack_col, send, base + head, base, masks, dest)
-
-        while ndone < K:
+    def run(self, base: int, r: Rounds) -> None:
+        """Run rounds base .. base + len(r.blocks) - 1 through the slot pool (:class:`Rounds`
+        says what each is): send this rank's records inside the window, collect every round's
+        result, recover losses; return when every round has its result."""
+        x = _Run(self, base, r)
+        st, K = self.last, x.K
+        while x.ndone < K:
             st.loops += 1
-            # the window: S rounds past the head, and never a round whose set still holds a result
-            # some rank has not acknowledged (the aggregator would drop it as early)
-            lim = min(K, head + self.window, int(gate[0]) + 2 * S - base)
-            if hi < lim:
-                j_end = int(np.searchsorted(mine, lim)) if not dense else lim
-                if j_end > j_sent:
-                    while j_enc < j_end:  # chunks that never cross the ring's end
-                        j1 = min(len(mine), j_enc + self.ENCODE_CHUNK, (j_enc // cap + 1) * cap)
-                        encode(j_enc, j1, j_enc % cap)
-                        j_enc = j1
-                    for a, c in ring_spans(j_sent, j_end, cap):
-                        ack_col[a:a + c] = (base + head) & 0xFFFFFFFF
-                        t.send_records(send, a, c, dest)
-                    st.packets_sent += j_end - j_sent
-                    self._acked = max(self._acked, base + head)
-                    j_sent = j_end
-                sent_at[hi:lim] = time.monotonic()
-                hi = lim
+            self._fill_window(x)
             foreign0 = self._t.foreign
-            n, new, event = pump.pump_recv(*rx_args, rec, self.elems, self.job, self._epoch, self.rank, base, K, S,
-                                              blocks, shifts, bias, kind, out_i, out_f32, out_f64, done,
-                                              status, newly, *stash, gate)
+            n, new, event = pump.pump_recv(*x.rx_args, self._rec, self.elems, self.job, self._epoch, self.rank, base,
+                                           K, self.slots, r.blocks, r.shifts, x.bias, r.kind, x.out_i, x.out_f32,
+                                           x.out_f64, x.done, x.status, x.newly, *x.stash, self._gate)
             now = time.monotonic()
             if n > self._t.foreign - foreign0:
-                heard_at = now
-                if gate[2] >= NO_GROUP_AFTER and not gate[1] and self.delivery == "multicast":
+                x.heard_at = now
+                if self._gate[2] >= NO_GROUP_AFTER and not self._gate[1] and self.delivery == "multicast":
                     self._no_group_delivery()
-            if event == pump.EV_STALE_EPOCH:
-                raise ProtocolError(
-                    f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
-                    f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
-                    f"the aggregator was reloaded; this run's results are gone")
-            if event == pump.EV_MISMATCH:
-                # the ranks' rounds are out of step from here on: every later call fails with this
-                i = int(np.flatnonzero(status[:K] == pump.MISMATCHED)[0])
-                self.abort(MismatchError(
-                    f"rank {self.rank}: the ranks disagree on the round of block {int(blocks[i])} of this call: "
-                    f"the aggregator refused a contribution that differs from the round's first (its size, scale, "
-                    f"lanes or op): the ranks were not given tensors of the same shape and dtype; this job's "
-                    f"rounds are out of step, build new communicators"))
-                self._check_abort()
+            if event:
+                self._on_event(event, x)
             if new:
-                ndone += new
-                timer.on_results(int(newly[new - 1]), hi, sent_at, now)
-                head = pump.advance(done, head, K)
-                if ack_due(base + head, self._acked, S, dense):
-                    t.send_one(self._records.ack(self._epoch, base + head), dest)
-                    self._acked = base + head
-                    st.acks += 1
-                if head < hi:
-                    resend(timer.fast_retransmit(done, head, hi, sent_at, now))
+                self._on_results(x, new, now)
                 continue
             # No progress (datagrams that brought nothing new do not count): the timers decide.
-            self._check_abort()
-            self._check_silence(heard_at, "running")
-            if timer.expired(now):
-                self._fail(hi, done, status, masks)
-            if timer.ask_gate(head, hi, K, now):
-                # everything sent has its result and the gate holds the window: ask for the gate
-                # (and tell this rank's head), instead of waiting for a result that cannot come
-                t.send_one(self._records.ack(self._epoch, base + head, ask=True), dest)
-                self._acked = max(self._acked, base + head)
-                st.acks += 1
-            late = timer.timed_out(done, head, hi, sent_at, now)
-            if len(late):
-                resend(late)
-                st.timeouts += 1
+            if self._on_idle(x, now) or n:
                 continue
-            if not n:
-                t.wait(timer.wait(head, hi, sent_at, now))
+            self._t.wait(self._timer.wait(x.head, x.hi, x.sent_at, now))
         st.rounds += K
 
-    def _resend(self, rounds: np.ndarray, pos, cap: int, flags_col, ack_col, send, head_abs: int, base: int,
-                masks, dest) -> None:
+    def _fill_window(self, x: "_Run") -> None:
+        """Send this rank's records of the rounds that may enter the window: S rounds past the
+        head, and never a round whose set still holds a result some rank has not acknowledged
+        (the aggregator would drop it as early)."""
+        r, cap = x.r, x.cap
+        lim = min(x.K, x.head + self.window, int(self._gate[0]) + 2 * self.slots - x.base)
+        if x.hi >= lim:
+            return
+        j_end = int(np.searchsorted(r.mine, lim)) if not x.dense else lim
+        if j_end > x.j_sent:
+            while x.j_enc < j_end:  # chunks that never cross the ring's end
+                j1 = min(len(r.mine), x.j_enc + self.ENCODE_CHUNK, (x.j_enc // cap + 1) * cap)
+                r.encode(x.j_enc, j1, x.j_enc % cap)
+                x.j_enc = j1
+            for a, c in ring_spans(x.j_sent, j_end, cap):
+                x.ack_col[a:a + c] = (x.base + x.head) & 0xFFFFFFFF
+                self._t.send_records(r.send, a, c, x.dest)
+            self.last.packets_sent += j_end - x.j_sent
+            self._acked = max(self._acked, x.base + x.head)
+            x.j_sent = j_end
+        x.sent_at[x.hi:lim] = time.monotonic()
+        x.hi = lim
+
+    def _on_event(self, event: int, x: "_Run") -> None:
+        if event == pump.EV_STALE_EPOCH:
+            raise ProtocolError(
+                f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
+                f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
+                f"the aggregator was reloaded; this run's results are gone")
+        if event == pump.EV_MISMATCH:
+            # the ranks' rounds are out of step from here on: every later call fails with this
+            i = int(np.flatnonzero(x.status[:x.K] == pump.MISMATCHED)[0])
+            self.abort(MismatchError(
+                f"rank {self.rank}: the ranks disagree on the round of block {int(x.r.blocks[i])} of this call: "
+                f"the aggregator refused a contribution that differs from the round's first (its size, scale, "
+                f"lanes or op): the ranks were not given tensors of the same shape and dtype; this job's "
+                f"rounds are out of step, build new communicators"))
+            self._check_abort()
+
+    def _on_results(self, x: "_Run", new: int, now: float) -> None:
+        """``new`` rounds got their results: move the head, acknowledge, retransmit early what
+        a gap of GAP results says is lost."""
+        x.ndone += new
+        self._timer.on_results(int(x.newly[new - 1]), x.hi, x.sent_at, now)
+        x.head = pump.advance(x.done, x.head, x.K)
+        if ack_due(x.base + x.head, self._acked, self.slots, x.dense):
+            self._t.send_one(self._records.ack(self._epoch, x.base + x.head), x.dest)
+            self._acked = x.base + x.head
+            self.last.acks += 1
+        if x.head < x.hi:
+            self._resend(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now))
+
+    def _on_idle(self, x: "_Run", now: float) -> bool:
+        """No progress: fail on timeout or silence, ask for the gate, retransmit what timed out.
+        True if it sent something (look again at once)."""
+        self._check_abort()
+        self._check_silence(x.heard_at, "running")
+        timer = self._timer
+        if timer.expired(now):
+            self._fail(x.hi, x.done, x.status, x.r.masks)
+        if timer.ask_gate(x.head, x.hi, x.K, now):
+            # everything sent has its result and the gate holds the window: ask for the gate
+            # (and tell this rank's head), instead of waiting for a result that cannot come
+            self._t.send_one(self._records.ack(self._epoch, x.base + x.head, ask=True), x.dest)
+            self._acked = max(self._acked, x.base + x.head)
+            self.last.acks += 1
+        late = timer.timed_out(x.done, x.head, x.hi, x.sent_at, now)
+        if len(late):
+            self._resend(x, late)
+            self.last.timeouts += 1
+            return True
+        return False
+
+    def _resend(self, x: "_Run", rounds: np.ndarray) -> None:
         """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the
         Tx spot if the round is complete) and pull the others' results."""
         if not len(rounds):
             return
         st, rec = self.last, self._rec
+        pos, cap, flags_col, ack_col, send = x.pos, x.cap, x.flags_col, x.ack_col, x.r.send
+        head_abs, base, masks, dest = x.base + x.head, x.base, x.r.masks, x.dest
         p = pos[rounds]
         own = p[p >= 0] % cap  # where in the ring (rounds not yet done: their records are still there)
         if len(own):
@@ -467,3 +323,42 @@ class RoundStream:
             f"rank {self.rank}: allreduce timed out after {self.timeout:g}s: the {where} did not answer "
             f"({len(pending)} round(s) outstanding); is the aggregator loaded and the job configured "
             f"for {self.world} workers?")
+
+
+class _Run:
+    """The state of one :meth:`RoundStream.run`: the rounds, where this rank's records are, which
+    rounds have their results, the window's head and edge."""
+
+    def __init__(self, s: RoundStream, base: int, r: Rounds):
+        rec, K = s._rec, len(r.blocks)
+        self.r, self.base, self.K = r, base, K
+        mine = r.mine
+        self.cap = cap = len(r.send) // rec if r.encode is not None else len(mine)  # records the buffer holds
+        if r.encode is not None and cap < len(mine) and cap < s.window + s.ENCODE_CHUNK:
+            raise ValueError(f"a send ring of {cap} records cannot hold a window of {s.window}")
+        self.dest = (s.aggregator, s.port)
+        self.done = s._buf.get("done", K, np.uint8)
+        self.sent_at = s._buf.get("sent_at", K, np.float64)
+        self.status = s._buf.get("status", K, np.int64)
+        self.newly = s._buf.get("newly", K, np.int64)
+        self.pos = s._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
+        kernels.reset_rounds(self.done, self.status, self.pos, mine)
+        recs = r.send[:min(cap, len(mine)) * rec].reshape(-1, rec)
+        self.ack_col, self.flags_col = ack_column(recs), flags_column(recs)
+        self.out_i = r.res.view(np.int32) if r.kind == pump.KIND_INT32 else \
+            r.meta_out if r.meta_out is not None else _NONE_I32
+        self.out_f32 = r.res if r.res.dtype == np.float32 else _NONE_F32
+        self.out_f64 = r.res if r.res.dtype == np.float64 else _NONE_F64
+        self.dense = len(mine) == K
+        self.rx_args = s._t.recv_args()
+        self.stash = (s._stash, s._stash_round)
+        self.bias = s._bias16 if r.kind in (pump.KIND_HALF32, pump.KIND_HALF64) else s._bias
+        self.ndone = pump.replay_stash(*self.stash, rec, s.elems, s.job, s._epoch, s.rank, base, K, s.slots, r.blocks,
+                                       r.shifts, self.bias, r.kind, self.out_i, self.out_f32, self.out_f64, self.done,
+                                       self.status, self.newly, s._stash_lens, s._stash_segs, s._gate)
+        self.head = pump.advance(self.done, 0, K)  # lowest round without a result (the stash may have some)
+        self.hi = 0        # rounds [0, hi) have entered the window
+        self.j_sent = 0    # this rank's records [0, j_sent) have been sent
+        self.j_enc = 0 if r.encode is not None else len(mine)  # ... and [0, j_enc) are written
+        s._timer.start(time.monotonic())
+        self.heard_at = time.monotonic()

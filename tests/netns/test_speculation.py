@@ -12,7 +12,7 @@ from e2ekit import run_ranks, xdp_comms
 
 from nicoffload.lab import reference
 from nicoffload.wire import proto
-from nicoffload.worker import comm as comm_module
+from nicoffload.worker import speculation
 
 E = proto.DEFAULT_ELEMS
 
@@ -74,7 +74,7 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse,
                 assert c.within_bound, (i, r, c.reason)
         for c in comms:
             c.speculate = True
-        monkeypatch.setattr(comm_module, "SPECULATE_BACKOFF", 0)  # speculate on every call, misses or not
+        monkeypatch.setattr(speculation, "SPECULATE_BACKOFF", 0)  # speculate on every call, misses or not
         tb.faults.configure(drop=0.02, dup=0.02, seed=3)
         # twice: the first pass guesses from the plain pass's last call of each size
         for _ in range(2):
