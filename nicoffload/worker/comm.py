@@ -1,10 +1,8 @@
 """The worker library: one :class:`Communicator` per rank; ``allreduce(array)`` returns the
 elementwise sum over all ranks, through the XDP aggregator or the user-space one (same protocol).
 
-Before its first collective a communicator JOINs the job: the aggregator hands out a new epoch
-once every rank of the job has joined with a fresh nonce, and every record carries that epoch,
-so no round of this run can ever be taken for a round of an earlier run (or of a crashed
-worker's), and a run that another run's JOIN has ended fails naming the cause.
+Before its first collective a communicator JOINs the job (:mod:`~nicoffload.worker.join`): every
+record carries the run's epoch, so no round of it can be taken for an earlier run's.
 
 One call on a tensor of B blocks of ``elems`` elements:
 1. Local metadata in one pass (kernels.block_meta_*): per block the exponent of the largest
