@@ -1,0 +1,139 @@
+"""The fixed point of the host's sums, bit for bit the aggregator's (:mod:`nicoffload.wire.quant`):
+each rank turns its floats into offset-binary lanes with the exponents of the whole group, the
+host adds them as integers, the hosts add their sums as integers (through any collective that
+sums int32 exactly), and the total decodes as the aggregator's result does (``pump.unfix``).
+Integer sums do not depend on their order, so a job of H hosts with K ranks each returns the same
+bits as one of H*K hosts with one rank each.
+
+Lanes: 32-bit (one int32 word per element, rint(x * 2^s) + bias) or 16-bit (two per int32
+word). With every one of the W = H*Kmax contributions below 2 * bias, and W * 2 * bias <= 2^31
+(2^15 for 16-bit lanes), no lane of a sum overflows, nor carries into its neighbour: the int32
+sum of the words is the words of the lane sums.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from nicoffload.datapath import pump
+from nicoffload.datapath.kernels import F32_SHIFT_LIMIT, U, pow2_split
+from nicoffload.wire import quant
+
+
+@njit(cache=True, boundscheck=False)
+def quantize(x, E, gexp, top, bias, single, lanes):
+    """``x`` (float32/float64) into ``lanes`` (int32 for 32-bit lanes, int16 for 16-bit ones: a
+    view of the same words): per block b of E elements, rint(x * 2^s) + bias with s = top -
+    gexp[b] (the aggregator's encode, kernels.encode_float / encode_half, element for element);
+    blocks zero on every rank (gexp == ZERO_EXP) and the tail beyond x are 0."""
+    n = x.size
+    b32 = np.int32(bias)
+    zero = np.int32(quant.ZERO_EXP)
+    for b in range(gexp.size):
+        lo = b * E
+        cnt = min(E, n - lo)
+        g = gexp[b]
+        q = U(lo)
+        if g == zero:
+            for k in range(cnt):
+                lanes[q + U(k)] = 0
+            continue
+        s = top - g
+        if single and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
+            f = np.float32(math.ldexp(1.0, s))
+            for k in range(cnt):
+                lanes[q + U(k)] = np.int32(np.rint(np.float32(x[q + U(k)]) * f)) + b32
+        else:
+            d1, d2 = pow2_split(s)
+            for k in range(cnt):
+                lanes[q + U(k)] = np.int32(np.rint(np.float64(x[q + U(k)]) * d1 * d2)) + b32
+    for k in range(n, lanes.size):
+        lanes[k] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def sum_rows(rows, lo, hi, pad, out):
+    """out[k] = sum over the rows of rows[:, k] + pad, k in [lo, hi), int32 wrapping."""
+    K = rows.shape[0]
+    p = np.int32(pad)
+    for k in range(lo, hi):
+        acc = np.int32(p)
+        for r in range(K):
+            acc = np.int32(acc + rows[r, k])
+        out[k] = acc
+
+
+@njit(cache=True, boundscheck=False)
+def max_rows(rows, lo, hi, out):
+    """out[k] = max over the rows of rows[:, k], k in [lo, hi)."""
+    K = rows.shape[0]
+    for k in range(lo, hi):
+        m = rows[0, k]
+        for r in range(1, K):
+            v = rows[r, k]
+            if v > m:
+                m = v
+        out[k] = m
+
+
+@njit(cache=True, boundscheck=False)
+def max_exps(rows, lo, hi, out):
+    """The host's block exponents: out[b] = max over the rows (local ranks) of rows[:, b]."""
+    max_rows(rows, lo, hi, out)
+
+
+def decode(words: np.ndarray, E: int, gexp: np.ndarray, top: int, nb32: int, half: bool, lo_block: int,
+           hi_block: int, n: int, out: np.ndarray) -> None:
+    """Blocks [lo_block, hi_block) of the total ``words`` into ``out`` (float32/float64): per
+    block (lane - nb32) * 2^-s (pump.unfix, the aggregator's decode: the same bits); blocks zero
+    everywhere become 0."""
+    blocks = np.arange(lo_block, hi_block, dtype=np.int64)
+    g = gexp[lo_block:hi_block]
+    active = g != quant.ZERO_EXP
+    todo = np.empty((int(active.sum()), 5), np.int64)
+    a = blocks[active]
+    todo[:, 0] = a * E                                   # first lane
+    todo[:, 1] = np.minimum(E, n - a * E)                # lanes
+    todo[:, 2] = nb32
+    todo[:, 3] = top - g[active].astype(np.int64)        # shift
+    todo[:, 4] = a * E                                   # first element
+    kind = pump.KIND_FLOAT32 if out.dtype == np.float32 else pump.KIND_FLOAT64
+    f32 = out if kind == pump.KIND_FLOAT32 else np.empty(0, np.float32)
+    f64 = out if kind == pump.KIND_FLOAT64 else np.empty(0, np.float64)
+    pump.unfix(words.view(np.uint8), half, todo, len(todo), kind, f32, f64)
+    for b in blocks[~active]:
+        out[b * E:min(n, (b + 1) * E)] = 0
+
+
+def to_keys(x: np.ndarray, op: str, keys: np.ndarray) -> None:
+    """int32 keys whose signed order is the values' (worker.extremes: a float's bits with the
+    magnitude bits of negatives flipped); MIN inverts every key."""
+    bits = x.reshape(-1).view(np.int32)
+    if x.dtype == np.float32:
+        np.bitwise_xor(bits, (bits >> 31) & np.int32(0x7FFFFFFF), out=keys)
+    else:
+        keys[:] = bits
+    if op == "min":
+        np.invert(keys, out=keys)
+
+
+def from_keys(keys: np.ndarray, op: str, dtype, out: np.ndarray) -> None:
+    res = out.reshape(-1).view(np.int32)
+    if op == "min":
+        np.invert(keys, out=res)
+    else:
+        res[:] = keys
+    if np.dtype(dtype) == np.float32:
+        res ^= (res >> 31) & np.int32(0x7FFFFFFF)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the kernels before the first call."""
+    w = np.zeros(4, np.int32)
+    for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
+        quantize(x, 2, np.zeros(1, np.int32), 28, 1, x.dtype == np.float32, w)
+        quantize(x, 4, np.zeros(1, np.int32), 12, 1, x.dtype == np.float32, w.view(np.int16))
+    sum_rows(np.zeros((2, 4), np.int32), 0, 4, 0, w)
+    max_rows(np.zeros((2, 4), np.int32), 0, 4, w)

@@ -1,0 +1,265 @@
+"""One rank of a group whose hosts run several ranks each: :class:`HostCommunicator`.
+
+Inside a host the K local ranks reduce through shared memory (:mod:`~nicoffload.local.segment`):
+every rank writes its part, local rank j sums the j-th share of the blocks from all K buffers (a
+reduce-scatter), and every rank copies the whole result out (an all-gather). Across hosts, local
+rank j of every host sums its share through its *lane*: a collective of one rank per host (a job
+at the aggregator, a ring of the hosts), so every CPU of the host encodes and decodes, and every
+host still sends the tensor's bytes once. A group of one host needs no lane at all.
+
+Floats are summed in the fixed point of :mod:`~nicoffload.local.fixed`, with the block exponents
+of the whole group (a MAX round: the host's, then the lanes' over the hosts) and a scale for
+W = hosts * (the most ranks a host has) contributions: the bits a job of W hosts with one rank
+each gets (W is the group's size wherever every host runs as many ranks). int32 sums are exact;
+MAX/MIN go through order-preserving int32 keys, as the aggregator takes them.
+
+One call, for a chunk of at most CHUNK elements at a time (whole blocks: the same bits):
+    1. every rank: its block exponents                                  | barrier
+    2. lane j: the host's MAX of its share's exponents, then the hosts' | barrier
+    3. every rank: refuse a NaN/Inf together; its lanes, quantized      | barrier
+    4. lane j: the host's int32 sum of its share, the hosts' sum, decode | barrier
+    5. every rank: the result, copied out
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nicoffload import collective
+from nicoffload.collective import Collective
+from nicoffload.datapath.tensors import DTYPES, block_exponents, call_arrays, refuse_together
+from nicoffload.errors import InputError
+from nicoffload.local import fixed
+from nicoffload.local.segment import HostGroup
+from nicoffload.wire import quant
+
+#: elements per chunk of a call (the data segment holds K buffers of a chunk's lanes, and its result)
+CHUNK = 4 << 20
+
+
+@dataclass
+class HostStats:
+    """What one rank's calls did (``last``: the last call; ``stats``: every call so far)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    lane_s: float = 0.0          # in the lane's collectives (this rank's share across hosts)
+    wait_s: float = 0.0          # at the host's barriers, waiting for the other local ranks
+    packets_sent: int = 0        # the lane's, where it counts them
+    retransmissions: int = 0
+    blocks_skipped: int = 0      # blocks zero on every rank of the group: not sent across hosts
+
+    def add(self, other: "HostStats") -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+@dataclass
+class HostCommunicator:
+    """Group rank ``rank`` of ``world``: local rank ``host.me`` of the ``host.K`` ranks of host
+    ``host_index`` (of ``hosts``). ``lane``: this rank's collective of one rank per host (local
+    ranks below ``lanes`` have one where there are several hosts), summing int32 exactly and
+    taking int32 MAX. ``kmax``: the most ranks any host of the group runs."""
+
+    rank: int
+    world: int
+    host: HostGroup
+    hosts: int
+    host_index: int
+    kmax: int
+    lanes: int
+    elems: int = 256
+    lane: Collective | None = None
+    capabilities = collective.Capabilities(ops=frozenset({"sum", "max", "min"}),
+                                           extreme_dtypes=collective.EXTREME_DTYPES, lanes=(32, 16))
+    stats: HostStats = field(default_factory=HostStats)
+    last: HostStats = field(default_factory=HostStats)
+
+    def __post_init__(self):
+        me, K = self.host.me, self.host.K
+        if not 1 <= self.lanes <= K or self.kmax < K:
+            raise InputError(f"{self.lanes} lanes and a host of {K} ranks (kmax {self.kmax})")
+        if self.hosts > 1 and me < self.lanes:
+            if self.lane is None:
+                raise InputError(f"rank {self.rank}: local rank {me} of a group of {self.hosts} hosts needs its lane")
+            caps = self.lane.capabilities
+            if not (caps.supports("sum", np.int32) and caps.supports("max", np.int32)):
+                raise InputError(f"rank {self.rank}: the lane across hosts must sum int32 and take its MAX")
+        self.W = self.hosts * self.kmax  # the contributions the fixed point makes room for
+        self._closed = False
+        fixed.warm_up()
+
+    # --- the Collective API ---------------------------------------------------------------------
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
+        """The elementwise sum (int32 exact; floats in the aggregator's fixed point, 32- or 16-bit
+        lanes) or MAX/MIN (int32, float32) over every rank of the group."""
+        if op not in ("sum", "max", "min"):
+            raise InputError(f"op must be sum, max or min, not {op!r}")
+        if lanes not in (None, 16, 32):
+            raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
+        dtypes = DTYPES if op == "sum" else (np.dtype(np.int32), np.dtype(np.float32))
+        x, out = call_arrays(array, out, dtypes)
+        if lanes == 16 and x.dtype.kind != "f":
+            raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
+        st = self.last = HostStats(calls=1)
+        t0 = time.perf_counter()
+        flat, res = x.reshape(-1), out.reshape(-1)
+        bits = 16 if lanes == 16 else 32
+        step = CHUNK // (2 * self.elems) * (2 * self.elems)  # whole blocks of both lane widths
+        for lo in range(0, max(flat.size, 1), step):
+            xc, oc = flat[lo:lo + step], res[lo:lo + step]
+            if op != "sum":
+                self._extreme(xc, oc, op)
+            elif x.dtype.kind == "f":
+                self._sum_float(xc, oc, bits)
+            else:
+                self._sum_int(xc, oc)
+        st.seconds = time.perf_counter() - t0
+        self.stats.add(st)
+        return out
+
+    def barrier(self) -> None:
+        """Returns once every rank of the group has called it."""
+        self._wait()
+        if self.host.me == 0 and self.hosts > 1:
+            self._lane(lambda: self.lane.barrier())
+        self._wait()
+
+    def abort(self, error: BaseException) -> None:
+        self.host.abort(error)
+        if self.lane is not None:
+            self.lane.abort(error)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.lane is not None:
+            self.lane.close()
+        self.host.close()
+
+    def __enter__(self) -> "HostCommunicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def _wait(self) -> None:
+        t = time.perf_counter()
+        self.host.barrier()
+        self.last.wait_s += time.perf_counter() - t
+
+    def _lane(self, fn):
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.last.lane_s += time.perf_counter() - t
+            lst = getattr(self.lane, "last", None)
+            self.last.packets_sent += getattr(lst, "packets_sent", 0)
+            self.last.retransmissions += getattr(lst, "retransmissions", 0)
+
+    def _share(self, nb: int) -> tuple[int, int] | None:
+        """The blocks [lo, hi) this rank sums for its host (None: not a lane)."""
+        j, L = self.host.me, self.lanes
+        return (j * nb // L, (j + 1) * nb // L) if j < L else None
+
+    def _buffers(self, parts: list[tuple[str, object, int]]) -> dict[str, np.ndarray]:
+        """Views of the data segment, laid out in order (name, dtype, count), 64-byte aligned."""
+        sizes, off = [], 0
+        for name, dtype, count in parts:
+            sizes.append((name, dtype, count, off))
+            off += _align(count * np.dtype(dtype).itemsize)
+        seg = self.host.ensure(off)
+        return {name: seg.array(o, dtype, count) for name, dtype, count, o in sizes}
+
+    # --- the three kinds of call ------------------------------------------------------------------
+    def _sum_float(self, x: np.ndarray, out: np.ndarray, bits: int) -> None:
+        K, me, n = self.host.K, self.host.me, x.size
+        E = quant.block_elems(self.elems, bits)
+        wpb = E * bits // 32                       # int32 words per block
+        nb = -(-n // E)
+        b = self._buffers([("ex", np.int32, K * nb), ("gexp", np.int32, nb), ("q", np.int32, K * nb * wpb),
+                           ("out", x.dtype, n)])
+        ex, gexp, q = b["ex"].reshape(K, nb), b["gexp"], b["q"].reshape(K, nb * wpb)
+        bad = block_exponents(x, E, ex[me], self.rank)                             # 1.
+        self._wait()
+        share = self._share(nb)
+        if share is not None:                                                      # 2.
+            lo, hi = share
+            fixed.max_exps(ex, lo, hi, gexp)
+            if self.hosts > 1 and hi > lo:
+                self._lane(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"))
+        self._wait()
+        refuse_together(gexp, self.rank, x, bad, E)                                # 3.
+        top = quant.top_bits(bits) - quant.headroom_bits(self.W)
+        bias = quant.bias(self.W, bits)
+        mine = q[me] if bits == 32 else q[me].view(np.int16)
+        fixed.quantize(x, E, gexp, top, bias, x.dtype == np.float32, mine)
+        self._wait()
+        if share is not None:                                                      # 4.
+            lo, hi = share
+            pad = (self.kmax - K) * bias
+            if bits == 16:
+                pad |= pad << 16
+            fixed.sum_rows(q, lo * wpb, hi * wpb, pad, q[0])
+            if self.hosts > 1 and hi > lo:
+                self._across(q[0].reshape(nb, wpb), gexp, lo, hi)
+            fixed.decode(q[0], E, gexp, top, self.W * bias, bits == 16, lo, hi, n, b["out"])
+        self._wait()
+        out[:] = b["out"]                                                          # 5.
+
+    def _across(self, rows: np.ndarray, gexp: np.ndarray, lo: int, hi: int) -> None:
+        """The hosts' int32 sum of blocks [lo, hi) of ``rows`` (in place): blocks zero on every
+        rank of the group are not sent (their exponent says so)."""
+        active = np.flatnonzero(gexp[lo:hi] != quant.ZERO_EXP) + lo
+        self.last.blocks_skipped += (hi - lo) - len(active)
+        if len(active) == hi - lo:
+            seg = rows[lo:hi].reshape(-1)
+            self._lane(lambda: self.lane.allreduce(seg, out=seg))
+        elif len(active):
+            packed = np.ascontiguousarray(rows[active]).reshape(-1)
+            self._lane(lambda: self.lane.allreduce(packed, out=packed))
+            rows[active] = packed.reshape(len(active), -1)
+
+    def _sum_int(self, x: np.ndarray, out: np.ndarray) -> None:
+        K, me, n = self.host.K, self.host.me, x.size
+        b = self._buffers([("q", np.int32, K * n)])
+        q = b["q"].reshape(K, n)
+        q[me] = x
+        self._wait()
+        share = self._share(-(-n // self.elems))
+        if share is not None:
+            lo, hi = (min(n, s * self.elems) for s in share)
+            fixed.sum_rows(q, lo, hi, 0, q[0])
+            if self.hosts > 1 and hi > lo:
+                seg = q[0, lo:hi]
+                self._lane(lambda: self.lane.allreduce(seg, out=seg))
+        self._wait()
+        out[:] = q[0]
+        self._wait()  # q[0] is read by every rank before the next call writes it
+
+    def _extreme(self, x: np.ndarray, out: np.ndarray, op: str) -> None:
+        K, me, n = self.host.K, self.host.me, x.size
+        b = self._buffers([("q", np.int32, K * n)])
+        q = b["q"].reshape(K, n)
+        fixed.to_keys(x, op, q[me])
+        self._wait()
+        share = self._share(-(-n // self.elems))
+        if share is not None:
+            lo, hi = (min(n, s * self.elems) for s in share)
+            fixed.max_rows(q, lo, hi, q[0])
+            if self.hosts > 1 and hi > lo:
+                seg = q[0, lo:hi]
+                self._lane(lambda: self.lane.allreduce(seg, out=seg, op="max"))
+        self._wait()
+        fixed.from_keys(q[0], op, x.dtype, out)
+        self._wait()
