@@ -81,7 +81,7 @@ def test_leases_expire_only_without_renewals_and_without_traffic(tmp_path):
     # a restarted service takes the leases back, each with a full lease from now
     again = LeaseBook(tmp_path / "leases.json", clock=lambda: now[0])
     assert again.load({1, 2, 3}) == [1, 2] and again.expired() == []
-    assert again.leases[2].remaining(now[0]) is None
+    assert again.remaining(2) is None and again.get(1).owner == "a"
 
 
 def test_the_backend_reads_its_environment():
