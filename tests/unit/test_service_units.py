@@ -24,7 +24,9 @@ def test_a_good_request_and_its_defaults():
 
 
 @pytest.mark.parametrize("body, words", [
-    ([], "JSON object"), ({}, "world"), ({"world": 0}, "world must be"), ({"world": 33}, "world must be"),
+    ([], "JSON object"), ({}, "world"), ({"world": None}, "world .* is required"),
+    ({"world": 1, "params": None, "optimizer": {"lr": 0.1}}, "needs params"),
+    ({"world": 0}, "world must be"), ({"world": 33}, "world must be"),
     ({"world": True}, "integer"), ({"world": 2, "workers": ["10.0.0.1"]}, "1 address"),
     ({"world": 1, "workers": ["10.0.0"]}, "IPv4"), ({"world": 1, "group": "10.0.0.1"}, "multicast"),
     ({"world": 1, "lease_s": 1}, "lease_s"), ({"world": 1, "lease_s": float("nan")}, "finite"),
