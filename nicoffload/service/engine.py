@@ -64,9 +64,9 @@ class Released(NamedTuple):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A pool a service's jobs run on. Every method but ``admit`` and ``jobs`` is about a job
-    it serves (``job in jobs()``). What it reads of another process's changes it reads again in
-    ``refresh``, which the service calls once at the start of every request."""
+    """A pool a service's jobs run on. A method that takes a ``job`` (``check_free`` aside) is
+    only asked about one it serves (``job in jobs()``). What another process may change, it
+    reads again in ``refresh``, which the service calls once at the start of every request."""
 
     name: str   # the grant's, the listing's and the metrics' "engine": "xdp", "afxdp"
     title: str  # for people: "the XDP pool", "the AF_XDP engine"
