@@ -114,8 +114,7 @@ class JobTable:
         optimizer job gets exactly one slot per block of its ``params`` and its exponent rounds).
         Raises AlreadyExistsError, InputError or CapacityError, naming the conflict; changes
         nothing then."""
-        if job in self.entries:
-            raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
+        self.check_free(job, None)
         entry = JobEntry(job, workers, group, list(worker_ips), delivery=delivery).validate()
         if optimizer is not None:
             optimizer.validate()
@@ -130,10 +129,7 @@ class JobTable:
                                  f"({optim.meta_slots(params, elems)} for exponents, one per block), not {slots}")
             slots = need
             entry.optimizer, entry.params = optimizer.to_dict(), params
-        for other in self.entries.values():
-            if other.group == group:
-                raise InputError(f"multicast group {group} is already job {other.job}'s: give each job its own "
-                                 f"group (--group), or its results would reach the other job's hosts")
+        self.check_free(None, group)
         if len(self.entries) >= proto.MAX_JOBS:
             raise CapacityError(f"the aggregator holds {proto.MAX_JOBS} jobs, its most; remove one first")
         if slots is not None and slots < 1:
@@ -156,6 +152,15 @@ class JobTable:
         self.entries[job] = entry
         return entry
 
+    def check_free(self, job: int | None, group: str | None) -> None:
+        """Raise AlreadyExistsError if ``job`` is registered, InputError if another job has ``group``."""
+        if job is not None and job in self.entries:
+            raise AlreadyExistsError(f"job {job} is already registered; remove it first (agg job remove --job {job})")
+        other = next((e for e in self.entries.values() if group is not None and e.group == group), None)
+        if other is not None:
+            raise InputError(f"multicast group {group} is already job {other.job}'s: give each job its own "
+                             f"group (--group), or its results would reach the other job's hosts")
+
     def remove(self, job: int) -> JobEntry:
         entry = self.get(job)
         del self.entries[job]
@@ -164,13 +169,18 @@ class JobTable:
 
 def default_group(job: int, table: JobTable, taken: Iterable[str] = ()) -> str:
     """A multicast group no registered job uses (nor any of ``taken``: the groups of the jobs the
-    AF_XDP engine serves beside the pool): DEFAULT.group for the first job, then 239.77.0.x
-    counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
-    used = {e.group for e in table.entries.values()} | set(taken)
-    if DEFAULT.group not in used:
+    AF_XDP engine serves beside the pool): see :func:`first_free_group`."""
+    return first_free_group(job, {e.group for e in table.entries.values()} | set(taken))
+
+
+def first_free_group(job: int, used: Iterable[str]) -> str:
+    """The first multicast group not in ``used``: DEFAULT.group for the first job, then
+    239.77.0.x counting up (the testbed's groups are 239.77.X.1 with X >= 1)."""
+    taken = set(used)
+    if DEFAULT.group not in taken:
         return DEFAULT.group
     for x in range(2, 255):
         g = f"239.77.0.{x}"
-        if g not in used:
+        if g not in taken:
             return g
     raise InputError(f"no free default multicast group for job {job}: give one with --group")

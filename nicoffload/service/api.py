@@ -27,8 +27,9 @@ _FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "opt
 _OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps", "amsgrad", "maximize"}
 
 
-def _int(d: dict, name: str, lo: int, hi: int, default=None) -> int | None:
-    v = d.get(name, default)
+def _int(d: dict, name: str, lo: int, hi: int) -> int | None:
+    """The integer field ``name`` in lo..hi, None where it is absent or null."""
+    v = d.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
@@ -79,9 +80,9 @@ class JobRequest:
         unknown = sorted(set(d) - _FIELDS)
         if unknown:
             raise InputError(f"unknown field(s) {', '.join(unknown)}; a job request takes {', '.join(sorted(_FIELDS))}")
-        if "world" not in d:
-            raise InputError("world (the job's number of ranks) is required")
         world = _int(d, "world", 1, proto.MAX_WORKERS)
+        if world is None:  # absent, or null
+            raise InputError("world (the job's number of ranks) is required")
         workers = d.get("workers", [])
         if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
             raise InputError("workers must be a list of IPv4 addresses (strings), one per rank")
@@ -127,7 +128,7 @@ class JobRequest:
                     isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
                 raise InputError("optimizer.betas must be a list of two numbers")
             opt = OptimizerSpec.from_dict(o)  # torch.optim.AdamW's defaults where not given
-        params = _int(d, "params", 0, 1 << 28, 0)
+        params = _int(d, "params", 0, 1 << 28) or 0
         if opt is not None and params < 1:
             raise InputError("an optimizer job needs params (its parameter count)")
         if opt is None and params:

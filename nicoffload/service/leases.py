@@ -38,40 +38,69 @@ class Lease:
 
 
 class LeaseBook:
-    """The leases of the jobs of one service, by job id; saved after every change."""
+    """The leases of the jobs of one service, by job id; saved after every change. Nothing
+    outside it changes a lease or its counter: they ask it (``get``, ``remaining``, ``public``)."""
 
     def __init__(self, path: Path | None, clock=time.monotonic):
         self.path = path
         self.clock = clock
-        self.leases: dict[int, Lease] = {}
-        self.expired_total = 0
+        self._leases: dict[int, Lease] = {}
+        self._expired = 0
+
+    @property
+    def expired_total(self) -> int:
+        """The leases that ran out (:meth:`expire`) since the service started."""
+        return self._expired
+
+    def get(self, job: int) -> Lease | None:
+        return self._leases.get(job)
+
+    def jobs(self) -> list[int]:
+        """The leased jobs, in order."""
+        return sorted(self._leases)
+
+    def remaining(self, job: int) -> float | None:
+        """Seconds before ``job``'s lease runs out if nothing moves (None: no lease)."""
+        le = self._leases.get(job)
+        return le.remaining(self.clock()) if le else None
+
+    def public(self, job: int) -> dict:
+        """``job``'s lease as the API shows it (a job without one: lease 0, no owner)."""
+        le = self._leases.get(job)
+        return le.public(self.clock()) if le else {"lease_s": 0.0, "owner": "", "created": None,
+                                                    "lease_remaining_s": None}
 
     def add(self, job: int, lease_s: float, owner: str, local_port: int | None = None) -> Lease:
         now = self.clock()
-        le = self.leases[job] = Lease(job, lease_s, owner, time.time(), renewed=now, active=now,
-                                      local_port=local_port)
+        le = self._leases[job] = Lease(job, lease_s, owner, time.time(), renewed=now, active=now,
+                                       local_port=local_port)
         self.save()
         return le
 
     def remove(self, job: int) -> None:
-        if self.leases.pop(job, None) is not None:
+        if self._leases.pop(job, None) is not None:
             self.save()
 
+    def expire(self, job: int) -> None:
+        """``job``'s lease ran out (its job is removed): count it, and drop the lease if still there."""
+        self._expired += 1
+        self.remove(job)
+
     def renew(self, job: int) -> Lease | None:
-        le = self.leases.get(job)
+        le = self._leases.get(job)
         if le is not None:
             le.renewed = self.clock()
         return le
 
     def observe(self, job: int, traffic: int) -> None:
         """The job's frame counter as read now: traffic keeps a lease alive like a renewal."""
-        le = self.leases.get(job)
+        le = self._leases.get(job)
         if le is not None and traffic != le.traffic:
             le.traffic, le.active = traffic, self.clock()
 
     def expired(self) -> list[int]:
         now = self.clock()
-        return sorted(j for j, le in self.leases.items() if le.lease_s and le.idle(now) > le.lease_s)
+        return sorted(j for j, le in self._leases.items() if le.lease_s and le.idle(now) > le.lease_s)
 
     # --- persistence --------------------------------------------------------------------------
     def save(self) -> None:
@@ -80,7 +109,7 @@ class LeaseBook:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         keep = ("job", "lease_s", "owner", "created", "local_port")
-        rows = [{k: v for k, v in asdict(le).items() if k in keep and v is not None} for le in self.leases.values()]
+        rows = [{k: v for k, v in asdict(le).items() if k in keep and v is not None} for le in self._leases.values()]
         tmp.write_text(json.dumps({"leases": rows}))
         os.replace(tmp, self.path)
 
@@ -97,11 +126,11 @@ class LeaseBook:
         for r in rows:
             if r.get("job") in jobs:
                 port = r.get("local_port")
-                self.leases[r["job"]] = Lease(r["job"], float(r.get("lease_s", 0)), str(r.get("owner", "")),
-                                              float(r.get("created", 0)), renewed=now, active=now,
-                                              local_port=port if isinstance(port, int) else None)
+                self._leases[r["job"]] = Lease(r["job"], float(r.get("lease_s", 0)), str(r.get("owner", "")),
+                                               float(r.get("created", 0)), renewed=now, active=now,
+                                               local_port=port if isinstance(port, int) else None)
         self.save()
-        return sorted(self.leases)
+        return sorted(self._leases)
 
     def discard_file(self) -> None:
         if self.path is not None:

@@ -33,6 +33,7 @@ from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import InputError, NotFoundError, PrivilegeError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.core import Service, ServiceConfig
+from nicoffload.service.engine import registry as engines
 from nicoffload.service.http import make_app
 from nicoffload.service.leases import LeaseBook
 
@@ -165,24 +166,22 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
     token = read_token(o.token_file)
     host, port = parse_listen(o.listen)
     bpf.require_root("nicoffload agg serve")
-    if o.fallback not in (None, "afxdp"):
-        raise InputError(f"--fallback takes afxdp, not {o.fallback!r}")
+    if o.fallback is not None and o.fallback not in engines.fallbacks():
+        raise InputError(f"--fallback takes {' or '.join(engines.fallbacks())}, not {o.fallback!r}")
     agg, adopted = open_or_load(o)
     leases = LeaseBook(lease_file(o.netns, o.iface))
     try:
+        service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
+                                                     multicast=o.multicast, fallback=o.fallback))
         if adopted:
-            handed = {h["job"] for h in fallback.handed_off(o.netns, o.iface)}
-            taken = leases.load(set(agg.table.entries) | handed)
-            log.info("took over the aggregator on %s (%s) with %d job(s)%s, %d leased", o.iface,
-                     o.netns or "root namespace", len(agg.table.entries),
-                     f" and {len(handed)} on its AF_XDP engine" if handed else "", len(taken))
+            taken = service.restore()
+            log.info("took over the aggregator on %s (%s) with %s, %d leased", o.iface,
+                     o.netns or "root namespace", service.served(), len(taken))
         else:
             leases.discard_file()
             log.info("loaded the aggregator on %s (%s): %s; a pool of %d slots x %d int32, port %d", o.iface,
                      o.netns or "root namespace", agg.spec.mode_reason, o.slots, o.elems, o.port)
         sock = listen_socket(host, port, o.netns)
-        service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
-                                                     multicast=o.multicast, fallback=o.fallback))
         if o.fallback:
             log.info("a job the pool refuses goes to the AF_XDP engine beside the aggregator (--fallback %s)",
                      o.fallback)
@@ -190,11 +189,11 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
         return asyncio.run(_serve(service, sock, token, url, ready))
     finally:
         if o.keep_loaded:
-            handed = fallback.handed_off(o.netns, o.iface)
+            left = fallback.handed_off(o.netns, o.iface)
             agg.release()
             agg.close()
             log.info("left the aggregator on %s loaded with its jobs (--keep-loaded)%s", o.iface,
-                     f", and its AF_XDP engine (pid {handed[0]['pid']}) with {len(handed)} job(s)" if handed else "")
+                     f", and its AF_XDP engine (pid {left[0]['pid']}) with {len(left)} job(s)" if left else "")
         else:
             agg.close()
             unload(o.netns, o.iface, missing_ok=True)

@@ -24,7 +24,9 @@ def test_a_good_request_and_its_defaults():
 
 
 @pytest.mark.parametrize("body, words", [
-    ([], "JSON object"), ({}, "world"), ({"world": 0}, "world must be"), ({"world": 33}, "world must be"),
+    ([], "JSON object"), ({}, "world"), ({"world": None}, "world .* is required"),
+    ({"world": 1, "params": None, "optimizer": {"lr": 0.1}}, "needs params"),
+    ({"world": 0}, "world must be"), ({"world": 33}, "world must be"),
     ({"world": True}, "integer"), ({"world": 2, "workers": ["10.0.0.1"]}, "1 address"),
     ({"world": 1, "workers": ["10.0.0"]}, "IPv4"), ({"world": 1, "group": "10.0.0.1"}, "multicast"),
     ({"world": 1, "lease_s": 1}, "lease_s"), ({"world": 1, "lease_s": float("nan")}, "finite"),
@@ -81,7 +83,7 @@ def test_leases_expire_only_without_renewals_and_without_traffic(tmp_path):
     # a restarted service takes the leases back, each with a full lease from now
     again = LeaseBook(tmp_path / "leases.json", clock=lambda: now[0])
     assert again.load({1, 2, 3}) == [1, 2] and again.expired() == []
-    assert again.leases[2].remaining(now[0]) is None
+    assert again.remaining(2) is None and again.get(1).owner == "a"
 
 
 def test_the_backend_reads_its_environment():
@@ -204,3 +206,128 @@ def test_a_url_that_is_not_the_service_is_named():
     finally:
         srv.close()
     t.join(5)
+
+
+def test_every_registered_engine_has_the_whole_interface():
+    """Each engine the registry makes defines every member of the Engine protocol itself, with
+    the protocol's parameters (mypy checks the types: docs/service.md, Engines)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from nicoffload.service.engine import Engine, UnknownEngine, registry
+
+    methods = {n: f for n, f in vars(Engine).items() if inspect.isfunction(f) and not n.startswith("_")}
+    assert {"grant", "describe", "stats", "traffic", "release", "admit", "refresh"} <= set(methods)
+    assert registry.names() == ["xdp", "afxdp"] and registry.fallbacks() == ["afxdp"]
+    for name in registry.names():
+        eng = registry.create(name, SimpleNamespace(), LeaseBook(None))
+        assert isinstance(eng, Engine) and eng.name == name and eng.title
+        for m, f in methods.items():
+            own = getattr(type(eng), m, None)
+            assert inspect.isfunction(own) and own is not f, f"{name} lacks {m}"
+            assert list(inspect.signature(own).parameters) == list(inspect.signature(f).parameters), (name, m)
+    with pytest.raises(UnknownEngine, match="xdp, afxdp"):
+        registry.create("dpdk", SimpleNamespace(), LeaseBook(None))
+
+
+class FakeEngine:
+    """An engine of ``room`` jobs, in memory."""
+
+    def __init__(self, name: str, room: int):
+        self.name, self.title, self.room, self.served = name, f"the {name} engine", room, {}
+
+    def refresh(self):
+        pass
+
+    def jobs(self):
+        return sorted(self.served)
+
+    def groups(self):
+        return set(self.served.values())
+
+    def check_free(self, job, group):
+        from nicoffload.errors import AlreadyExistsError
+
+        if job in self.served or group in self.groups():
+            raise AlreadyExistsError(f"job {job} or group {group} is taken on {self.name}")
+
+    def admit(self, p):
+        from nicoffload.errors import CapacityError
+        from nicoffload.service.engine import Admitted
+
+        if len(self.served) >= self.room:
+            raise CapacityError(f"{self.name} is full")
+        self.served[p.job] = p.group
+        return Admitted(None, f"on {self.name} (after: {p.refused})")
+
+    def grant(self, job):
+        return JobGrant(job=job, world=1, aggregator="10.0.0.1", port=1, local_port=2, group=self.served[job],
+                        slot_base=0, slots=1, elems=256, lease_s=0, engine=self.name)
+
+    def describe(self, job):
+        return {"job": job, "engine": self.name}
+
+    def slots(self, job):
+        return 1
+
+    def stats(self, job):
+        return {"rx": len(self.served) if job is None else 7}
+
+    def traffic(self, job):
+        return 7
+
+    def release(self, job):
+        from nicoffload.service.engine import Released
+
+        del self.served[job]
+        return Released({"job": job, "engine": self.name}, "freed")
+
+    def info(self):
+        return {}
+
+    def set_params(self, job, values):
+        return {}
+
+    def params(self, job):
+        return []
+
+    def set_lr(self, job, lr):
+        return {}
+
+
+def test_the_service_asks_each_jobs_engine_and_falls_back_in_order(tmp_path):
+    from types import SimpleNamespace
+
+    from nicoffload.errors import AlreadyExistsError, CapacityError
+    from nicoffload.service.core import Service, ServiceConfig
+    from nicoffload.service.engine import Engine
+
+    def service(fallback):
+        pool, spare = FakeEngine("xdp", 1), FakeEngine("afxdp", 1)
+        assert isinstance(pool, Engine)
+        agg = SimpleNamespace(table=SimpleNamespace(free_slots=lambda: 0))
+        now = [0.0]
+        book = LeaseBook(tmp_path / f"{fallback}.json", clock=lambda: now[0])
+        return Service(agg, book, ServiceConfig(fallback=fallback), engines=[pool, spare]), pool, spare, now
+
+    svc, pool, spare, _ = service(None)
+    assert svc.create_job(JobRequest(world=1)).engine == "xdp"
+    with pytest.raises(CapacityError, match="xdp is full"):  # no fallback: the refusal stands
+        svc.create_job(JobRequest(world=1))
+    svc, pool, spare, now = service("afxdp")
+    a = svc.create_job(JobRequest(world=1, lease_s=5))
+    # the pool is full: job a's id (or group) is still taken, not handed to the fallback beside it
+    with pytest.raises(AlreadyExistsError):
+        svc.create_job(JobRequest(world=1, job=a.job))
+    b = svc.create_job(JobRequest(world=1, lease_s=5))
+    assert (a.engine, b.engine, a.group != b.group) == ("xdp", "afxdp", True)
+    assert (svc.job(b.job)["engine"], svc.stats(None)["rx"], svc.stats(b.job)["rx"]) == ("afxdp", 2, 7)
+    with pytest.raises(CapacityError, match="afxdp is full"):
+        svc.create_job(JobRequest(world=1))
+    assert svc.remove_job(b.job)["engine"] == "afxdp" and spare.jobs() == [] and svc.leases.get(b.job) is None
+    with pytest.raises(NotFoundError, match=f"registered: {a.job}"):
+        svc.renew(b.job)
+    now[0] += 6  # job a's ranks send nothing (its counter stands at 7): its lease runs out
+    assert svc.reap() == [] and svc.leases.expired_total == 0  # first look at its traffic
+    now[0] += 6
+    assert svc.reap() == [a.job] and pool.jobs() == [] and svc.leases.expired_total == 1
