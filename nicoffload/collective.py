@@ -57,8 +57,8 @@ class Capabilities:
 #: the aggregator's: sums in 32- or 16-bit lanes, exact MAX/MIN, the optimizer offload
 AGGREGATOR = Capabilities(ops=frozenset({"sum", "max", "min"}), extreme_dtypes=EXTREME_DTYPES, lanes=(32, 16),
                           optimizer=True)
-#: the ring's: sums in 32-bit lanes only
-RING = Capabilities()
+#: the ring's: sums in 32-bit lanes, and the MAX of int32 (its exponents' pass)
+RING = Capabilities(ops=frozenset({"sum", "max"}), extreme_dtypes=frozenset({"int32"}))
 
 
 @runtime_checkable

@@ -22,6 +22,7 @@ One call, for a chunk of at most CHUNK elements at a time (whole blocks: the sam
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,13 +31,25 @@ import numpy as np
 from nicoffload import collective
 from nicoffload.collective import Collective
 from nicoffload.datapath.tensors import DTYPES, block_exponents, call_arrays, refuse_together
-from nicoffload.errors import InputError
+from nicoffload.errors import InputError, RefusedError
 from nicoffload.local import fixed
 from nicoffload.local.segment import HostGroup
 from nicoffload.wire import quant
 
 #: elements per chunk of a call (the data segment holds K buffers of a chunk's lanes, and its result)
 CHUNK = 4 << 20
+#: what a call is, for the check that every local rank makes the same one
+_OPS = {"sum": 1, "max": 2, "min": 3, "barrier": 4}
+_DTYPES = {"int32": 1, "float32": 2, "float64": 3}
+
+
+def _describe(sig: tuple[int, ...]) -> str:
+    """A call's signature (barrier check) as a person reads it."""
+    op = {v: k for k, v in _OPS.items()}.get(sig[0], "?")
+    if op == "barrier" or len(sig) < 4:
+        return op
+    dtype = {v: k for k, v in _DTYPES.items()}.get(sig[1], "?")
+    return f"{op} of {sig[2]} {dtype}" + (" in 16-bit lanes" if sig[3] == 16 else "")
 
 
 @dataclass
@@ -92,7 +105,9 @@ class HostCommunicator:
             if not (caps.supports("sum", np.int32) and caps.supports("max", np.int32)):
                 raise InputError(f"rank {self.rank}: the lane across hosts must sum int32 and take its MAX")
         self.W = self.hosts * self.kmax  # the contributions the fixed point makes room for
+        self.host.describe = _describe
         self._closed = False
+        self._lane_calls = 0
         fixed.warm_up()
 
     # --- the Collective API ---------------------------------------------------------------------
@@ -113,24 +128,51 @@ class HostCommunicator:
         flat, res = x.reshape(-1), out.reshape(-1)
         bits = 16 if lanes == 16 else 32
         step = CHUNK // (2 * self.elems) * (2 * self.elems)  # whole blocks of both lane widths
-        for lo in range(0, max(flat.size, 1), step):
-            xc, oc = flat[lo:lo + step], res[lo:lo + step]
-            if op != "sum":
-                self._extreme(xc, oc, op)
-            elif x.dtype.kind == "f":
-                self._sum_float(xc, oc, bits)
-            else:
-                self._sum_int(xc, oc)
+        first = "max" if op != "sum" or x.dtype.kind == "f" else "sum"  # the lanes' first round
+        with self._failing(first):
+            # every local rank must make the same call: checked before anything is shared
+            self._wait(sig=(_OPS[op], _DTYPES[x.dtype.name], flat.size, bits))
+            for lo in range(0, flat.size, step):
+                xc, oc = flat[lo:lo + step], res[lo:lo + step]
+                if op != "sum":
+                    self._extreme(xc, oc, op)
+                elif x.dtype.kind == "f":
+                    self._sum_float(xc, oc, bits)
+                else:
+                    self._sum_int(xc, oc)
         st.seconds = time.perf_counter() - t0
         self.stats.add(st)
         return out
 
+    @contextlib.contextmanager
+    def _failing(self, first: str):
+        """A rank that fails its part of a call tells the host's other ranks at once (they raise
+        naming it instead of waiting at a step it will not reach), and a lane that has not yet
+        taken part in the call spoils its first round for the other hosts (``first``: that
+        round's op; it takes the other one), so that the aggregator fails theirs at once too
+        (MISMATCH), as it fails the ranks of one job given different shapes. A refusal (a NaN, an
+        Inf) is every rank's at the same step: the group goes on."""
+        lane_calls = self._lane_calls
+        try:
+            yield
+        except RefusedError:
+            raise
+        except BaseException as e:
+            self.host.fail(e)
+            if self.lane is not None and self._lane_calls == lane_calls:
+                try:
+                    self.lane.allreduce(np.zeros(1, np.int32), op="sum" if first == "max" else "max")
+                except Exception:
+                    pass  # the MISMATCH it causes, or the lane's own failure: not the news
+            raise
+
     def barrier(self) -> None:
         """Returns once every rank of the group has called it."""
-        self._wait()
-        if self.host.me == 0 and self.hosts > 1:
-            self._lane(lambda: self.lane.barrier())
-        self._wait()
+        with self._failing("sum"):
+            self._wait(sig=(_OPS["barrier"],))
+            if self.host.me == 0 and self.hosts > 1:
+                self._lane(lambda: self.lane.barrier())
+            self._wait()
 
     def abort(self, error: BaseException) -> None:
         self.host.abort(error)
@@ -152,12 +194,13 @@ class HostCommunicator:
         self.close()
 
     # --- plumbing ---------------------------------------------------------------------------------
-    def _wait(self) -> None:
+    def _wait(self, sig: tuple[int, ...] | None = None) -> None:
         t = time.perf_counter()
-        self.host.barrier()
+        self.host.barrier(sig)
         self.last.wait_s += time.perf_counter() - t
 
     def _lane(self, fn):
+        self._lane_calls += 1
         t = time.perf_counter()
         try:
             return fn()

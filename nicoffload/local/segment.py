@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.errors import NicoffloadError, SetupError, TimeoutError_
+from nicoffload.errors import InputError, NicoffloadError, SetupError, TimeoutError_
 from nicoffload.local import futex
 
 SHM = Path("/dev/shm")
@@ -36,6 +36,10 @@ MAGIC = 0x4E49434F4C4F4341  # "NICOLOCA"
 LINE = 8
 #: how often a waiting rank looks at whether the rank it waits for is still alive (seconds)
 PID_CHECK_S = 0.2
+#: bytes of a failed rank's message in the control segment
+MSG = 512
+#: the counter of a rank that failed: past every barrier, so that every waiter wakes and reads why
+FAILED = 1 << 62
 
 
 def alive(pid: int) -> bool:
@@ -125,14 +129,19 @@ class HostGroup:
         self.name, self.me, self.ranks, self.K = name, me, list(ranks), len(ranks)
         self.timeout = timeout
         self.error: BaseException | None = None
+        self._root = ""  # the message of the local rank whose failure this one's follows
         self._spins = 200 if (os.cpu_count() or 1) > self.K else 0  # spinning with no core to spare only delays
         if me == 0:
             sweep()
-        ctl_size = LINE * 8 * (1 + self.K)
+        lines = LINE * 8 * (1 + self.K)
+        ctl_size = lines + MSG * self.K
         self.ctl = Segment(self._part("c"), ctl_size, create=me == 0, timeout=timeout)
-        words = self.ctl.array(0, np.int64, ctl_size // 8)
+        words = self.ctl.array(0, np.int64, lines // 8)
         self._seq = words[LINE::LINE]                 # one counter per rank, a cache line apart
         self._pid = words[LINE + 1::LINE]
+        self._err = words[LINE + 2::LINE]             # 1: the rank failed (its message below)
+        self._sig = words[LINE:].reshape(self.K, LINE)[:, 3:7]  # what the rank's call is (checked together)
+        self._msg = self.ctl.array(lines, np.uint8, MSG * self.K).reshape(self.K, MSG)
         if me == 0:
             words[1] = self.K
             words[0] = MAGIC
@@ -166,27 +175,66 @@ class HostGroup:
             time.sleep(0.002)
 
     # --- the barrier ----------------------------------------------------------------------------
-    def barrier(self) -> None:
-        """Returns once every local rank has called it as often as this one."""
+    def barrier(self, sig: tuple[int, ...] | None = None) -> None:
+        """Returns once every local rank has called it as often as this one. ``sig`` (up to four
+        integers: what this call is) must be every rank's: ranks given different calls fail
+        together (InputError naming both), instead of each waiting at a step the other skips."""
+        if self.error is not None:
+            raise self.error
+        if sig is not None:
+            self._sig[self.me, :] = 0
+            self._sig[self.me, :len(sig)] = sig
         self.seq += 1
         self._seq[self.me] = self.seq
         futex.wake(self.ctl.addr + 8 * LINE * (1 + self.me))
         for j in range(self.K):
             if j != self.me:
                 self._wait_for(j, self.seq)
+        if sig is not None:
+            for j in range(self.K):
+                if tuple(int(v) for v in self._sig[j, :len(sig)]) != tuple(sig):
+                    theirs = tuple(int(v) for v in self._sig[j, :len(sig)])
+                    self.error = InputError(
+                        f"rank {self.ranks[self.me]}: the ranks of this host were not given tensors of the same "
+                        f"shape and dtype, nor the same call: {self.describe(sig)} here, {self.describe(theirs)} on "
+                        f"rank {self.ranks[j]}; this group's calls are out of step")
+                    raise self.error
+
+    #: how a call's ``sig`` reads in an error (the communicator sets its own)
+    describe = staticmethod(lambda sig: "call " + "/".join(map(str, sig)))
+
+    def fail(self, error: BaseException) -> None:
+        """This rank could not finish its part of a call: tell the others (who wake at once and
+        raise naming it), and fail every later call here with ``error``."""
+        if self.error is None:
+            self.error = error
+        # a rank that fails because a peer did passes the peer's message on, not a nest of them
+        text = (self._root or f"{type(error).__name__}: {error}").encode()[:MSG - 1]
+        self._msg[self.me, :] = 0
+        self._msg[self.me, :len(text)] = np.frombuffer(text, np.uint8)
+        self._err[self.me] = 1
+        self._seq[self.me] = FAILED
+        futex.wake(self.ctl.addr + 8 * LINE * (1 + self.me))
+
+    def _failed(self, j: int) -> None:
+        if self._err[j]:
+            why = self._root = bytes(self._msg[j]).rstrip(b"\0").decode(errors="replace")
+            self.error = NicoffloadError(f"rank {self.ranks[self.me]}: local rank {j} of this host (rank "
+                                         f"{self.ranks[j]}) failed this call: {why}")
+            raise self.error
 
     def _wait_for(self, j: int, target: int) -> None:
         seq = self._seq
         for _ in range(self._spins):
             if seq[j] >= target:
-                return
+                return self._failed(j)
         addr = self.ctl.addr + 8 * LINE * (1 + j)
         start = time.monotonic()
         check = start + PID_CHECK_S
         while True:
             v = int(seq[j])
             if v >= target:
-                return
+                return self._failed(j)
             if self.error is not None:
                 raise self.error
             futex.wait(addr, v, 0.05)
@@ -231,8 +279,3 @@ class HostGroup:
                 seg.unlink()
                 seg.close()
         self.data = None
-
-
-def check_error(e: BaseException | None) -> None:
-    if e is not None:
-        raise e if isinstance(e, NicoffloadError) else NicoffloadError(str(e))

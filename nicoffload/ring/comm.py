@@ -238,12 +238,21 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         """Elementwise sum over all ranks. int32: exact, wrapping modulo 2^32 on overflow.
         float32/float64: through the fixed point of nicoffload.wire.quant (the aggregator's, bit for
         bit: integer sums do not depend on their order). Sums only, in 32-bit lanes."""
-        if op != "sum" or lanes not in (None, 32):
-            raise collective.unsupported("the ring", self.capabilities, op, getattr(array, "dtype", "float32"),
-                                         lanes)
+        dtype = getattr(array, "dtype", np.dtype(np.float32))
+        if not self.capabilities.supports(op, dtype, lanes if lanes != 32 else None):
+            raise collective.unsupported("the ring", self.capabilities, op, dtype, lanes)
         self._check_abort()
         if self._closed:
             raise NicoffloadError(f"rank {self.rank}: allreduce on a closed ring communicator")
+        if op == "max":  # int32: one pass of op MAX (the exponents' pass)
+            x, out = call_arrays(array, out, (np.dtype(np.int32),))
+            t0 = time.perf_counter()
+            self.last = RingStats()
+            if x.size:
+                out.reshape(-1)[:] = self._values(x.reshape(-1), proto.OP_MAX) if self.world > 1 else x.reshape(-1)
+            self.last.seconds = time.perf_counter() - t0
+            self.stats.add(self.last)
+            return out
         x, out = call_arrays(array, out)
         t0 = time.perf_counter()
         self.last = RingStats()

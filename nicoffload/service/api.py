@@ -23,7 +23,10 @@ MAX_LEASE = 7 * 24 * 3600.0
 #: how results reach the ranks
 DELIVERIES = ("multicast", "unicast")
 
-_FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery"}
+_FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery",
+           "lanes"}
+#: the most lanes one request may ask for (the ranks one host runs)
+MAX_LANES = 64
 _OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps", "amsgrad", "maximize"}
 
 
@@ -72,6 +75,9 @@ class JobRequest:
     optimizer: OptimizerSpec | None = None
     params: int = 0                 # the optimizer's parameter count
     delivery: str | None = None     # multicast or unicast (None: the service's default for its network)
+    # hosts that run several ranks each: one job per lane (local rank j of every host sums the
+    # j-th share of each tensor in job j), granted together and released together
+    lanes: int = 1
 
     @classmethod
     def from_json(cls, d) -> "JobRequest":
@@ -133,14 +139,18 @@ class JobRequest:
             raise InputError("an optimizer job needs params (its parameter count)")
         if opt is None and params:
             raise InputError("params is only for an optimizer job")
+        lanes = _int(d, "lanes", 1, MAX_LANES) or 1
+        if lanes > 1 and (opt is not None or d.get("group") is not None):
+            raise InputError("a job of several lanes takes no optimizer and no group of its own (each lane gets one)")
         return cls(world=world, workers=list(workers), job=_int(d, "job", 1, 0xFFFFFFFF),
                    slots=_int(d, "slots", 1, 1 << 20), group=group, lease_s=lease, owner=owner, optimizer=opt,
-                   params=params, delivery=delivery)
+                   params=params, delivery=delivery, lanes=lanes)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["optimizer"] = self.optimizer.to_dict() if self.optimizer else None
-        return {k: v for k, v in d.items() if v is not None and v != [] and not (k == "params" and not v)}
+        return {k: v for k, v in d.items() if v is not None and v != [] and not (k == "params" and not v)
+                and not (k == "lanes" and v == 1)}
 
 
 #: ports between the ranks' sockets of two shards of one group (JobGrant.spec)
@@ -171,9 +181,19 @@ class JobGrant:
     # same interface and port, with slots of its own and slot_base 0). Ranks use either alike;
     # a client that predates the field ignores it, and an answer without it is "xdp".
     engine: str = "xdp"
+    # a request of several lanes: the grants of lanes 1, 2, ... (this grant is lane 0's); removing
+    # or renewing lane 0's job removes or renews them all
+    lanes: list = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.lanes:
+            del d["lanes"]
+        return d
+
+    def every_lane(self) -> list["JobGrant"]:
+        """This grant and those of its other lanes, in lane order."""
+        return [self] + [JobGrant.from_json(g) for g in self.lanes]
 
     @classmethod
     def from_json(cls, d: dict) -> "JobGrant":

@@ -78,6 +78,21 @@ class Service:
         return self._engine_of(job).grant(job)
 
     def create_job(self, req: JobRequest) -> JobGrant:
+        """Admit ``req`` (its ``lanes``: that many jobs, all or none, released as one)."""
+        if req.lanes == 1:
+            return self._create_one(req)
+        grants: list[JobGrant] = []
+        try:
+            for k in range(req.lanes):
+                grants.append(self._create_one(dataclasses.replace(req, lanes=1, job=req.job if k == 0 else None)))
+        except BaseException:
+            for g in grants:
+                self.remove_job(g.job, "removed: another lane of its request was refused")
+            raise
+        self.leases.link(grants[0].job, [g.job for g in grants[1:]])
+        return dataclasses.replace(grants[0], lanes=[g.to_json() for g in grants[1:]])
+
+    def _create_one(self, req: JobRequest) -> JobGrant:
         self._refresh()
         delivery = req.delivery or ("multicast" if self.config.multicast else "unicast")
         if delivery == "multicast" and not self.config.multicast:
@@ -106,11 +121,19 @@ class Service:
         return last, last.admit(p)
 
     def remove_job(self, job: int, why: str = "removed on request") -> dict:
+        """Remove ``job`` (lane 0's job of a request of several lanes: every lane's)."""
         self._refresh()
-        gone = self._engine_of(job).release(job)
-        self.leases.remove(job)
-        log.info("job %d %s: %s", job, why, gone.summary)
-        return {**gone.answer, "free_slots": self.agg.table.free_slots()}
+        self._engine_of(job)  # UnknownJob before anything is removed
+        answer: dict = {}
+        for j in self.leases.lane_set(job):
+            e = self._find(j)
+            if e is None:
+                continue
+            gone = e.release(j)
+            self.leases.remove(j)
+            log.info("job %d %s: %s", j, why, gone.summary)
+            answer = answer or gone.answer
+        return {**answer, "free_slots": self.agg.table.free_slots()}
 
     def renew(self, job: int) -> dict:
         self._refresh()
@@ -176,7 +199,8 @@ class Service:
         gone = []
         for job in self.leases.expired():
             le = self.leases.get(job)
-            assert le is not None
+            if le is None:
+                continue  # another lane of its set expired first: the whole set is gone
             try:
                 self.remove_job(job, f"expired (owner {le.owner!r}: no renewal and no traffic for {le.lease_s:g}s)")
             except NotFoundError:

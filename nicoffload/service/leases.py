@@ -24,6 +24,8 @@ class Lease:
     traffic: int = -1     # the job's frame counter when last seen
     active: float = 0.0   # monotonic: when that counter last moved
     local_port: int | None = None  # a job the AF_XDP engine serves: its ranks' port (None: an XDP job's)
+    lanes: tuple = ()     # lane 0's job of a request of several lanes: the jobs of lanes 1, 2, ...
+    head: int | None = None  # the job of another lane: lane 0's job (renewed and removed with it)
 
     def idle(self, now: float) -> float:
         """Seconds since the owner renewed or the ranks sent anything, whichever is later."""
@@ -33,8 +35,9 @@ class Lease:
         return None if not self.lease_s else max(0.0, self.lease_s - self.idle(now))
 
     def public(self, now: float) -> dict:
+        lanes = {"lanes": list(self.lanes)} if self.lanes else {"lane_of": self.head} if self.head is not None else {}
         return {"lease_s": self.lease_s, "owner": self.owner, "created": self.created,
-                "lease_remaining_s": self.remaining(now)}
+                "lease_remaining_s": self.remaining(now), **lanes}
 
 
 class LeaseBook:
@@ -77,6 +80,21 @@ class LeaseBook:
         self.save()
         return le
 
+    def link(self, head: int, lanes: list[int]) -> None:
+        """The jobs ``lanes`` are the other lanes of ``head``'s request: one set from now on."""
+        self._leases[head].lanes = tuple(lanes)
+        for j in lanes:
+            self._leases[j].head = head
+        self.save()
+
+    def lane_set(self, job: int) -> list[int]:
+        """Every job of ``job``'s set of lanes (lane 0's first; just ``job`` if it has none)."""
+        le = self._leases.get(job)
+        if le is None:
+            return [job]
+        head = self._leases.get(le.head) if le.head is not None else le
+        return [head.job, *head.lanes] if head is not None else [job]
+
     def remove(self, job: int) -> None:
         if self._leases.pop(job, None) is not None:
             self.save()
@@ -87,9 +105,13 @@ class LeaseBook:
         self.remove(job)
 
     def renew(self, job: int) -> Lease | None:
+        """Renew ``job``'s lease (lane 0's renews every lane of its set)."""
         le = self._leases.get(job)
         if le is not None:
             le.renewed = self.clock()
+            for j in le.lanes:
+                if j in self._leases:
+                    self._leases[j].renewed = le.renewed
         return le
 
     def observe(self, job: int, traffic: int) -> None:
@@ -108,8 +130,9 @@ class LeaseBook:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        keep = ("job", "lease_s", "owner", "created", "local_port")
-        rows = [{k: v for k, v in asdict(le).items() if k in keep and v is not None} for le in self._leases.values()]
+        keep = ("job", "lease_s", "owner", "created", "local_port", "lanes", "head")
+        rows = [{k: v for k, v in asdict(le).items() if k in keep and v is not None and v != ()}
+                for le in self._leases.values()]
         tmp.write_text(json.dumps({"leases": rows}))
         os.replace(tmp, self.path)
 
@@ -126,9 +149,12 @@ class LeaseBook:
         for r in rows:
             if r.get("job") in jobs:
                 port = r.get("local_port")
+                head = r.get("head")
                 self._leases[r["job"]] = Lease(r["job"], float(r.get("lease_s", 0)), str(r.get("owner", "")),
                                                float(r.get("created", 0)), renewed=now, active=now,
-                                               local_port=port if isinstance(port, int) else None)
+                                               local_port=port if isinstance(port, int) else None,
+                                               lanes=tuple(j for j in r.get("lanes", []) if j in jobs),
+                                               head=head if isinstance(head, int) else None)
         self.save()
         return sorted(self._leases)
 

@@ -1,7 +1,8 @@
 """The backend's configuration, from the environment torchrun already sets plus a few
 ``NICOFFLOAD_*`` variables (one line each in the README):
 
-    NICOFFLOAD_SERVICE=http://HOST:PORT   the aggregator service (aggregator mode); URL1,URL2,...:
+    NICOFFLOAD_SERVICE=http://HOST:PORT   the aggregator service (aggregator mode, groups across
+                                          hosts; a group on one host needs none); URL1,URL2,...:
                                           a job at each, every tensor sharded over their aggregators
     NICOFFLOAD_TOKEN_FILE=PATH            the service's bearer token
     NICOFFLOAD_MODE=aggregator|ring       ring: the ring offload, peers from the rendezvous, no service
@@ -16,6 +17,8 @@
                                           auto (the default) sums bfloat16/float16 tensors in 16-bit
                                           lanes and float32/float64 in 32-bit ones; 16 or 32: every
                                           float tensor
+    NICOFFLOAD_REQUIRE_OFFLOAD=1          a group that would take the gloo path fails at
+                                          init_process_group instead (default 0: a warning)
     NICOFFLOAD_NONFINITE=refuse|nan       a NaN or an Inf in a rank's float tensor: refuse the call on
                                           every rank (RefusedError, the default), or give every rank
                                           a tensor of NaN, as a sum with gloo holds NaN or Inf (what
@@ -46,6 +49,7 @@ class BackendConfig:
     lease_s: float | None = None
     lanes: str = "auto"
     nonfinite: str = "refuse"
+    require_offload: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> "BackendConfig":
@@ -61,29 +65,36 @@ class BackendConfig:
         nonfinite = env.get("NICOFFLOAD_NONFINITE", "refuse").strip() or "refuse"
         if nonfinite not in NONFINITE:
             raise InputError(f"NICOFFLOAD_NONFINITE must be refuse or nan, not {nonfinite!r}")
+        # the aggregator mode needs it for a job across hosts; a group on one host does without
         service = env.get("NICOFFLOAD_SERVICE") or None
-        if mode == "aggregator" and not service:
-            raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
-                             "http://HOST:PORT (and NICOFFLOAD_TOKEN_FILE), or NICOFFLOAD_MODE=ring")
         return cls(mode=mode, service=service, token_file=env.get("NICOFFLOAD_TOKEN_FILE") or None,
                    local_ip=env.get("NICOFFLOAD_LOCAL_IP") or None,
                    timeout=_seconds(env, "NICOFFLOAD_TIMEOUT"),
                    liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
-                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes, nonfinite=nonfinite)
+                   lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes, nonfinite=nonfinite,
+                   require_offload=_flag(env, "NICOFFLOAD_REQUIRE_OFFLOAD"))
 
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""
-        if self.mode == "aggregator":
+        if self.mode == "aggregator" and self.service:
             return urlsplit(self.service.split(",")[0].strip()).hostname or ""
         master = os.environ.get("MASTER_ADDR")
         if not master:
-            raise SetupError("NICOFFLOAD_MODE=ring needs MASTER_ADDR (torchrun sets it) or NICOFFLOAD_LOCAL_IP")
+            raise SetupError(f"NICOFFLOAD_MODE={self.mode} without NICOFFLOAD_SERVICE needs MASTER_ADDR (torchrun sets "
+                             f"it) or NICOFFLOAD_LOCAL_IP")
         return master
 
     def resolve_local_ip(self) -> str:
         if self.local_ip:
             return self.local_ip
         return local_ip_towards(self.route_target())
+
+
+def _flag(env, name: str) -> bool:
+    text = (env.get(name) or "0").strip().lower()
+    if text not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise InputError(f"{name} must be 1 or 0, not {text!r}")
+    return text in ("1", "true", "yes")
 
 
 def _seconds(env, name: str, zero_ok: bool = False) -> float | None:

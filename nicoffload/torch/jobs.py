@@ -14,7 +14,7 @@ import numpy as np
 
 from nicoffload.collective import Collective
 from nicoffload.communicators import communicator
-from nicoffload.errors import CapacityError, NicoffloadError, NotFoundError
+from nicoffload.errors import CapacityError, NicoffloadError, NotFoundError, SetupError
 from nicoffload.service.api import JobGrant, JobRequest
 from nicoffload.service.client import ServiceClient
 from nicoffload.torch.config import BackendConfig
@@ -48,17 +48,23 @@ class ServiceJobs:
             return [ServiceClient.from_files(u, self.config.token_file, timeout=t) for u in self.urls]
         return [ServiceClient(u, timeout=t) for u in self.urls]
 
-    def ask(self) -> str | None:
-        """Get the group's job at every service (rank 0 asks, every rank learns the grants);
-        returns None, or why the group takes the gloo path (a subgroup the services have no room
-        for). Raises what stopped rank 0 on every rank."""
+    def ask(self, workers: list[str] | None = None, lanes: int = 1) -> str | None:
+        """Get the group's job at every service (rank 0 asks, every rank learns the grants): a
+        job of ``workers`` (default: the group's ranks' addresses), or ``lanes`` jobs of them (one
+        per lane: ``workers`` are then the hosts'). Returns None, or why the group takes the gloo
+        path (a subgroup the services have no room for). Raises what stopped rank 0 on every rank."""
+        if not self.urls:
+            raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
+                             "http://HOST:PORT (and NICOFFLOAD_TOKEN_FILE), or NICOFFLOAD_MODE=ring")
+        workers = list(self.addresses if workers is None else workers)
         owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})"
         made: list[ServiceClient] = []
 
         def make() -> dict:
             clients = self._clients()  # rank 0 reads the token here: its failure reaches every rank
             made.extend(clients)
-            req = JobRequest(world=self.size, workers=list(self.addresses), lease_s=self.config.lease_s, owner=owner)
+            req = JobRequest(world=len(workers), workers=workers, lease_s=self.config.lease_s, owner=owner,
+                             lanes=lanes)
             got: list[JobGrant] = []
             try:
                 for c in clients:
@@ -86,6 +92,15 @@ class ServiceJobs:
     @property
     def client(self) -> ServiceClient | None:
         return self.held[0][0] if self.held else None
+
+    def lane_communicator(self, lane: int, rank: int, world: int, local_ip: str, timeout: float) -> Collective:
+        """Host ``rank``'s communicator of lane ``lane`` (its job at every service; several: a
+        shard of the lane's share on each aggregator). Dense: the host communicator sends only
+        the blocks non-zero somewhere."""
+        grants = [g.every_lane()[lane] for _c, g in self.held]
+        return communicator(rank, world, mode="aggregator", aggregator=",".join(g.aggregator for g in grants),
+                            specs=[g.spec(timeout, shard=k).replace(sparse=False) for k, g in enumerate(grants)],
+                            local_ip=local_ip, silence=min(SILENCE, timeout))
 
     def communicator(self, local_ip: str, timeout: float) -> Collective:
         """This rank's communicator of the group's jobs (one job: a Communicator; one at each of

@@ -48,6 +48,13 @@ class Rendezvous:
         self._wait(keys, "the other ranks' addresses (addr/R: rank R's)")
         return [self.store.get(self.key(k)).decode() for k in keys]
 
+    def exchange(self, name: str, value: dict) -> list[dict]:
+        """Every rank's ``value`` (JSON), by rank (this one's is ``value``)."""
+        self.store.set(self.key(f"{name}/{self.rank}"), json.dumps(value))
+        keys = [f"{name}/{r}" for r in range(self.size)]
+        self._wait(keys, f"the other ranks' {name} ({name}/R: rank R's)")
+        return [json.loads(self.store.get(self.key(k)).decode()) for k in keys]
+
     def share(self, name: str, make) -> dict:
         """Rank 0 calls ``make()`` (a JSON-able dict) and publishes it under ``name``; every rank
         returns it. If ``make`` fails, every rank raises its error (rank 0 its own)."""

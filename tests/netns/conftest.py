@@ -37,3 +37,17 @@ def make_testbed(uid):
     clean(f"t{uid}")
     if errors:
         raise errors[0]
+
+
+@pytest.fixture(autouse=True)
+def no_shared_memory_left():
+    """Every test leaves /dev/shm as it found it: the ranks of one host unlink their segments as
+    soon as they all have them mapped, whatever happens after."""
+    from nicoffload.local.segment import PREFIX, SHM
+
+    before = {p.name for p in SHM.glob(PREFIX + "*")}
+    yield
+    left = sorted({p.name for p in SHM.glob(PREFIX + "*")} - before)
+    for name in left:
+        (SHM / name).unlink(missing_ok=True)
+    assert not left, f"shared memory segments left behind: {left}"

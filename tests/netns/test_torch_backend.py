@@ -45,9 +45,11 @@ def client(svc) -> ServiceClient:
     return ServiceClient(svc.url, svc.token_file.read_text().strip())
 
 
-def run(tb, svc, out: Path, args: list[str], env: dict | None = None, timeout: float = 240.0, workers=None):
+def run(tb, svc, out: Path, args: list[str], env: dict | None = None, timeout: float = 240.0, workers=None,
+        nproc: int = 1):
     out.mkdir(parents=True, exist_ok=True)
-    specs = torchrun_specs(tb, JOB, ["--out", str(out), *args], env={**svc.env(), **(env or {})}, workers=workers)
+    specs = torchrun_specs(tb, JOB, ["--out", str(out), *args], env={**(svc.env() if svc else {}), **(env or {})},
+                           workers=workers, nproc=nproc)
     with Launch(tb, specs) as launch:
         outcomes = launch.wait(time.monotonic() + timeout)
     reports = {}

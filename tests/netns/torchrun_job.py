@@ -98,7 +98,7 @@ def collectives(rank: int, world: int) -> None:
             check(case, c.within_bound and t.dtype == dtype and tuple(t.shape) == tuple(shape), c.reason)
     # the half types took 16-bit lanes: a record per 2 * elems elements (aggregator mode)
     comm = dist.distributed_c10d._get_default_group().comm
-    if os.environ.get("NICOFFLOAD_MODE") != "ring" and hasattr(comm, "last"):
+    if os.environ.get("NICOFFLOAD_MODE") != "ring" and hasattr(getattr(comm, "last", None), "results"):
         t = inputs("lanes", rank, (4096,), torch.bfloat16)
         dist.all_reduce(t)
         check("bf16-in-16-bit-lanes", comm.last.results == 4096 // (2 * proto.DEFAULT_ELEMS), str(comm.last))
@@ -392,6 +392,23 @@ def optimizer(rank: int, world: int, gloo) -> dict:
     return {}
 
 
+def bits(rank: int, world: int, out: Path) -> dict:
+    """The raw bytes of all-reduces of fixed inputs (every rank's input depends on its rank only),
+    saved for a comparison between placements: 2 hosts x 2 ranks against 4 hosts x 1."""
+    got = {}
+    for dtype in (torch.int32, torch.float32, torch.bfloat16, torch.float64):
+        for sparse in (False, True):
+            x = inputs(f"bits-{dtype}", rank, (256 * 97 + 13,), dtype)
+            if sparse:  # zero blocks: some on every rank, some on this rank only
+                x.view(-1)[: 256 * 30] = 0
+                x.view(-1)[256 * (40 + rank * 5): 256 * (45 + rank * 5)] = 0
+            dist.all_reduce(x)
+            got[f"{dtype}-{'sparse' if sparse else 'dense'}"] = x.view(torch.uint8).numpy().copy() \
+                if dtype != torch.bfloat16 else x.view(torch.int16).numpy().copy()
+    np.savez(out / f"bits{rank}.npz", **got)
+    return {"path": repr(dist.distributed_c10d._get_default_group())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -417,6 +434,8 @@ def main() -> None:
                 report |= ddp(rank, world, gloo)
             elif ph == "fsdp":
                 report |= fsdp(rank, world, gloo)
+            elif ph == "bits":
+                report |= bits(rank, world, out)
             elif ph == "optimizer":
                 report |= optimizer(rank, world, gloo)
             elif ph == "train":

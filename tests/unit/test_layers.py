@@ -16,7 +16,7 @@ LAYER = {
     "base": "base", "errors": "base", "jobspec": "base", "optim": "base", "_exports": "base", "collective": "base",
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
-    "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp",
+    "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp", "local": "local",
     "communicators": "factory", "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli",
@@ -34,18 +34,20 @@ ALLOWED = {
     # the AF_XDP engine (the XDP aggregator hands jobs to it as a process, importing nothing of it)
     "afxdp": {"base", "afxdp"},
     "worker": {"base", "datapath", "worker"},
+    # the ranks of one host: shared memory, and the communicator over it and its lanes
+    "local": {"base", "datapath", "local"},
     # the communicator factory (communicator(mode=...)), one floor above what it builds
     "factory": {"base", "datapath", "worker", "ring", "factory"},
     # integrations: the aggregator service (over the XDP control plane), the torch backend (a
     # client of the service, over both communicators)
     "service": {"base", "agg", "service"},
-    "torch": {"base", "datapath", "worker", "ring", "factory", "service", "torch"},
+    "torch": {"base", "datapath", "worker", "ring", "local", "factory", "service", "torch"},
     # beside the core: packet generators and the testbed
     "packets": {"base", "packets"},
     "testbed": {"base", "testbed"},
-    "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "factory", "service", "torch",
+    "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "local", "factory", "service", "torch",
             "packets", "testbed", "lab"},
-    "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "factory", "service", "torch",
+    "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "local", "factory", "service", "torch",
             "packets", "testbed", "lab", "cli"},
 }
 

@@ -92,8 +92,11 @@ def test_the_backend_reads_its_environment():
     assert (c.mode, c.service, c.token_file, c.timeout, c.lease_s, c.liveness) == \
         ("aggregator", "http://10.0.0.1:7470", "/t", 12.5, 0.0, 10.0)
     assert BackendConfig.from_env({"NICOFFLOAD_MODE": "ring"}).mode == "ring"
-    with pytest.raises(SetupError, match="NICOFFLOAD_SERVICE"):
-        BackendConfig.from_env({})
+    # no service: fine for a group on one host (the jobs ask for it, naming NICOFFLOAD_SERVICE)
+    assert BackendConfig.from_env({}).service is None
+    assert BackendConfig.from_env({"NICOFFLOAD_REQUIRE_OFFLOAD": "1"}).require_offload
+    with pytest.raises(InputError, match="NICOFFLOAD_REQUIRE_OFFLOAD"):
+        BackendConfig.from_env({"NICOFFLOAD_REQUIRE_OFFLOAD": "maybe"})
     with pytest.raises(InputError, match="NICOFFLOAD_MODE"):
         BackendConfig.from_env({"NICOFFLOAD_MODE": "star"})
     with pytest.raises(InputError, match="NICOFFLOAD_TIMEOUT"):

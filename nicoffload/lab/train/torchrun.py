@@ -3,7 +3,7 @@
     ServiceProcess   ``nicoffload agg serve`` on the testbed's aggregator host (started from the
                      root namespace with --netns, as a user would), its URL and token; stopped with
                      SIGTERM (unloads) or killed (leaves the aggregator pinned for the next one)
-    torchrun_specs   one ``torchrun --nnodes N --nproc-per-node 1 --node-rank R`` per worker host,
+    torchrun_specs   one ``torchrun --nnodes N --nproc-per-node K --node-rank R`` per worker host,
                      the master on worker 0, the NICOFFLOAD_* environment set
 """
 from __future__ import annotations
@@ -116,15 +116,16 @@ class ServiceProcess:
 
 
 def torchrun_specs(tb, script: str | Path, args: list[str] | None = None, env: dict[str, str] | None = None,
-                   master_port: int | None = None, workers=None) -> list[RankSpec]:
-    """One torchrun per worker host of ``tb`` (``workers``: a subset, in rank order)."""
+                   master_port: int | None = None, workers=None, nproc: int = 1) -> list[RankSpec]:
+    """One torchrun per worker host of ``tb`` (``workers``: a subset, in rank order), each
+    running ``nproc`` ranks (``--nproc-per-node``)."""
     hosts = list(workers if workers is not None else tb.workers)
     port = master_port or free_port(tb, hosts[0])
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                 TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), **(env or {}))
     specs = []
     for r, w in enumerate(hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
                 "--node-rank", str(r), "--master-addr", hosts[0].ip, "--master-port", str(port),
                 "--max-restarts", "0", str(script), *(args or [])]
         specs.append(RankSpec(f"node {r}", w, argv, dict(base, GLOO_SOCKET_IFNAME=w.iface)))
