@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from nicoffload.collective import Collective
 from nicoffload.communicators import communicator
-from nicoffload.errors import NicoffloadError, RefusedError, SetupError
+from nicoffload.errors import NicoffloadError, RefusedError, SetupError, TimeoutError_
 from nicoffload.jobspec import DEFAULT
 from nicoffload.local.host import HostCommunicator
 from nicoffload.local.segment import HostGroup
@@ -39,7 +39,7 @@ from nicoffload.torch.liveness import Liveness
 from nicoffload.torch.placement import Place, placement
 from nicoffload.torch.rendezvous import Rendezvous
 from nicoffload.torch.routing import NATIVE, Router, op_name, work_dtype
-from nicoffload.torch.work import Work, WorkQueue, chain, fail
+from nicoffload.torch.work import Work, WorkQueue, chain, fail, timed_out
 from nicoffload.worker.comm import Communicator
 
 log = logging.getLogger("nicoffload.torch")
@@ -228,16 +228,20 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
             self._queue.submit(run, fut)
         return Work(fut, what, self._queue)
 
-    def _offload(self, fn):
+    def _offload(self, fn, what: str = "allreduce"):
         """Run an offloaded call: after the offload failed once, every later call fails with it
         (a rank's rounds may no longer be in step with the others'). A call every rank refused
-        together (RefusedError: a NaN or an Inf) leaves them in step, and the group goes on."""
+        together (RefusedError: a NaN or an Inf) leaves them in step, and the group goes on. A
+        timeout is raised as gloo raises one (CollectiveTimeout)."""
         if self.error is not None:
             raise self.error
         try:
             return fn()
         except RefusedError:
             raise
+        except TimeoutError_ as e:
+            self.error = timed_out(e, f"{what} of nicoffload group {self.group_id}")
+            raise self.error from e
         except BaseException as e:
             self.error = e
             raise
@@ -355,7 +359,7 @@ class ProcessGroupNicoffload(dist.ProcessGroup):
 
         def run():
             self.gloo.wait_pending()  # gloo's barrier waits for the work issued before it too
-            self._offload(lambda: self.comm.barrier())
+            self._offload(lambda: self.comm.barrier(), "barrier")
 
         return self._submit("barrier", run, [], opts)
 

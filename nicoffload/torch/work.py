@@ -13,6 +13,16 @@ import torch.distributed as dist
 from nicoffload.errors import NicoffloadError, TimeoutError_
 
 
+class CollectiveTimeout(TimeoutError_, dist.DistBackendError):
+    """An offloaded call that timed out (a rank or the aggregator silent, a rank gone): what gloo
+    raises for a timeout (a DistBackendError, "Timed out" in its text, which torch's tests and
+    users' code match on), with the offload's own detail after it; still a TimeoutError_."""
+
+
+def timed_out(e: TimeoutError_, what: str) -> CollectiveTimeout:
+    return e if isinstance(e, CollectiveTimeout) else CollectiveTimeout(f"[nicoffload] Timed out in {what}: {e}")
+
+
 class Work(dist._Work):
     """A call's work: ``wait`` returns when its future completes and raises the call's error."""
 
@@ -35,7 +45,8 @@ class Work(dist._Work):
             ended = threading.Event()
             self.fut.add_done_callback(lambda _f: ended.set())
             if not ended.wait(seconds):
-                raise TimeoutError_(f"{self.what} did not complete within the {seconds:g}s given to wait()")
+                raise CollectiveTimeout(f"[nicoffload] Timed out: {self.what} did not complete within the "
+                                        f"{seconds:g}s given to wait()")
         self.fut.wait()
         return True
 

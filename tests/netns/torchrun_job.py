@@ -132,6 +132,29 @@ def collectives(rank: int, world: int) -> None:
             t = xs[rank].clone()
             dist.all_reduce(t, op=op)
             check(f"{op}-{dtype}", torch.equal(t, want))
+    # lists of tensors of different shapes: each reduced on its own, whichever path takes it
+    # (gloo's multi-tensor allreduce would take the list for one tensor on several devices)
+    for dtype, op, fn in ((torch.float32, dist.ReduceOp.SUM, None), (torch.int64, dist.ReduceOp.SUM, sum),
+                          (torch.float64, dist.ReduceOp.PRODUCT, None), (torch.float64, dist.ReduceOp.MAX, None),
+                          (torch.int32, dist.ReduceOp.MIN, None)):
+        shapes = [(3,), (2, 5), (1000,)]
+        per = [[inputs(f"co-{dtype}-{op}-{i}", r, s, dtype) for i, s in enumerate(shapes)] for r in range(world)]
+        if op == dist.ReduceOp.PRODUCT:
+            per = [[torch.full(s, 1.0 + r + i, dtype=dtype) for i, s in enumerate(shapes)] for r in range(world)]
+        ts = [t.clone() for t in per[rank]]
+        dist.all_reduce_coalesced(ts, op=op)
+        ok = True
+        for i in range(len(shapes)):
+            xs_i = [per[r][i] for r in range(world)]
+            if op == dist.ReduceOp.SUM and dtype == torch.float32:
+                ok &= quantized([x.numpy() for x in xs_i]).check(ts[i].numpy()).within_bound
+            else:
+                want = xs_i[0].clone()
+                for x in xs_i[1:]:
+                    want = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
+                            dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}[op](want, x)
+                ok &= torch.equal(ts[i], want)
+        check(f"all_reduce_coalesced-{dtype}-{op}", ok and [tuple(t.shape) for t in ts] == shapes)
     # a NaN on one rank: every rank's call fails at once, naming it, and the group goes on
     t = torch.ones(3000)
     if rank == world - 1:
