@@ -383,7 +383,7 @@ def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: in
 
     world, nb, meta = len(grads), optim.blocks(params, elems), optim.meta_slots(params, elems)
     P, base = optim.share(params, elems), step * optim.share(params, elems)
-    exps = [quant.block_exponents(optim._padded(g, nb, elems)) for g in grads]
+    exps = [quant.block_exponents(optim.padded_blocks(g, nb, elems)) for g in grads]
     shifts = optim.step_shifts(np.max(np.stack(exps), axis=0), world)
     counts = [min(elems, params - b * elems) for b in range(nb)]
     src_ips = src_ips or [worker_ip(r) for r in range(world)]
