@@ -7,7 +7,8 @@
     udpring   the user-space UDP ring's rank program (``python -m nicoffload.lab.bench.udpring``)
     rankprog  the command line both ring baselines' rank programs share
     compute   a compute loop beside every rank: the share of its throughput AllReduces take
-    sweep     every system over the points of each testbed
+    sweep     every system over the points of each testbed, side by side (driven) or alone
+    systemrun one system's ranks on one testbed: start, rows as records arrive, check, stop
     report    rows, results.json/csv, meta.json, tables, progress
     plot      the bench's plots
 """
