@@ -2,7 +2,8 @@
 
     plan      configuration, the points of each testbed, rates, shaped bounds (pure)
     systems   xdp, userspace, ring, xdpring, udpring, gloo, mpi: can it run here, how its ranks start
-    ranks     one rank of a bench run, an adapter per system (``python -m nicoffload.lab.bench.ranks``)
+    ranks     one rank of a bench run: its points, timed or driven (``python -m nicoffload.lab.bench.ranks``)
+    adapters  the adapter per system a rank drives: an AllReduce, the go-on barrier, counters
     tcpring   the TCP Ring AllReduce baseline (``python -m nicoffload.lab.bench.tcpring``)
     udpring   the user-space UDP ring's rank program (``python -m nicoffload.lab.bench.udpring``)
     rankprog  the command line both ring baselines' rank programs share

@@ -1,12 +1,12 @@
 """``nicoffload bench``: every system over the points of each testbed of the plan.
 
 How the systems of a testbed run: ONE set of rank processes per system
-(:mod:`nicoffload.lab.bench.ranks`, started and read by :mod:`.systemrun`) goes through every point of the testbed, so start-up costs
-(imports, connection set-up, compiling the XDP program) are paid once; the systems that can share
-the testbed run side by side, interleaved rep by rep by the sweep (:mod:`.drive`: paired ratios
-from one run), the others alone after them (and all alone with ``--compute``). Their records
-become rows (:mod:`.report`), each checked against :mod:`.reference` once the ranks are gone (so
-the check never loads the CPU windows).
+(:mod:`nicoffload.lab.bench.ranks`, started and read by :mod:`.systemrun`) goes through every
+point of the testbed, so start-up costs (imports, connection set-up, compiling the XDP program)
+are paid once; the systems that can share the testbed run side by side, interleaved rep by rep
+by the sweep (:mod:`.drive`: paired ratios from one run), the others alone after them (and all
+alone with ``--compute``). Their records become rows (:mod:`.report`), each checked against
+:mod:`.reference` once the ranks are gone (so the check never loads the CPU windows).
 
 Links: every system runs on the testbed as it is built (GRO enabled on every worker's interface
 for all of them). The testbed keeps its NAPI XDP_PASS program on the aggregator's bridge-side
