@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from nicoffload.datapath.transport import MAX_MSGS
+from nicoffload.ring import hop
 from nicoffload.ring import kernels as rk
 from nicoffload.ring.layout import (
     ST_CALL,
@@ -198,18 +199,18 @@ class RingPasses:
         args = t.recv_args()
         while True:
             io[:] = 0
-            io[rk.IO_STASH] = self._stash_n
-            got = rk.recv_process(*args[:12], args[15], args[16], self._peer_addrs, self._rec, self.elems, self.rank,
+            io[hop.IO_STASH] = self._stash_n
+            got = hop.recv_process(*args[:12], args[15], args[16], self._peer_addrs, self._rec, self.elems, self.rank,
                                   self.world, self.job, c, self.capacity, self._local, self._result, self._out,
                                   self._late, self._state, self._cnt, self._stash, self._stash_src, self._pongs,
                                   self._pings, io, MAX_MSGS * t.per_datagram)
             t.syscalls += 1
-            self._stash_n = int(io[rk.IO_STASH])
+            self._stash_n = int(io[hop.IO_STASH])
             n = self._send_taken()
             if _TRACE:
                 _trace(self.rank, f"took over: {got} datagrams, sent {n}, stash {self._stash_n}, counters "
                                   f"{ {k: int(v) for k, v in zip(STATS, self._cnt) if v} }")
-            if io[rk.IO_PINGS]:
+            if io[hop.IO_PINGS]:
                 self._answer_pings(c, K)
             if not got or got < MAX_MSGS and not n:
                 return
@@ -218,7 +219,7 @@ class RingPasses:
         """Send the records the host processed (io[IO_OUT] in ``out``, io[IO_LATE] in ``late``)."""
         nxt = (self.peers[(self.rank + 1) % self.world], self.port)
         total = 0
-        for buf, i in ((self._out, rk.IO_OUT), (self._late, rk.IO_LATE)):
+        for buf, i in ((self._out, hop.IO_OUT), (self._late, hop.IO_LATE)):
             n = int(self._io[i])
             if n:
                 self._t.send_records(buf, 0, n, nxt)
@@ -237,7 +238,7 @@ class RingPasses:
         for j in range(0, nst, step):
             m = min(step, nst - j)
             io[:] = 0
-            rk.replay(stash[j * rec:(j + m) * rec], src[j:j + m], m, self._peer_addrs, rec, self.elems, self.rank,
+            hop.replay(stash[j * rec:(j + m) * rec], src[j:j + m], m, self._peer_addrs, rec, self.elems, self.rank,
                       self.world, self.job, c, self.capacity, self._local, self._result, self._out, self._late,
                       self._state, self._cnt, self._pongs, self._pings, io)
             self._send_taken()

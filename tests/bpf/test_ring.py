@@ -3,7 +3,7 @@ rewrite to the next node, the final stored and sent on as a GATHER, the GATHER s
 on (or consumed by the node that stores it last), duplicates, calls that are stale or ahead,
 records the host has not staged (parked), NACKs (restart at the origin, a stored final sent
 again, unanswered), PING/PONG, the host's wake-up through the ring buffer, every malformed reason
-counted, foreign traffic passed, and the host's own kernel (ring_kernels.process_datagram)
+counted, foreign traffic passed, and the host's own kernel (hop.process_datagram)
 agreeing with the program byte for byte."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from nicoffload.datapath import kernels
 from nicoffload.ebpf import libbpf
 from nicoffload.packets import generators as gen
+from nicoffload.ring import hop
 from nicoffload.ring import kernels as rk
 from nicoffload.ring.layout import (
     EV_DONE,
@@ -410,14 +411,14 @@ def test_host_processing_matches_the_program(nodes, case):
     st = np.zeros(16, np.uint32)
     cnt = np.zeros(len(STATS), np.int64)
     out = np.zeros(8 * REC, np.uint8)
-    io = np.zeros(rk.IO_WORDS, np.int64)
+    io = np.zeros(hop.IO_WORDS, np.int64)
     addrs = np.array([int.from_bytes(socket.inet_aton(ip), "little") for ip in PEERS], np.int64)
     pongs, pings = np.zeros((WORLD, 4), np.int64), np.zeros(4, np.int64)
-    rk.process_datagram(buf, 0, len(buf), addrs[0], addrs, REC, E, 1, WORLD, 1, CALL, 64, local, result, out,
+    hop.process_datagram(buf, 0, len(buf), addrs[0], addrs, REC, E, 1, WORLD, 1, CALL, 64, local, result, out,
                         out.copy(), st, cnt, np.zeros(REC, np.uint8), np.zeros(1, np.int64), pongs, pings, io)
     prog = n.run(frame(buf))
     assert prog.verdict == libbpf.XDP_TX
-    assert bytes(out[:io[rk.IO_OUT] * REC]) == prog.data[proto.L2L4_LEN:]
+    assert bytes(out[:io[hop.IO_OUT] * REC]) == prog.data[proto.L2L4_LEN:]
     assert np.array_equal(result, n.maps.result)
     host = {k: int(v) for k, v in zip(STATS, cnt) if v}
     assert host == {k: v for k, v in nonzero(n.stats()).items() if k not in ("wakeups",)}
