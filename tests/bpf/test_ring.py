@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from nicoffload.datapath import kernels
+from nicoffload.datapath import encode
 from nicoffload.ebpf import libbpf
 from nicoffload.packets import generators as gen
 from nicoffload.ring import hop
@@ -85,7 +85,7 @@ def records(rank, ks, values, origin, call=CALL, type_=TYPE_REDUCE, op=proto.OP_
     n = int(ks.max()) + 1
     buf = np.zeros(len(ks) * REC, np.uint8)
     masks = np.full(n, 1 << origin, np.int64)
-    kernels.encode_int(buf, REC, E, template(rank, call, type_), x[:n * E] if count == E else x, ks, 0, 1 << 40,
+    encode.encode_int(buf, REC, E, template(rank, call, type_), x[:n * E] if count == E else x, ks, 0, 1 << 40,
                        np.arange(n), masks, op, 0)
     if count != E:
         for j in range(len(ks)):
@@ -105,7 +105,7 @@ def stage(n, values, ks, rank=1, call=CALL, op=proto.OP_SUM, origin_of=None):
     masks = np.array([1 << (origin_of(k) if origin_of else 0) for k in range(k_max)], np.int64)
     for k in ks:
         rk.set_tags(n.maps.local, REC, k, k + 1, 0)
-        kernels.encode_int(n.maps.local, REC, E, template(rank, 0), x, np.array([k]), 0, 1 << 40, np.arange(k_max),
+        encode.encode_int(n.maps.local, REC, E, template(rank, 0), x, np.array([k]), 0, 1 << 40, np.arange(k_max),
                            masks, op, k)
         rk.set_tags(n.maps.local, REC, k, k + 1, call)
 

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 
-from nicoffload.datapath import kernels
+from nicoffload.datapath import encode
 from nicoffload.ring import hop
 from nicoffload.ring import kernels as rk
 from nicoffload.ring import layout as L
@@ -132,7 +132,7 @@ def simulate(xs, world, call=5, drop=0.0, dup=0.0, seed=0, max_rounds=400):
     nodes = [Node(r, world, K) for r in range(world)]
     masks = L.origin_masks(K, world)
     for nd, x in zip(nodes, xs):
-        kernels.encode_int(nd.local, REC, E, _template(nd.rank), x, np.arange(K), 0, 1 << 40, np.arange(K), masks,
+        encode.encode_int(nd.local, REC, E, _template(nd.rank), x, np.arange(K), 0, 1 << 40, np.arange(K), masks,
                            proto.OP_SUM, 0)
         rk.set_tags(nd.local, REC, 0, K, call)
         nd.st[L.ST_CALL], nd.st[L.ST_EXPECTED] = call, K
