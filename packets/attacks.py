@@ -17,7 +17,9 @@ from nicoffload.errors import InputError
 from nicoffload.wire import proto
 from nicoffload.wire.codec import encode_blocks
 
-from .generators import AGG_IP, AGG_MAC, PORT, frame, join_record, record
+from .frames import AGG_IP, AGG_MAC, PORT, frame
+from .generators import record
+from .handshake import join_record
 from .hostile import MalformedCase, foreign, malformed_cases, malformed_headers
 
 

@@ -1,6 +1,6 @@
 """Hostile and foreign traffic for the aggregator: malformed packets of every kind (each with
 the counter that must count it, and exactly one fault) and foreign traffic that must pass
-untouched. Deterministic, like :mod:`nicoffload.packets.generators`, whose addressing it uses.
+untouched. Deterministic, like :mod:`nicoffload.packets.generators`, with the same addressing (:mod:`.frames`).
 :mod:`nicoffload.packets.attacks` aims all of it at one live job and floods it."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from scapy.packet import Raw
 from nicoffload.errors import InputError
 from nicoffload.wire import proto
 
-from .generators import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, record, worker_ip, worker_mac
+from .frames import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, worker_ip, worker_mac
+from .generators import record
 from .layers import AllReduce
 
 
