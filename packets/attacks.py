@@ -17,7 +17,9 @@ from nicoffload.errors import InputError
 from nicoffload.wire import proto
 from nicoffload.wire.codec import encode_blocks
 
-from .generators import AGG_IP, AGG_MAC, PORT, frame, join_record, record
+from .frames import AGG_IP, AGG_MAC, PORT, frame
+from .generators import record
+from .handshake import join_record
 from .hostile import MalformedCase, foreign, malformed_cases, malformed_headers
 
 
@@ -89,21 +91,41 @@ def attack(
         raise InputError(f"the attacker's address {attacker_ip} is a rank's")
     if not 0 < epoch <= 0xFFFFFFFF:
         raise InputError(f"the live epoch is 1..2^32-1, not {epoch}")
-    full = (1 << workers) - 1
-    other_jobs = list(other_jobs) if other_jobs is not None else [(job + d) & 0xFFFFFFFF for d in (1, 0x10000, 0x80000000)]
+    other_jobs = (list(other_jobs) if other_jobs is not None
+                  else [(job + d) & 0xFFFFFFFF for d in (1, 0x10000, 0x80000000)])
     if job in other_jobs:
         raise InputError(f"other_jobs holds the live job {job}")
-    stale = epoch ^ 0x80000000  # never the live epoch, never 0
-    out: list[AttackFrame] = []
     common = dict(workers=workers, slots=slots, elems=elems, job=job, port=port, dst_ip=dst_ip, dst_mac=dst_mac)
 
     def framed(dgram: bytes, src_ip: str = attacker_ip) -> bytes:
         return frame(dgram, src_mac=attacker_mac, dst_mac=dst_mac, src_ip=src_ip, dst_ip=dst_ip, sport=port, dport=port)
 
-    def row_of(c: MalformedCase) -> bool:
-        return c.reason not in ("bad_magic", "bad_version", "bad_job") and (
-            c.reason != "bad_truncated" or first_header_complete(c.frame))
+    out = _malformed(common, epoch, worker_ips, attacker_ip, attacker_mac)
+    out += [AttackFrame("malformed", c.reason, f"rank 0's address: {c.what}", c.frame, False)
+            for c in malformed_headers(elems=elems, job=job, epoch=epoch, port=port, workers=workers,
+                                       src_ip=worker_ips[0], src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac)]
+    out += [AttackFrame("foreign", "passed", name, f, False)
+            for name, f in foreign(port=port, src_ip=attacker_ip, src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac)]
+    payload = np.full(elems, 7, np.int32)
+    out += _wrong_jobs(other_jobs, framed, payload, epoch, worker_ips, slots, elems, attacker_ip)
+    out += _spoofed_ranks(framed, payload, job, epoch, workers, slots, elems)
+    return out
 
+
+def _counted_in_job_row(c: MalformedCase) -> bool:
+    """Whether the aggregator reads the job a malformed case names (else it counts it in row 0)."""
+    return c.reason not in ("bad_magic", "bad_version", "bad_job") and (
+        c.reason != "bad_truncated" or first_header_complete(c.frame))
+
+
+def _malformed(common: dict, epoch: int, worker_ips: Sequence[str], attacker_ip: str,
+               attacker_mac: str) -> list[AttackFrame]:
+    """Every malformed case for every rank: from the rank's spoofed address in the live epoch (the
+    bad_mixed batches in an epoch that is not live), and the cases found before the source check
+    again from the attacker's own address."""
+    workers, out = len(worker_ips), []
+    stale = epoch ^ 0x80000000  # never the live epoch, never 0
+    row_of = _counted_in_job_row
     for rank in range(workers):
         spoofed = dict(common, rank=rank, src_ips=list(worker_ips), src_macs=[attacker_mac] * workers)
         for c in malformed_cases(epoch=epoch, **spoofed):
@@ -117,14 +139,14 @@ def attack(
         for c in malformed_cases(epoch=epoch, **own):
             if c.reason in BEFORE_SOURCE_CHECK or (c.reason == "bad_truncated" and not row_of(c)):
                 out.append(AttackFrame("malformed", c.reason, f"the attacker's address: {c.what}", c.frame, row_of(c)))
-    for c in malformed_headers(elems=elems, job=job, epoch=epoch, port=port, workers=workers, src_ip=worker_ips[0],
-                               src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac):
-        out.append(AttackFrame("malformed", c.reason, f"rank 0's address: {c.what}", c.frame, False))
+    return out
 
-    for name, f in foreign(port=port, src_ip=attacker_ip, src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac):
-        out.append(AttackFrame("foreign", "passed", name, f, False))
 
-    payload = np.full(elems, 7, np.int32)
+def _wrong_jobs(other_jobs: Sequence[int], framed: Callable, payload: np.ndarray, epoch: int,
+                worker_ips: Sequence[str], slots: int, elems: int, attacker_ip: str) -> list[AttackFrame]:
+    """A contribution, a JOIN and an ACK of each job of ``other_jobs``, from the attacker's and
+    from rank 0's address."""
+    workers, full, out = len(worker_ips), (1 << len(worker_ips)) - 1, []
     for other in other_jobs:
         for src, whose in ((attacker_ip, "the attacker"), (worker_ips[0], "rank 0")):
             recs = {
@@ -137,7 +159,13 @@ def attack(
             for what, rec in recs.items():
                 out.append(AttackFrame("wrong_job", "bad_job", f"a {what} of job {other} from {whose}'s address",
                                        framed(rec, src), False))
+    return out
 
+
+def _spoofed_ranks(framed: Callable, payload: np.ndarray, job: int, epoch: int, workers: int, slots: int,
+                   elems: int) -> list[AttackFrame]:
+    """What each rank sends, from the attacker's address in the live epoch."""
+    full, out = (1 << workers) - 1, []
     for rank in range(workers):
         def rec(rnd: int, **kw) -> bytes:
             return record(rank=rank, round=rnd, slots=slots, epoch=epoch, mask=full, elems=elems, job=job,

@@ -1,13 +1,12 @@
 """Deterministic packet generators: contributions of N workers, the results the aggregator must
-send, the epoch handshake (JOIN / JOINED), pulls and acks, batches of records in one frame.
-Malformed packets and foreign traffic are in :mod:`nicoffload.packets.hostile`.
+send, single records, pulls, batches of records in one frame, an optimizer step's frames. The
+addressing and framing are :mod:`.frames`, the epoch handshake (JOIN / JOINED) and ACKs
+:mod:`.handshake` (both re-exported here); malformed packets and foreign traffic are in
+:mod:`nicoffload.packets.hostile`.
 
 Same inputs, same bytes: no randomness (except :func:`sample_arrays`, seeded), no clock, and every
 address is explicit (scapy is never asked to resolve a MAC or a route). Frames are returned as
 ``bytes``; pass ``as_scapy=True`` where offered, or dissect with ``Ether(frame)``.
-
-The default addressing (:func:`worker_ip`, :func:`worker_mac`, ``AGG_IP``, ``AGG_MAC``,
-``GROUP_IP``) is only a convention of these generators; tests against a real testbed pass their own.
 """
 from __future__ import annotations
 
@@ -15,87 +14,18 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
-from scapy.packet import Packet, Raw
+from scapy.packet import Packet
 
 from nicoffload.errors import InputError
-from nicoffload.jobspec import DEFAULT
 from nicoffload.wire import proto
-from nicoffload.wire.addr import multicast_mac
 from nicoffload.wire.codec import datagram_size, encode_blocks
 
 from . import layers  # noqa: F401 - registers the AllReduce layer for Ether(frame) dissection
-
-#: defaults equal to ``nicoffload.agg.Aggregator.for_test``'s (a test checks it)
-AGG_IP = "10.0.0.100"
-AGG_MAC = "02:00:00:00:00:64"
-#: IP multicast group of results (a job's default; it is configured per job)
-GROUP_IP = DEFAULT.group
-#: an address that belongs to no rank (for 'bad_src')
-STRANGER_IP = "10.0.0.200"
-#: the epoch the test helpers form first (any non-zero value works; tests read the real one)
-PORT = proto.DEFAULT_PORT
-
-
-def worker_ip(rank: int) -> str:
-    """Default address of ``rank``: 10.0.0.(rank + 1)."""
-    return f"10.0.0.{rank + 1}"
-
-
-def worker_mac(rank: int) -> str:
-    """Default MAC of ``rank``: 02:00:00:00:00:(rank + 1), locally administered."""
-    return f"02:00:00:00:00:{rank + 1:02x}"
-
-
-def frame(
-    udp_payload: bytes,
-    *,
-    src_mac: str,
-    dst_mac: str,
-    src_ip: str,
-    dst_ip: str,
-    sport: int = PORT,
-    dport: int = PORT,
-) -> bytes:
-    """Wrap a datagram in Ethernet / IPv4 (no options, id 0, ttl 64) / UDP, checksums computed."""
-    pkt = (
-        Ether(src=src_mac, dst=dst_mac)
-        / IP(src=src_ip, dst=dst_ip, id=0, ttl=64)
-        / UDP(sport=sport, dport=dport)
-        / Raw(udp_payload)
-    )
-    return bytes(pkt)
-
-
-def result_frame(
-    udp_payload: bytes,
-    *,
-    dst_ip: str = GROUP_IP,
-    dst_mac: str | None = None,
-    agg_ip: str = AGG_IP,
-    agg_mac: str = AGG_MAC,
-    port: int = PORT,
-    dport: int | None = None,
-    checksum: int = 0,
-) -> bytes:
-    """A datagram framed the way the XDP aggregator sends it: from the aggregator, IPv4 id 0, DF,
-    ttl 64, from ``port`` to ``dport`` (the sender's port; default the same), UDP checksum
-    ``checksum`` (0 for a single record). ``dst_mac`` defaults to the multicast MAC of
-    ``dst_ip`` (so the defaults give the multicast result of a round)."""
-    pkt = (
-        Ether(src=agg_mac, dst=dst_mac or multicast_mac(dst_ip))
-        / IP(src=agg_ip, dst=dst_ip, id=0, ttl=64, flags="DF")
-        / UDP(sport=port, dport=port if dport is None else dport, chksum=checksum)
-        / Raw(udp_payload)
-    )
-    return bytes(pkt)
-
-
-def unicast_frame(udp_payload: bytes, rank: int, **kw) -> bytes:
-    """An answer of the aggregator to ``rank`` (default addressing)."""
-    return result_frame(udp_payload, dst_ip=kw.pop("dst_ip", worker_ip(rank)),
-                        dst_mac=kw.pop("dst_mac", worker_mac(rank)), **kw)
+# addressing, framing and the handshake, re-exported: the tests and the lab use them as generators.*
+from .frames import (AGG_IP, AGG_MAC, GROUP_IP, PORT, STRANGER_IP, frame, result_frame,  # noqa: F401
+                     unicast_frame, worker_ip, worker_mac)
+from .handshake import ack_frame, join_frames, join_record, joined_record, nonce_of  # noqa: F401
 
 
 def slot_schedule(rounds: int, slots: int, first_round: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -302,56 +232,12 @@ def batch(records: Sequence[bytes], rank: int, **kw) -> bytes:
                  src_ip=kw.pop("src_ip", worker_ip(rank)), dst_ip=kw.pop("dst_ip", AGG_IP), **kw)
 
 
-def nonce_of(rank: int, run: int = 1) -> int:
-    """A deterministic 64-bit nonce for ``rank`` in the ``run``-th process start (later runs are
-    larger, as the worker's clock-based nonces are)."""
-    return (run << 40) | (rank + 1)
-
-
-def join_record(rank: int, workers: int, nonce: int, *, job: int = 1, retx: bool = False,
-                mask: int | None = None) -> bytes:
-    """A JOIN: ``rank`` of a ``workers``-rank job asks to join with ``nonce`` (u64)."""
-    hdr = encode_blocks(
-        np.zeros((1, proto.JOIN_PAYLOAD // 4), np.int32), rank=rank, job=job, slot=0, set=0,
-        round=nonce & 0xFFFFFFFF, ack=nonce >> 32, mask=(1 << workers) - 1 if mask is None else mask,
-        count=0, type=proto.TYPE_JOIN, flags=proto.FLAG_RETX if retx else 0,
-    )
-    return bytes(hdr)
-
-
-def join_frames(workers: int, nonces: Sequence[int] | None = None, *, job: int = 1,
-                ranks: Sequence[int] | None = None, retx: bool = False, **kw) -> list[bytes]:
-    """JOIN frames of ``ranks`` (default: every rank) with their nonces (default :func:`nonce_of`)."""
-    nonces = list(nonces) if nonces is not None else [nonce_of(r) for r in range(workers)]
-    return [frame(join_record(r, workers, nonces[r], job=job, retx=retx), src_mac=worker_mac(r), dst_mac=AGG_MAC,
-                  src_ip=worker_ip(r), dst_ip=AGG_IP, **kw) for r in (ranks if ranks is not None else range(workers))]
-
-
-def joined_record(rank: int, workers: int, nonce: int, epoch: int, table: Sequence[int], *, job: int = 1,
-                  flags: int = 0) -> bytes:
-    """The JOINED the aggregator makes of ``rank``'s JOIN: ``epoch`` formed with every rank's nonce
-    (``flags`` FLAG_ANSWER: the repeat that answers a JOIN whose JOINED was lost)."""
-    tab = np.zeros(proto.MAX_WORKERS, "<u8")
-    tab[:len(table)] = table
-    return bytes(encode_blocks(
-        tab.view("<i4").reshape(1, -1), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=nonce & 0xFFFFFFFF,
-        ack=nonce >> 32, mask=(1 << workers) - 1, count=0, type=proto.TYPE_JOINED, flags=flags,
-    ))
-
-
 def answered(rec: bytes) -> bytes:
     """``rec`` (a RESULT or JOINED record) as the aggregator sends it to answer a retransmission or
     a pull: FLAG_ANSWER set."""
     b = bytearray(rec)
     b[proto.FIELD_OFFSETS["flags"]] |= proto.FLAG_ANSWER
     return bytes(b)
-
-
-def ack_frame(rank: int, ack: int, *, epoch: int, job: int = 1, **kw) -> bytes:
-    """A header-only ACK: ``rank`` holds the result of every round below ``ack``."""
-    rec = encode_blocks(np.zeros((1, 0), np.int32), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0,
-                        mask=1 << rank, ack=ack, count=0, type=proto.TYPE_ACK)
-    return frame(bytes(rec), src_mac=worker_mac(rank), dst_mac=AGG_MAC, src_ip=worker_ip(rank), dst_ip=AGG_IP, **kw)
 
 
 def sample_arrays(
@@ -383,7 +269,7 @@ def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: in
 
     world, nb, meta = len(grads), optim.blocks(params, elems), optim.meta_slots(params, elems)
     P, base = optim.share(params, elems), step * optim.share(params, elems)
-    exps = [quant.block_exponents(optim._padded(g, nb, elems)) for g in grads]
+    exps = [quant.block_exponents(optim.padded_blocks(g, nb, elems)) for g in grads]
     shifts = optim.step_shifts(np.max(np.stack(exps), axis=0), world)
     counts = [min(elems, params - b * elems) for b in range(nb)]
     src_ips = src_ips or [worker_ip(r) for r in range(world)]

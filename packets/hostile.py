@@ -1,6 +1,6 @@
 """Hostile and foreign traffic for the aggregator: malformed packets of every kind (each with
 the counter that must count it, and exactly one fault) and foreign traffic that must pass
-untouched. Deterministic, like :mod:`nicoffload.packets.generators`, whose addressing it uses.
+untouched. Deterministic, like :mod:`nicoffload.packets.generators`, with the same addressing (:mod:`.frames`).
 :mod:`nicoffload.packets.attacks` aims all of it at one live job and floods it."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from scapy.packet import Raw
 from nicoffload.errors import InputError
 from nicoffload.wire import proto
 
-from .generators import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, record, worker_ip, worker_mac
+from .frames import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, worker_ip, worker_mac
+from .generators import record
 from .layers import AllReduce
 
 
@@ -58,76 +59,103 @@ def malformed_cases(
         raise InputError(f"need 0 <= rank < workers <= {proto.MAX_WORKERS}, got rank={rank} workers={workers}")
     if elems < 2:
         raise InputError("malformed cases need elems >= 2 (to cut a payload short)")
-    src_ips = list(src_ips or [worker_ip(r) for r in range(workers)])
-    src_macs = list(src_macs or [worker_mac(r) for r in range(workers)])
-    full_mask = (1 << workers) - 1
-    payload = np.arange(1, elems + 1, dtype="<i4").tobytes()
-    cases: list[MalformedCase] = []
+    c = _Cases(workers, slots, elems, job, epoch, port, rank, list(src_ips or [worker_ip(r) for r in range(workers)]),
+               list(src_macs or [worker_mac(r) for r in range(workers)]), dst_ip, dst_mac)
+    _truncated(c)
+    _bad_fields(c)
+    _bad_lengths(c)
+    _bad_masks_and_sources(c)
+    return c.cases
 
-    def hdr(**over) -> AllReduce:
-        f = dict(type=proto.TYPE_CONTRIB, rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0,
-                 mask=full_mask, ack=0, exp=0, flags=0, op=proto.OP_SUM)
+
+class _Cases:
+    """The malformed cases of one job and sender, as they are made: the header every case starts
+    from (one field changed), the frame around a datagram, the list they go to."""
+
+    def __init__(self, workers, slots, elems, job, epoch, port, rank, src_ips, src_macs, dst_ip, dst_mac):
+        self.workers, self.slots, self.elems, self.job, self.epoch, self.port = workers, slots, elems, job, epoch, port
+        self.rank, self.src_ips, self.src_macs, self.dst_ip, self.dst_mac = rank, src_ips, src_macs, dst_ip, dst_mac
+        self.full_mask = (1 << workers) - 1
+        self.payload = np.arange(1, elems + 1, dtype="<i4").tobytes()
+        self.cases: list[MalformedCase] = []
+        self.good = bytes(self.hdr() / self.payload)
+
+    def hdr(self, **over) -> AllReduce:
+        f = dict(type=proto.TYPE_CONTRIB, rank=self.rank, job=self.job, epoch=self.epoch, slot=0, set=0, round=0,
+                 mask=self.full_mask, ack=0, exp=0, flags=0, op=proto.OP_SUM)
         f.update(over)
         return AllReduce(**f)
 
-    def framed(dgram: bytes, src_ip: str | None = None) -> bytes:
-        return frame(dgram, src_mac=src_macs[rank], dst_mac=dst_mac, src_ip=src_ip or src_ips[rank],
-                     dst_ip=dst_ip, sport=port, dport=port)
+    def with_payload(self, **over) -> bytes:
+        """A whole record whose header differs from the good one in ``over``."""
+        return bytes(self.hdr(**over) / self.payload)
 
-    def add(reason: str, what: str, dgram: bytes, src_ip: str | None = None) -> None:
+    def framed(self, dgram: bytes, src_ip: str | None = None) -> bytes:
+        return frame(dgram, src_mac=self.src_macs[self.rank], dst_mac=self.dst_mac,
+                     src_ip=src_ip or self.src_ips[self.rank], dst_ip=self.dst_ip, sport=self.port, dport=self.port)
+
+    def add(self, reason: str, what: str, dgram: bytes, src_ip: str | None = None) -> None:
         if reason not in proto.STATS:
             raise AssertionError(f"{reason!r} is not a counter of the C header")
-        cases.append(MalformedCase(reason, what, framed(dgram, src_ip)))
+        self.cases.append(MalformedCase(reason, what, self.framed(dgram, src_ip)))
 
-    good = bytes(hdr() / payload)
-    good_frame = framed(good)
+
+def _truncated(c: _Cases) -> None:
+    """Short datagrams, cut at every field boundary and inside the first and last field; frames
+    cut in transit (IP and UDP lengths of the whole datagram)."""
     field_at = {off: name for name, off, _ in proto.FIELDS}
-
-    # truncated: short datagrams, cut at every field boundary and inside the first and last field
     for cut in sorted(set(field_at) | {1, proto.HDR_LEN - 1}):
         where = f"before field {field_at[cut]}" if cut in field_at else f"inside a field at byte {cut}"
-        add("bad_truncated", f"datagram of {cut} bytes, {where}", good[:cut])
-    # truncated: frames cut in transit (IP and UDP lengths of the whole datagram)
+        c.add("bad_truncated", f"datagram of {cut} bytes, {where}", c.good[:cut])
+    good_frame = c.framed(c.good)
     cuts = {off: f"before field {name}" for off, name in field_at.items()}
     cuts.update({
         proto.HDR_LEN: "after the header, no payload",
         proto.HDR_LEN + 4: "after one payload element",
-        proto.HDR_LEN + 2 * elems: "in the middle of the payload",
-        proto.HDR_LEN + 4 * elems - 1: "one byte short of the payload",
+        proto.HDR_LEN + 2 * c.elems: "in the middle of the payload",
+        proto.HDR_LEN + 4 * c.elems - 1: "one byte short of the payload",
     })
     for cut, where in sorted(cuts.items()):
-        cases.append(MalformedCase(
+        c.cases.append(MalformedCase(
             "bad_truncated", f"frame cut at datagram byte {cut}, {where}",
             good_frame[: proto.L2L4_LEN + cut], cut=True,
         ))
 
-    add("bad_magic", "magic byte-swapped",
-        bytes(hdr(magic=((proto.MAGIC & 0xFF) << 8) | proto.MAGIC >> 8) / payload))
-    add("bad_magic", "magic zero", bytes(hdr(magic=0) / payload))
-    add("bad_version", f"version {proto.VERSION + 1}", bytes(hdr(version=proto.VERSION + 1) / payload))
-    add("bad_version", "version 1 (the previous wire format)", bytes(hdr(version=1) / payload))
+
+def _bad_fields(c: _Cases) -> None:
+    """One header field out of range: magic, version, type, flags, job, rank, slot, set, op."""
+    add, rec = c.add, c.with_payload
+    add("bad_magic", "magic byte-swapped", rec(magic=((proto.MAGIC & 0xFF) << 8) | proto.MAGIC >> 8))
+    add("bad_magic", "magic zero", rec(magic=0))
+    add("bad_version", f"version {proto.VERSION + 1}", rec(version=proto.VERSION + 1))
+    add("bad_version", "version 1 (the previous wire format)", rec(version=1))
     types = {v: k[len("AR_TYPE_"):] for k, v in proto.C.items() if k.startswith("AR_TYPE_")}
     for t in (0, max(types) + 1, 0xFF):
-        add("bad_type", f"unknown type {t}", bytes(hdr(type=t) / payload))
+        add("bad_type", f"unknown type {t}", rec(type=t))
     for t, name in sorted(types.items()):
         if t not in (proto.TYPE_CONTRIB, proto.TYPE_JOIN, proto.TYPE_ACK):
-            add("bad_type", f"a {name} sent to the aggregator", bytes(hdr(type=t) / payload))
+            add("bad_type", f"a {name} sent to the aggregator", rec(type=t))
     unknown = ~proto.FLAGS_KNOWN & 0xFF
-    add("bad_flags", f"lowest unknown flag bit {unknown & -unknown:#x}",
-        bytes(hdr(flags=unknown & -unknown) / payload))
-    add("bad_flags", "all flag bits", bytes(hdr(flags=0xFF) / payload))
-    add("bad_job", f"job {job + 1}, not registered", bytes(hdr(job=(job + 1) & 0xFFFFFFFF) / payload))
-    add("bad_rank", f"rank {workers} of {workers} workers", bytes(hdr(rank=workers) / payload))
-    add("bad_rank", "rank AGG (0xffff)", bytes(hdr(rank=proto.RANK_AGG) / payload))
-    add("bad_slot", f"slot {slots} of {slots}", bytes(hdr(slot=slots) / payload))
-    add("bad_slot", "slot 0xffffffff", bytes(hdr(slot=0xFFFFFFFF) / payload))
-    add("bad_set", "set 2", bytes(hdr(set=2) / payload))
-    add("bad_set", "set 255", bytes(hdr(set=0xFF) / payload))
-    add("bad_op", f"op {proto.OP_COUNT}", bytes(hdr(op=proto.OP_COUNT) / payload))
-    add("bad_op", "op 255", bytes(hdr(op=0xFF) / payload))
+    add("bad_flags", f"lowest unknown flag bit {unknown & -unknown:#x}", rec(flags=unknown & -unknown))
+    add("bad_flags", "all flag bits", rec(flags=0xFF))
+    add("bad_job", f"job {c.job + 1}, not registered", rec(job=(c.job + 1) & 0xFFFFFFFF))
+    add("bad_rank", f"rank {c.workers} of {c.workers} workers", rec(rank=c.workers))
+    add("bad_rank", "rank AGG (0xffff)", rec(rank=proto.RANK_AGG))
+    add("bad_slot", f"slot {c.slots} of {c.slots}", rec(slot=c.slots))
+    add("bad_slot", "slot 0xffffffff", rec(slot=0xFFFFFFFF))
+    add("bad_set", "set 2", rec(set=2))
+    add("bad_set", "set 255", rec(set=0xFF))
+    add("bad_op", f"op {proto.OP_COUNT}", rec(op=proto.OP_COUNT))
+    add("bad_op", "op 255", rec(op=0xFF))
+
+
+def _bad_lengths(c: _Cases) -> None:
+    """Counts out of range for the op and type, and payloads that do not match the count."""
+    add, hdr, payload, elems = c.add, c.hdr, c.payload, c.elems
     add("bad_len", f"count {elems + 1} > elems {elems}", bytes(hdr(count=elems + 1) / payload))
     add("bad_len", "count 0xffff", bytes(hdr(count=0xFFFF) / payload))
-    add("bad_len", f"SUM16 count {2 * elems + 1} > 2 * elems", bytes(hdr(count=2 * elems + 1, op=proto.OP_SUM16) / payload))
+    add("bad_len", f"SUM16 count {2 * elems + 1} > 2 * elems",
+        bytes(hdr(count=2 * elems + 1, op=proto.OP_SUM16) / payload))
     add("bad_len", "SUM16 count 0", bytes(hdr(count=0, op=proto.OP_SUM16) / payload))
     add("bad_len", "count 0 without the PULL flag", bytes(hdr(count=0) / payload))
     add("bad_len", "a PULL with count 1", bytes(hdr(count=1, flags=proto.FLAG_PULL) / payload))
@@ -141,20 +169,23 @@ def malformed_cases(
     add("bad_len", "payload one element longer than elems", bytes(hdr(count=elems) / (payload + payload[:4])))
     add("bad_len", "a JOIN without its nonce table", bytes(hdr(type=proto.TYPE_JOIN, count=0)))
     add("bad_len", "an ACK with a payload", bytes(hdr(type=proto.TYPE_ACK, count=0) / payload))
+
+
+def _bad_masks_and_sources(c: _Cases) -> None:
+    """Masks that name no rank, others or not the sender; another rank's or no rank's address;
+    batches whose second record is another rank's or another job's."""
+    add, rec, workers, rank, full_mask = c.add, c.with_payload, c.workers, c.rank, c.full_mask
     if workers < 32:
-        add("bad_mask", f"mask has rank {workers} (>= workers)", bytes(hdr(mask=full_mask | 1 << workers) / payload))
-        add("bad_mask", "mask 0xffffffff", bytes(hdr(mask=0xFFFFFFFF) / payload))
-    add("bad_mask", f"mask without the sender (rank {rank})", bytes(hdr(mask=full_mask & ~(1 << rank)) / payload))
-    add("bad_mask", "mask 0", bytes(hdr(mask=0) / payload))
+        add("bad_mask", f"mask has rank {workers} (>= workers)", rec(mask=full_mask | 1 << workers))
+        add("bad_mask", "mask 0xffffffff", rec(mask=0xFFFFFFFF))
+    add("bad_mask", f"mask without the sender (rank {rank})", rec(mask=full_mask & ~(1 << rank)))
+    add("bad_mask", "mask 0", rec(mask=0))
     other = (rank + 1) % workers
     if other != rank:
-        add("bad_src", f"from rank {other}'s address", good, src_ip=src_ips[other])
-        add("bad_mixed", f"a batch whose second record claims rank {other}",
-            good + bytes(hdr(rank=other) / payload))
-    add("bad_src", f"from {STRANGER_IP}, no rank's address", good, src_ip=STRANGER_IP)
-    add("bad_mixed", f"a batch whose second record is of job {job + 1}",
-        good + bytes(hdr(job=(job + 1) & 0xFFFFFFFF) / payload))
-    return cases
+        add("bad_src", f"from rank {other}'s address", c.good, src_ip=c.src_ips[other])
+        add("bad_mixed", f"a batch whose second record claims rank {other}", c.good + rec(rank=other))
+    add("bad_src", f"from {STRANGER_IP}, no rank's address", c.good, src_ip=STRANGER_IP)
+    add("bad_mixed", f"a batch whose second record is of job {c.job + 1}", c.good + rec(job=(c.job + 1) & 0xFFFFFFFF))
 
 
 def malformed(**kwargs) -> list[tuple[str, bytes]]:

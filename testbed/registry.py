@@ -14,7 +14,7 @@ from nicoffload.errors import NotFoundError
 
 from . import state as st
 from .netlink import list_netns, netns_exists, pinned_netns, remove_netns_and_pins, remove_pins
-from .testbed import teardown
+from .realise import teardown
 from .topology import Topology, check_name, netns_prefix
 
 

@@ -5,12 +5,11 @@
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # lives in w0's namespace
         tb.run("agg", ["ping", "-c1", tb.host("w1").ip])
 
-Creation order: state file (status "creating"), namespaces (bridge first), the bridge, per host a
-veth pair (bridge side p-HOST, host side eth0) with addresses, the multicast route and static
-neighbours, shaping, the NAPI XDP_PASS program on p-agg; state file (status "up").
-Teardown is the reverse, idempotent, tolerant of objects that are already gone, and driven by
-the state file only, so another process (``nicoffload testbed down``) can do it. Finding,
-listing and cleaning up testbeds by name is the registry's (registry.py).
+Bringing up: the state file (status "creating", the name and subnet claimed), the namespaces,
+bridge and links (realise.py: :func:`~nicoffload.testbed.realise.build`), a probe until every
+link forwards, the state file (status "up"). Tearing down is realise.py's too, driven by the
+state file only, so another process (``nicoffload testbed down``) can do it. Finding, listing
+and cleaning up testbeds by name is the registry's (registry.py).
 """
 from __future__ import annotations
 
@@ -21,34 +20,17 @@ import subprocess
 import time
 from typing import Callable, Iterator
 
-from pyroute2.netlink.rtnl.ndmsg import flags as ntf_flags
-from pyroute2.netlink.rtnl.ndmsg import states as nud_states
-
 from nicoffload.ebpf import loader as nbpf
-from nicoffload.errors import InputError, NotFoundError, SetupError
+from nicoffload.errors import InputError, SetupError
 
 from . import state as st
-from .fabric import drop_multicast
 from .fault import FaultInjector
 from .napi import attach_napi_pass
-from .netlink import (
-    create_netns,
-    ipr,
-    limit,
-    link_index,
-    netns_exists,
-    remove_netns_and_pins,
-    set_sysctl,
-    tolerant,
-    unshape,
-    wait_oper_up,
-)
+from .realise import build, teardown
 from .signals import SignalGuard, terminated_with
-from .topology import BRIDGE_IFACE, PREFIXLEN, Host, Topology, check_name
+from .topology import Host, Topology, check_name
 
-MCAST_NET, MCAST_LEN = "224.0.0.0", 4
-BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables",
-                     "net.bridge.bridge-nf-call-arptables")
+
 def _from_topology(attr: str, doc: str = "") -> property:
     return property(lambda self: getattr(self.topology, attr), doc=doc or f"The topology's {attr}.")
 
@@ -220,63 +202,8 @@ class Testbed:
         return self
 
     def _build(self) -> None:
-        topo = self.topology
-        hosts = self.hosts
-        for ns in topo.netns_names():
-            create_netns(ns)
-            for key, val in (("net.ipv6.conf.all.disable_ipv6", 1), ("net.ipv6.conf.default.disable_ipv6", 1)):
-                set_sysctl(ns, key, val)
-        # No bridge netfilter on the testbed's bridge: with br_netfilter loaded, every forwarded
-        # frame would run the iptables hooks. The per-bridge flag can only add the hooks; the
-        # bridge namespace's own sysctls take them away.
-        for key in BRIDGE_NF_SYSCTLS:
-            with contextlib.suppress(FileNotFoundError):  # br_netfilter not loaded: nothing to do
-                set_sysctl(topo.bridge_netns, key, 0)
-
-        with ipr(topo.bridge_netns) as br:
-            br.link("set", index=link_index(br, "lo"), state="up")
-            # IGMP snooping with the bridge as querier: results of a job's multicast group reach only
-            # the ports whose hosts joined it (several jobs on one testbed stay apart). The bridge
-            # floods every group until its querier has waited one query response interval: 0.1 s
-            # (centiseconds) instead of 10 s, so that a testbed isolates its jobs once it is up.
-            br.link("add", ifname=BRIDGE_IFACE, kind="bridge", br_mcast_snooping=1,
-                    br_mcast_query_response_intvl=10, br_stp_state=0,
-                    br_nf_call_iptables=0, br_nf_call_ip6tables=0, br_nf_call_arptables=0,
-                    br_forward_delay=0, mtu=topo.mtu)
-            br_idx = link_index(br, BRIDGE_IFACE)
-            br.link("set", index=br_idx, state="up")
-            br.link("set", index=br_idx, kind="bridge", br_mcast_querier=1)  # after the interval is set
-            for h in hosts:
-                q = h.link.queues
-                br.link("add", ifname=h.peer, kind="veth", mtu=topo.mtu, num_tx_queues=q, num_rx_queues=q,
-                        peer={"ifname": h.iface, "net_ns_fd": h.netns, "address": h.mac, "mtu": topo.mtu,
-                              "num_tx_queues": q, "num_rx_queues": q})
-                idx = link_index(br, h.peer)
-                br.link("set", index=idx, master=br_idx)
-                # static FDB entry: unicast to a host that has not spoken yet is not flooded
-                br.fdb("add", ifindex=idx, lladdr=h.mac, state=nud_states["noarp"], flags=ntf_flags["master"])
-                br.link("set", index=idx, state="up")
-                limit(br, idx, h.link.rate, topo.mtu)
-            if not topo.multicast:
-                drop_multicast(br, [link_index(br, h.peer) for h in hosts])
-
-        permanent = nud_states["permanent"]
-        for h in hosts:
-            with ipr(h.netns) as sock:
-                sock.link("set", index=link_index(sock, "lo"), state="up")
-                idx = link_index(sock, h.iface)
-                sock.addr("add", index=idx, address=h.ip, prefixlen=PREFIXLEN)
-                sock.link("set", index=idx, state="up")
-                sock.route("add", dst=MCAST_NET, dst_len=MCAST_LEN, oif=idx)
-                for other in hosts:
-                    if other.name != h.name:
-                        sock.neigh("add", dst=other.ip, lladdr=other.mac, ifindex=idx, state=permanent)
-                limit(sock, idx, h.link.rate, topo.mtu)
-                wait_oper_up(sock, idx, f"{h.iface} of {h.name}")
-
-        if topo.agg_napi:
-            attach_napi_pass(self.agg.peer, topo.bridge_netns)
-            self._state["napi_xdp"].append(self.agg.peer)
+        build(self.topology, self._state)
+        if self.topology.agg_napi:
             self._save_state()
         self._wait_forwarding()
 
@@ -364,47 +291,6 @@ class Testbed:
         return f"Testbed({self.name!r}, workers={self.topology.workers}, subnet={self.subnet}, up={self._is_up})"
 
 
-def teardown(topo: Topology, state: dict) -> list[str]:
-    """Reverse of Testbed._build, from the description alone; tolerant of anything missing.
-    Returns what was removed."""
-    removed: list[str] = []
-    hosts = list(reversed(topo.hosts))
-    br_ns, peers = topo.bridge_netns, [h.peer for h in hosts]
-    # 1. programs and qdiscs on the bridge side (fault injector, shaping, NAPI XDP_PASS)
-    _remove_in(br_ns, peers, ("clsact", "tbf"), removed)
-    if netns_exists(br_ns):
-        for ifname in state.get("napi_xdp", []) or ([topo.hosts[0].peer] if topo.agg_napi else []):
-            with contextlib.suppress(Exception):
-                if nbpf.detach_xdp(ifname, br_ns, "native"):
-                    removed.append(f"{br_ns}/{ifname} xdp")
-    # 2. host side: shaping, then the veth pairs (deleting one end deletes both), then the bridge
-    for h in hosts:
-        _remove_in(h.netns, [h.iface], ("tbf", "link"), removed)
-    _remove_in(br_ns, peers + [BRIDGE_IFACE], ("link",), removed)
-    # 3. namespaces (hosts, then the bridge), their pins, the state file
-    for ns in reversed(topo.netns_names()):
-        removed += remove_netns_and_pins(ns)
-    if st.remove(topo.name):
-        removed.append(str(st.state_path(topo.name)))
-    return removed
-
-
-def _remove_in(ns: str, ifnames: list[str], kinds: tuple[str, ...], removed: list[str]) -> None:
-    """In namespace ``ns``, for each of ``ifnames`` that exists, delete in order each of
-    ``kinds``: "clsact" (the fault injector's filters), "tbf" (shaping), "link" (the interface);
-    append what went to ``removed``."""
-    if not netns_exists(ns):
-        return
-    with contextlib.suppress(NotFoundError), ipr(ns) as sock:
-        for ifname in ifnames:
-            idx = sock.link_lookup(ifname=ifname)
-            for kind in kinds if idx else ():
-                delete = {"clsact": lambda: sock.tc("del", "clsact", idx[0]), "tbf": lambda: unshape(sock, idx[0]),
-                          "link": lambda: sock.link("del", index=idx[0])}[kind]
-                if tolerant(delete):
-                    removed.append(f"{ns}/{ifname}" + ("" if kind == "link" else f" {kind}"))
-
-
 @contextlib.contextmanager
 def running(workers: int, name: str | None = None, **kwargs) -> Iterator[Testbed]:
     """Shortcut: ``with running(4, rate="1gbit") as tb:`` (a star topology, torn down after)."""
@@ -412,4 +298,4 @@ def running(workers: int, name: str | None = None, **kwargs) -> Iterator[Testbed
         yield tb
 
 
-__all__ = ["Testbed", "attach_napi_pass", "running", "teardown"]
+__all__ = ["Testbed", "attach_napi_pass", "running"]

@@ -3,15 +3,14 @@ namespace, pin program and maps so they outlive the process, register and remove
 its ranks, addresses, multicast group and share of the slot pool: :mod:`nicoffload.agg.jobtable`),
 read counters and slot state, detach and unpin. A later process reopens the pinned maps through
 bcc's typed tables (:mod:`nicoffload.agg.maps`; no hand-written mirror of kernel structs); the
-jobs and addresses are recorded next to the pins, and changed under a lock, so several
-processes can add and remove jobs of one aggregator."""
+jobs and addresses are recorded next to the pins (:mod:`nicoffload.agg.spec`), and changed under
+a lock, so several processes can add and remove jobs of one aggregator. Unloading needs only
+what is recorded (:mod:`nicoffload.agg.teardown`); both are re-exported here."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -20,87 +19,24 @@ from nicoffload import optim
 from nicoffload.agg.jobtable import JobEntry, JobTable, default_group
 from nicoffload.agg.maps import AggMaps
 from nicoffload.agg.optimizer import OptimizerControl
-from nicoffload.ebpf import libbpf, loadstate
+# the spec, where a loaded aggregator lives, and its teardown: re-exported, callers import them from here
+from nicoffload.agg.spec import (ENTRY, FANOUT, MAPS_HEADER, SOURCE, STATE_DIR, AggSpec,  # noqa: F401
+                                 callbacks, pin_dir, read_spec, state_file)
+from nicoffload.agg.teardown import check_half_loaded, loaded, unload  # noqa: F401
+from nicoffload.ebpf import libbpf, linker, loadstate, tc
 from nicoffload.ebpf import loader as bpf
-from nicoffload.ebpf.iface import MODES, iface_addr, neighbour_mac, resolve_mode
+from nicoffload.ebpf.iface import iface_addr, neighbour_mac, resolve_mode
 from nicoffload.errors import AlreadyExistsError, InputError, MapError, NotFoundError
-from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.jobspec import DEFAULT
 from nicoffload.optim import OptimizerSpec
 from nicoffload.wire import proto
-
-STATE_DIR = Path("/run/nicoffload/aggregators")
-SOURCE = "aggregator.c"
-MAPS_HEADER = "agg_maps.h"
-ENTRY = "ar_aggregate"
-#: the tc ingress program of unicast delivery (one copy of a result frame per rank)
-FANOUT = "ar_fanout"
-
-
-def callbacks(optimizer: bool) -> tuple[str, ...]:
-    """The bpf_loop callbacks, chained: ar_record's references go to ar_sgd (optimizer loads)."""
-    return ("ar_record", "ar_sgd") if optimizer else ("ar_record",)
-
-
-def pin_dir(netns: str | None, iface: str) -> Path:
-    loadstate.check_names(netns, iface)
-    return bpf.PIN_ROOT / (netns or "root") / iface
-
-
-def state_file(netns: str | None, iface: str) -> Path:
-    return loadstate.state_file(STATE_DIR, netns, iface)
-
-
-@dataclass
-class AggSpec:
-    """What is loaded where, and the job registered at load time (``workers`` 0: none; its share
-    ``job_slots``, None: the whole pool). Saved next to the pins with the registered ``jobs``
-    and the addresses results are sent from, so later processes find them."""
-
-    netns: str | None
-    iface: str
-    workers: int = 0
-    slots: int = DEFAULT.slots
-    elems: int = DEFAULT.elems
-    port: int = DEFAULT.port
-    mode: str = "auto"
-    job: int = DEFAULT.job
-    group: str = DEFAULT.group
-    worker_ips: list[str] = field(default_factory=list)
-    prog_id: int | None = None
-    mode_reason: str = ""
-    job_slots: int | None = None
-    agg_ip: str = ""
-    agg_mac: str = ""
-    jobs: list[dict] = field(default_factory=list)
-    optimizer: bool = False      # room for optimizer state: a master weight and momentum per slot element
-    delivery: str = "multicast"  # of the load-time job: multicast, or unicast (a copy per rank, cloned in tc)
-    ifindex: int = 0             # of iface in netns (unicast copies go out of it)
-
-    def validate(self) -> None:
-        if not 0 <= self.workers <= proto.MAX_WORKERS:
-            raise InputError(f"--workers must be 1..{proto.MAX_WORKERS}, not {self.workers}")
-        JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems).validate()
-        if self.mode not in MODES:
-            raise InputError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.workers:
-            JobEntry(self.job, self.workers, self.group, list(self.worker_ips)).validate()
-        if self.optimizer and self.elems > optim.MAX_ELEMS:
-            raise InputError(f"an aggregator with optimizer state takes at most {optim.MAX_ELEMS} elements per "
-                             f"record (--elems), not {self.elems}")
-
-    def defines(self, pinned: bool) -> dict[str, int | str]:
-        d: dict[str, int | str] = {"AR_ELEMS": self.elems, "AR_SLOTS": self.slots, "AR_PORT": self.port,
-                                   "AR_OPT_SLOTS": self.slots if self.optimizer else 1}
-        if pinned:
-            d["AR_PIN_DIR"] = f'"{pin_dir(self.netns, self.iface)}"'
-        return d
 
 
 class Aggregator(OptimizerControl):
     """A loaded XDP aggregator. Use :meth:`load` (attach + pin), :meth:`open` (find a loaded one)
     or :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context manager; unload is idempotent."""
 
-    def __init__(self, spec: AggSpec, b, prog: bpf.LoadedProgram | None = None,
+    def __init__(self, spec: AggSpec, b, prog: linker.LoadedProgram | None = None,
                  attachment: bpf.XdpAttachment | None = None, owner: bool = True):
         self.spec = spec
         self.b = b
@@ -140,7 +76,7 @@ class Aggregator(OptimizerControl):
         agg = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines(pinned=True))
-            prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
+            prog = linker.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
             agg = cls(spec, b, prog)
             agg.maps.reset_stats()
             with bpf.netns(spec.netns):
@@ -151,8 +87,9 @@ class Aggregator(OptimizerControl):
             # unicast delivery's fan-out sits at tc ingress from the start: jobs of either delivery
             # can come and go while the program runs (it passes every other frame untouched)
             # loaded like the XDP program: a verifier that signals interrupt starts over (EAGAIN)
-            agg.fanout_prog = bpf.load_linked(b, FANOUT, prog_type=libbpf.BPF_PROG_TYPE_SCHED_CLS, source_name=SOURCE)
-            agg.fanout = bpf.attach_tc_ingress(agg.fanout_prog.fd, spec.iface, spec.netns, FANOUT)
+            agg.fanout_prog = linker.load_linked(b, FANOUT, prog_type=libbpf.BPF_PROG_TYPE_SCHED_CLS,
+                                                 source_name=SOURCE)
+            agg.fanout = tc.attach_tc_ingress(agg.fanout_prog.fd, spec.iface, spec.netns, FANOUT)
             agg.attachment = bpf.attach_xdp_fd(prog.fd, spec.iface, spec.netns, spec.mode)
             libbpf.pin(prog.fd, pdir / "prog")
             spec.prog_id = bpf.xdp_prog_id(spec.iface, spec.netns)
@@ -180,7 +117,7 @@ class Aggregator(OptimizerControl):
                        worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None)
         spec.validate()
         b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
-        prog = bpf.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
+        prog = linker.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
         agg = cls(spec, b, prog, owner=False)
         agg.maps.reset_stats()
         if workers:
@@ -192,9 +129,9 @@ class Aggregator(OptimizerControl):
         """Find an aggregator loaded by another process and reopen its pinned maps."""
         bpf.require_root("inspecting the XDP aggregator")
         try:
-            spec = _read_spec(netns, iface)
+            spec = read_spec(netns, iface)
         except NotFoundError:
-            _check_half_loaded(netns, iface)
+            check_half_loaded(netns, iface)
             raise
         pdir = pin_dir(netns, iface)
         if not (pdir / "ar_stats").exists():
@@ -228,7 +165,7 @@ class Aggregator(OptimizerControl):
         lock = state_file(self.spec.netns, self.spec.iface).with_suffix(".lock")
         with open(lock, "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            self.spec.jobs = _read_spec(self.spec.netns, self.spec.iface).jobs
+            self.spec.jobs = read_spec(self.spec.netns, self.spec.iface).jobs
             self.table = JobTable.from_dicts(self.spec.slots, self.spec.jobs)
             yield
             self._save_state()
@@ -352,7 +289,7 @@ class Aggregator(OptimizerControl):
         return {
             "netns": s.netns, "iface": s.iface, "mode": s.mode, "mode_reason": s.mode_reason,
             "attached": bool(s.iface) and bpf.xdp_prog_id(s.iface, s.netns) is not None,
-            "fanout_attached": bool(s.iface) and FANOUT in bpf.tc_ingress_names(s.iface, s.netns),
+            "fanout_attached": bool(s.iface) and FANOUT in tc.tc_ingress_names(s.iface, s.netns),
             "prog_id": s.prog_id, "slots": s.slots, "elems": s.elems, "port": s.port,
             "agg_ip": s.agg_ip, "pins": str(pin_dir(s.netns, s.iface)),
             "jobs": self.table.to_dicts(), "free_slots": self.table.free_slots(),
@@ -386,78 +323,3 @@ class Aggregator(OptimizerControl):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _read_spec(netns: str | None, iface: str) -> AggSpec:
-    sf = state_file(netns, iface)
-    try:
-        return AggSpec(**json.loads(sf.read_text()))
-    except FileNotFoundError:
-        raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}") from None
-
-
-def _check_half_loaded(netns: str | None, iface: str) -> None:
-    """Nothing is recorded for ``iface``: say so clearly if a load was interrupted there (pins
-    left, or a program attached, but no state file), with the command that cleans it up."""
-    left = []
-    if pin_dir(netns, iface).exists():
-        left.append(f"pins in {pin_dir(netns, iface)}")
-    try:
-        if bpf.xdp_prog_id(iface, netns) is not None:
-            left.append("an XDP program attached")
-    except NotFoundError:
-        pass
-    if left:
-        raise NotFoundError(
-            f"the aggregator on {iface} in {netns or 'the root namespace'} is half loaded ({' and '.join(left)}, "
-            f"but no state file: was 'agg load' interrupted?); run: nicoffload agg unload --netns {netns} "
-            f"--iface {iface}")
-
-
-def unload(netns: str | None, iface: str, missing_ok: bool = False) -> bool:
-    """Detach the aggregator from ``iface`` and remove its pins and state. Returns whether
-    anything was there. Without ``missing_ok``, nothing to unload is a NotFoundError."""
-    bpf.require_root("unloading the XDP aggregator")
-    from nicoffload.agg import fallback
-
-    fallback.stop_all(netns, iface)  # engines of jobs it handed off (agg job add --fallback afxdp)
-    sf = state_file(netns, iface)
-    pdir = pin_dir(netns, iface)
-    mode, ours = "native", None
-    if sf.exists():
-        try:
-            saved = json.loads(sf.read_text())
-            mode, ours = saved.get("mode", "native"), saved.get("prog_id")
-        except ValueError:
-            pass
-    found = sf.exists() or pdir.exists() or sf.with_suffix(".tmp").exists()
-    try:
-        attached = bpf.xdp_prog_id(iface, netns)
-    except NotFoundError:  # no such interface (any more)
-        attached = None
-    detached = False
-    # only the aggregator: the one its state names, else (a load killed before it saved its
-    # state) one by the aggregator's name; a ring program there is not ours to remove
-    if attached is not None and (attached == ours or ours is None and libbpf.prog_name(attached) in (None, ENTRY)):
-        try:
-            detached = bpf.detach_xdp(iface, netns, mode)
-        except NotFoundError:
-            pass
-    elif attached is not None and not found and not missing_ok:
-        raise NotFoundError(f"no aggregator is loaded on {iface} in {netns or 'the root namespace'}: it runs XDP "
-                            f"program {attached} ({libbpf.prog_name(attached) or '?'}), left attached")
-    detached = bpf.detach_tc(iface, netns) or detached  # unicast delivery's ar_fanout
-    bpf.remove_pin_dir(pdir)  # and its parents it leaves empty
-    sf.unlink(missing_ok=True)
-    sf.with_suffix(".lock").unlink(missing_ok=True)
-    sf.with_suffix(".tmp").unlink(missing_ok=True)  # a load killed while saving its state
-    if not (found or detached) and not missing_ok:
-        raise NotFoundError(f"nothing is loaded on {iface} in {netns or 'the root namespace'}")
-    return found or detached
-
-
-def loaded(netns_prefix: str = "") -> list[tuple[str | None, str]]:
-    """(netns, iface) of every aggregator recorded on this machine (optionally only those in
-    namespaces whose name starts with ``netns_prefix``), for cleanup by whoever owns them; also
-    those whose load was killed while it wrote the state file (only its ``.tmp`` is there)."""
-    return loadstate.recorded(STATE_DIR, netns_prefix)

@@ -36,7 +36,7 @@ STOP_TIMEOUT = 5.0
 
 
 def _base(netns: str | None, iface: str) -> Path:
-    from nicoffload.agg.control import state_file
+    from nicoffload.agg.spec import state_file
 
     return state_file(netns, iface).with_suffix("")
 

@@ -2,8 +2,10 @@
 its own module exposing ``register(subparsers)``; they parse arguments and call the layers below.
 
     app       the root parser, one-line errors with a distinct exit code per error class
-    agg       ``agg load|status|stats|slots|unload|job|bench``: the XDP aggregator
+    agg       ``agg load|status|stats|slots|unload|bench``: the XDP aggregator
+    aggjob    ``agg job add|remove|list``: its jobs, here or through a service (``--service``)
     aggopt    ``agg opt ...``: an optimizer job's parameters, state, learning rate, checkpoints
+    aggserve  ``agg serve``: the aggregator as a service (HTTP API, leases, metrics)
     ring      ``ring load|status|stats|unload``: the ring offload's program on a node
     xdp       what ``agg`` and ``ring`` share: attach modes, --netns/--iface, the counter printer
     testbed   ``testbed up|down|list|exec|clean``

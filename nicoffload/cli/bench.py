@@ -42,6 +42,15 @@ def register(sub) -> None:
                  "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
                  "sudo nicoffload bench --torch-overhead --workers 4 --sizes 16MiB --reps 40",
                  "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
+    _point_arguments(p)
+    _repetition_arguments(p)
+    _nicoffload_arguments(p)
+    _mode_arguments(p)
+    p.set_defaults(func=_bench)
+
+
+def _point_arguments(p) -> None:
+    """The points of the sweep: worker counts, sizes, sparsity, rates, systems."""
     p.add_argument("--workers", type=_list(plan.workers, "worker counts"), default=None,
                    help="worker counts, one testbed each (default 2,4,8)")
     p.add_argument("--sizes", type=_list(plan.size, "sizes"), default=None,
@@ -58,6 +67,10 @@ def register(sub) -> None:
                         "protocol as xdp and userspace, needs gcc and libxdp-dev; ring: the TCP ring; xdpring: the "
                         "ring offload in every worker's XDP; udpring: the same protocol in user space; unavailable "
                         "ones are skipped with a reason)")
+
+
+def _repetition_arguments(p) -> None:
+    """How each point runs: repetitions and time limits, which points, output, seed, inputs."""
     p.add_argument("--reps", type=int, default=None, help="timed AllReduces per point, at least (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed AllReduces per point (default 1)")
     p.add_argument("--min-time", type=float, default=None,
@@ -76,6 +89,11 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds without progress before a rank fails")
     p.add_argument("--dtype", choices=["float32", "int32"], default=plan.BenchConfig.dtype,
                    help="gradients: float32 (quantized to int32 fixed point) or int32 (summed exactly)")
+
+
+def _nicoffload_arguments(p) -> None:
+    """The nicoffload systems' settings (XDP mode, delivery, fabric, aggregators, lanes, records)
+    and the compute loop beside every rank."""
     p.add_argument("--mode", choices=["auto", "generic", "native"], default=plan.BenchConfig.mode,
                    help="XDP attach mode of the aggregator and of the ring programs (default auto: generic batches "
                         "on veth); the ring mode itself is chosen with --systems xdpring,udpring")
@@ -107,6 +125,10 @@ def register(sub) -> None:
     p.add_argument("--compute", action="store_true",
                    help="run a compute loop beside every rank: how much of its throughput each system's AllReduces "
                         "take (compute_drop)")
+
+
+def _mode_arguments(p) -> None:
+    """Instead of the sweep: --soak, --paired, --torch-overhead, --tenants."""
     soak = p.add_argument_group("soak (--soak N; --workers, --sizes, --sparsity, --seed, --timeout, --mode apply)")
     soak.add_argument("--soak", type=int, metavar="N", default=None,
                       help="instead of the sweep: N consecutive AllReduces on one testbed through the XDP aggregator "
@@ -133,7 +155,6 @@ def register(sub) -> None:
     ten = p.add_argument_group("tenants (--tenants J,..; --workers per job, one --sizes value, --reps apply)")
     ten.add_argument("--tenants", type=_list(plan.workers, "job counts"), default=None, metavar="J,..",
                      help="J jobs of the same shape at once on one XDP aggregator, against one alone")
-    p.set_defaults(func=_bench)
 
 
 def _tenants(args) -> int:

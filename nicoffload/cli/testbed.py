@@ -187,7 +187,12 @@ def register(subparsers) -> None:
                  "sudo nicoffload testbed clean")
     sub = p.add_subparsers(dest="testbed_command", metavar="ACTION")
     sub.required = True
+    _register_up(sub)
+    _register_others(sub)
+    _register_faults(sub)
 
+
+def _register_up(sub) -> None:
     up = _action(sub, "up", "create a testbed and leave it running",
                  "Create N workers and an aggregator; the testbed stays up until 'nicoffload testbed down NAME'.",
                  ["sudo nicoffload testbed up --workers 4",
@@ -219,6 +224,9 @@ def register(subparsers) -> None:
                          "multicast do: jobs need unicast delivery (--delivery unicast)")
     up.add_argument("--json", action="store_true", help="print the hosts as JSON")
 
+
+def _register_others(sub) -> None:
+    """``testbed exec|down|list|clean``."""
     ex = _action(sub, "exec", "run a command inside a host's namespace",
                  "Run CMD in the network namespace of HOST (agg, w0, w1, ...); exits with the command's exit code.",
                  ["sudo nicoffload testbed exec tb1a2b agg -- ip addr",
@@ -244,6 +252,8 @@ def register(subparsers) -> None:
     cl.add_argument("--name-prefix", default="", help="only testbeds whose name starts with this")
     cl.add_argument("--json", action="store_true")
 
+
+def _register_faults(sub) -> None:
     fa = _action(sub, "faults", "show or change the fault injector of a testbed",
                  "Show the per-link fault counters; with --drop/--dup reconfigure "
                  "(restarts packet numbering and counters).",

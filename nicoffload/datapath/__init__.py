@@ -1,8 +1,9 @@
 """The host's data path, shared by both communicators (the aggregator mode's
 :class:`nicoffload.worker.Communicator` and the ring's :class:`nicoffload.ring.RingCommunicator`).
 
-    kernels    numba kernels (compiled once, cached on disk): block metadata in one pass,
-               quantization straight into the records about to be sent
+    kernels    numba kernels (compiled once, cached on disk): the record's byte helpers, block
+               metadata in one pass, a call's rounds (speculative plan and verdict)
+    encode     quantization straight into the records about to be sent (encode_float, _half, _int)
     pump       sendmmsg/recvmmsg from compiled code, results decoded straight into the output
     transport  one UDP socket per rank: UDP_SEGMENT batches out, UDP_GRO batches in, buffers
                allocated once

@@ -6,8 +6,7 @@ wire or into the caller's output: no temporaries, no gathers, no Python per bloc
     block_meta      per block: exponent of the largest magnitude (float) and whether it is
                     non-zero; NaN/Inf found on the way
     encode_*        records (header + payload) of this rank's rounds into the send buffer:
-                    float -> offset-binary fixed point in 32-bit lanes (op SUM64) or 16-bit
-                    lanes (op SUM16), int32 copied (op SUM), or metadata words (ops MAX / OR)
+                    :mod:`.encode` (re-exported here, where the communicators call them)
     spec_plan, spec_verdict
                     a speculative call's rounds, and what its guess got right, in one pass
                     each (small calls: numpy's cost per call was most of their CPU)
@@ -274,123 +273,14 @@ def pow2_split(s):
     return math.ldexp(1.0, h), math.ldexp(1.0, s - h)
 
 
-@njit(cache=True, inline="always")
-def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
-    """Header of round ``r`` (unwrapped round number of the epoch: slot r mod S, set (r div S)
-    mod 2, wire round r mod 2^32) from the 40-byte template (magic, version, type, flags, rank,
-    job, epoch, ack)."""
-    for k in range(HDR):
-        buf[off + k] = tmpl[k]
-    buf[off + O_SET] = (r // nslots) & 1
-    _put32(buf, off + O_SLOT, r % nslots)
-    _put32(buf, off + O_ROUND, r & 0xFFFFFFFF)
-    _put32(buf, off + O_MASK, mask)
-    _put16(buf, off + O_COUNT, count)
-    _put16(buf, off + O_EXP, exp & 0xFFFF)
-    buf[off + O_OP] = op
-
-
-@njit(cache=True, boundscheck=False)
-def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first, op):
-    """Record first + j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
-    rint(x * 2^shift) + bias as unsigned 32-bit lanes (op SUM64: with |q| <= bias and
-    2 * bias * ranks <= 2^31, the aggregator's 64-bit adds never carry from one lane into the
-    next; op SGD adds the same way and then applies the job's optimizer). Elements beyond the tensor are 0. ``single``: x is float32, scaled in float32 where
-    2^shift is a normal float32 (exact there); float64 input is always scaled in float64.
-    The lanes are computed in int32 arithmetic (wrapping modulo 2^32 gives the unsigned lane's
-    bits) so that the loop vectorises."""
-    n = x.size
-    w = buf.view(np.int32)
-    b32 = np.int32(bias)
-    for j in range(mine.size):
-        i = mine[j]
-        b = blocks[i]
-        off = (first + j) * rec
-        lo = b * elems
-        cnt = min(elems, n - lo)
-        s = shifts[i]
-        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, op)
-        p = U(off // 4 + HDR // 4)
-        q = U(lo)
-        if single and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
-            f = np.float32(math.ldexp(1.0, s))
-            for k in range(cnt):
-                w[p + U(k)] = np.int32(np.rint(np.float32(x[q + U(k)]) * f)) + b32
-        else:
-            d1, d2 = pow2_split(s)
-            for k in range(cnt):
-                w[p + U(k)] = np.int32(np.rint(np.float64(x[q + U(k)]) * d1 * d2)) + b32
-        for k in range(cnt, elems):
-            w[p + U(k)] = 0
-
-
-@njit(cache=True, boundscheck=False)
-def encode_half(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first):
-    """As encode_float with 16-bit lanes (op SUM16): 2 * ``elems`` elements per record, each
-    rint(x * 2^shift) + bias as an unsigned 16-bit lane (with |q| <= bias and 2 * bias * ranks
-    <= 2^15 no lane ever carries into the next in the aggregator's 64-bit adds)."""
-    n = x.size
-    h = buf.view(np.int16)
-    per = 2 * elems
-    b32 = np.int32(bias)
-    for j in range(mine.size):
-        i = mine[j]
-        b = blocks[i]
-        off = (first + j) * rec
-        lo = b * per
-        cnt = min(per, n - lo)
-        s = shifts[i]
-        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, s, OP_SUM16)
-        p = U(off // 2 + HDR // 2)
-        q = U(lo)
-        if single and -F32_SHIFT_LIMIT < s < F32_SHIFT_LIMIT:
-            f = np.float32(math.ldexp(1.0, s))
-            for k in range(cnt):
-                h[p + U(k)] = np.int16(np.int32(np.rint(np.float32(x[q + U(k)]) * f)) + b32)
-        else:
-            d1, d2 = pow2_split(s)
-            for k in range(cnt):
-                h[p + U(k)] = np.int16(np.int32(np.rint(np.float64(x[q + U(k)]) * d1 * d2)) + b32)
-        for k in range(cnt, per):
-            h[p + U(k)] = 0
-
-
-@njit(cache=True, boundscheck=False)
-def encode_int(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, op, first):
-    """As encode_float for int32 data (op SUM) or metadata words (ops MAX / OR), from record
-    ``first`` of ``buf`` on: the payload is copied; elements beyond the array are 0."""
-    n = x.size
-    w = buf.view(np.int32)
-    for j in range(mine.size):
-        i = mine[j]
-        b = blocks[i]
-        off = (first + j) * rec
-        lo = b * elems
-        cnt = min(elems, n - lo)
-        _header(buf, off, tmpl, base + i, nslots, masks[i], cnt, 0, op)
-        p = U(off // 4 + HDR // 4)
-        q = U(lo)
-        for k in range(cnt):
-            w[p + U(k)] = x[q + U(k)]
-        for k in range(cnt, elems):
-            w[p + U(k)] = 0
-
-
-@njit(cache=True, boundscheck=False)
-def encode_pulls(buf, rec, tmpl, which, base, nslots, masks):
-    """PULL records (full size, count 0, payload ignored) for rounds base + which[j]."""
-    for j in range(which.size):
-        i = which[j]
-        off = j * rec
-        _header(buf, off, tmpl, base + i, nslots, masks[i], 0, 0, 0)
-
-
 _warm: set = set()
 
 
 def warm_up(elems: int) -> None:
     """Compile (or load from the on-disk cache) the metadata and encoding kernels for the
     argument types the worker uses, so that a communicator's first collective does not pay."""
+    from nicoffload.datapath.encode import encode_float, encode_half, encode_int, encode_pulls
+
     if elems in _warm:
         return
     rec = proto.record_size(elems)
@@ -420,3 +310,17 @@ def warm_up(elems: int) -> None:
     spec_verdict(i32, i32, np.zeros(2, np.int64), 1, 1, i32, i32, zero_exp, np.int64(1), b[:1], b[1:],
                  np.zeros(1, np.int64), np.zeros(1, np.int64))
     _warm.add(elems)
+
+
+#: the encoders, re-exported: the communicators (nicoffload/worker/, nicoffload/ring/comm.py) call
+#: them as kernels.encode_*. Looked up on first use (PEP 562), as encode.py imports this module.
+_ENCODERS = ("encode_float", "encode_half", "encode_int", "encode_pulls")
+
+
+def __getattr__(name: str):
+    if name not in _ENCODERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from nicoffload.datapath import encode
+
+    value = globals()[name] = getattr(encode, name)
+    return value

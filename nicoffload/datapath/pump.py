@@ -127,6 +127,7 @@ def _unfix(lanes, todo, n, kind, out_f32, out_f64):
                 out_f64[d + U(k)] = np.float64(np.int32(lanes[a + U(k)] - nb32)) * d1 * d2
 
 
+# Long on purpose: one fused loop; per-record calls with array arguments cost numba reference counts (UNFIX_BATCH).
 @njit(cache=True, boundscheck=False)
 def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, base, nrounds, nslots,
                    blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly, stash, stash_round,

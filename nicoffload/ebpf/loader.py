@@ -1,6 +1,8 @@
 """bcc plumbing shared by every program: compile with the job's constants, load with the
-verifier log captured (linking bpf_loop callbacks, which bcc cannot), attach XDP inside a
-network namespace. Raw bpf(2) calls (test runs, pins, maps, stats) are in :mod:`.libbpf`.
+verifier log captured, attach XDP inside a network namespace (a bcc function, or a program fd),
+the BPF filesystem and pin directories. Programs with bpf_loop callbacks, which bcc cannot link,
+are loaded by :mod:`.linker`; tc ingress filters are :mod:`.tc`; raw bpf(2) calls (test runs,
+pins, maps, stats) are in :mod:`.libbpf`.
 
 bcc prints verifier logs to stderr only and does not track XDP attachments; this module wraps
 both: ``load_func`` raises :class:`VerifierError` carrying the log, and :class:`XdpAttachment`
@@ -15,7 +17,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -273,109 +274,6 @@ def detach_xdp(ifname: str, ns: str | None, mode: str = "native") -> bool:
     return True
 
 
-# --- programs with callbacks (bpf_loop) ---------------------------------------------------------
-BPF_PSEUDO_FUNC = 4
-BPF_F_XDP_HAS_FRAGS = 1 << 5
-_LD_IMM64 = 0x18
-_INSN = 8
-_VERIFIER_LOG_BYTES = 16 << 20
-#: seconds to keep loading a program whose verification signals interrupt (EAGAIN)
-_INTERRUPTED_RETRY_S = 10.0
-
-
-@dataclass
-class LoadedProgram:
-    """A program loaded from bcc-compiled instructions: ``fd`` (owned; ``close()`` releases it)."""
-
-    name: str
-    fd: int
-    insns: int
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _function_insns(b, name: str) -> bytes:
-    bcc = import_bcc()
-    start = bcc.lib.bpf_function_start(b.module, name.encode())
-    size = bcc.lib.bpf_function_size(b.module, name.encode())
-    if not start or not size:
-        raise VerifierError(f"bcc compiled no function {name!r} (is it defined, non-static, in the main file?)", "")
-    return ctypes.string_at(start, size)
-
-
-def _function_refs(code: bytearray, first: int, end: int) -> list[int]:
-    """Instructions in [first, end) that are unresolved function references: bcc 0.26 compiles
-    every exported function on its own and leaves a reference to another one as ``ld_imm64 rX, 0``
-    (src_reg 0, both immediates 0); a constant 0 is never encoded that way."""
-    refs, i = [], first
-    while i < end:
-        op, regs = code[_INSN * i], code[_INSN * i + 1]
-        if op == _LD_IMM64:
-            imm = int.from_bytes(code[_INSN * i + 4:_INSN * i + 8], "little")
-            imm2 = int.from_bytes(code[_INSN * (i + 1) + 4:_INSN * (i + 1) + 8], "little")
-            if regs >> 4 == 0 and imm == 0 and imm2 == 0:
-                refs.append(i)
-            i += 2
-            continue
-        i += 1
-    return refs
-
-
-def _link_callbacks(entry: bytes, callbacks: list[bytes]) -> tuple[bytearray, list[int]]:
-    """Append the callbacks after the entry point and turn unresolved function references into
-    BPF_PSEUDO_FUNC ones. The callbacks form a chain: the references in the entry point go to the
-    first callback, those in the first callback to the second, and so on (a bpf_loop callback
-    that runs a bpf_loop of its own names the next one); the last function references none."""
-    code = bytearray(entry)
-    starts = [0]
-    for cb in callbacks:
-        starts.append(len(code) // _INSN)
-        code += cb
-    ends = starts[1:] + [len(code) // _INSN]
-    for f, (first, end) in enumerate(zip(starts, ends)):
-        refs = _function_refs(code, first, end)
-        if refs and f + 1 >= len(starts):
-            raise VerifierError(f"{len(refs)} function reference(s) in the last of {len(starts)} functions; each "
-                                f"function's references go to the next callback, and there is none", "")
-        for i in refs:
-            code[_INSN * i + 1] = (code[_INSN * i + 1] & 0x0F) | (BPF_PSEUDO_FUNC << 4)
-            code[_INSN * i + 4:_INSN * i + 8] = (starts[f + 1] - (i + 1)).to_bytes(4, "little", signed=True)
-    return code, starts
-
-
-def load_linked(b, entry: str, callbacks: tuple[str, ...] = (), *,
-                prog_type: int = libbpf.BPF_PROG_TYPE_XDP, prog_flags: int = 0,
-                source_name: str = "program") -> LoadedProgram:
-    """Load ``entry`` of a bcc module together with its bpf_loop ``callbacks``, which bcc alone
-    cannot link. A verifier rejection raises VerifierError carrying the log."""
-    require_root(f"loading {entry}")
-    code, starts = _link_callbacks(_function_insns(b, entry), [_function_insns(b, c) for c in callbacks])
-    funcs = list(zip(starts, [entry, *callbacks])) if callbacks else []
-    deadline = time.monotonic() + _INTERRUPTED_RETRY_S
-    while True:
-        fd, err = libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs)
-        # The verifier stops with EAGAIN when a signal is pending (libbpf tries 5 times): a
-        # process stopped and continued (Ctrl-Z, fg), or signalled often, has not been rejected.
-        if fd >= 0 or err != errno.EAGAIN or time.monotonic() > deadline:
-            break
-    if fd < 0:
-        if err == errno.EPERM and os.geteuid() != 0:
-            raise PrivilegeError(f"loading {entry} needs root")
-        if err == errno.EAGAIN:
-            raise VerifierError(f"loading {entry} from {source_name}: the kernel verifier was interrupted by "
-                                f"signals for {_INTERRUPTED_RETRY_S:g}s and never finished; try again", "")
-        log = ctypes.create_string_buffer(_VERIFIER_LOG_BYTES)
-        libbpf.prog_load(prog_type, entry, code, prog_flags=prog_flags, funcs=funcs, log=log)
-        text = log.value.decode(errors="replace")
-        tail = "\n".join(text.strip().splitlines()[-25:])
-        raise VerifierError(f"the kernel verifier rejected {entry} from {source_name}: {os.strerror(err)}\n"
-                            f"last lines of the verifier log:\n{tail}", text)
-    return LoadedProgram(entry, fd, len(code) // _INSN)
-
-
 def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") -> XdpAttachment:
     """Attach a program fd to ``ifname`` inside ``ns``; refuses to replace an existing program."""
     if mode not in MODES:
@@ -393,102 +291,3 @@ def attach_xdp_fd(fd: int, ifname: str, ns: str | None, mode: str = "native") ->
                     f"(veth: at most {MAX_NATIVE_MTU}){hint}")
         raise AttachError(f"attaching XDP to {where} in {mode} mode failed: {os.strerror(err)}{hint}")
     return XdpAttachment(ifname, ns, mode)
-
-
-# --- tc (clsact) ---------------------------------------------------------------------------------
-#: where the toolkit's tc filters sit (ingress), and their priority: one of ours per interface
-TC_INGRESS = "ffff:fff2"
-TC_PRIO = 0xC0DE
-
-
-@dataclass
-class TcAttachment:
-    """One tc ingress filter (cls_bpf, direct-action) of ours on an interface; the clsact qdisc
-    is removed with it when it holds nothing else. detach() is idempotent."""
-
-    ifname: str
-    netns: str | None
-    attached: bool = True
-
-    def detach(self) -> bool:
-        if not self.attached:
-            return False
-        self.attached = False
-        return detach_tc(self.ifname, self.netns)
-
-
-def attach_tc_ingress(fd: int, ifname: str, ns: str | None, name: str) -> TcAttachment:
-    """Attach a SCHED_CLS program fd at ``ifname``'s tc ingress inside ``ns`` (clsact added when
-    missing), under the toolkit's priority; an existing filter of ours is replaced."""
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with netns(ns):
-        idx = ifindex(ifname, ns)
-        with IPRoute() as ipr:
-            try:
-                ipr.tc("add", "clsact", idx)
-            except NetlinkError as e:
-                if e.code != errno.EEXIST:
-                    raise AttachError(f"adding a clsact qdisc to {ifname}: {os.strerror(e.code)}") from None
-            try:
-                ipr.tc("replace-filter", "bpf", idx, 1, fd=fd, name=name, parent=TC_INGRESS, classid=1,
-                       direct_action=True, prio=TC_PRIO)
-            except NetlinkError as e:
-                raise AttachError(f"attaching {name} to the tc ingress of {ifname} in {ns or 'the root namespace'}: "
-                                  f"{os.strerror(e.code)}") from None
-    return TcAttachment(ifname, ns)
-
-
-def tc_ingress_names(ifname: str, ns: str | None) -> list[str]:
-    """Names of the BPF programs of our priority at ``ifname``'s tc ingress."""
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with netns(ns):
-        idx = ifindex(ifname, ns)
-        with IPRoute() as ipr:
-            try:
-                filters = ipr.get_filters(idx, parent=TC_INGRESS)
-            except NetlinkError:
-                return []
-    out = []
-    for f in filters:
-        if f.get("info", 0) >> 16 != TC_PRIO:
-            continue
-        opts = f.get_attr("TCA_OPTIONS")
-        name = opts.get_attr("TCA_BPF_NAME") if opts is not None else None
-        if name:
-            out.append(name)
-    return out
-
-
-def detach_tc(ifname: str, ns: str | None) -> bool:
-    """Remove our tc ingress filter from ``ifname`` (and the clsact qdisc when nothing else uses
-    it). True if something was removed; harmless when the interface or the filter is gone."""
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    try:
-        with netns(ns):
-            idx = ifindex(ifname, ns)
-            with IPRoute() as ipr:
-                removed = False
-                try:
-                    ipr.tc("del-filter", "bpf", idx, 1, parent=TC_INGRESS, prio=TC_PRIO)
-                    removed = True
-                except NetlinkError:
-                    pass
-                try:
-                    left = ipr.get_filters(idx, parent=TC_INGRESS) + ipr.get_filters(idx, parent="ffff:fff3")
-                except NetlinkError:
-                    left = []
-                if not [f for f in left if f.get_attr("TCA_KIND")]:
-                    try:
-                        ipr.tc("del", "clsact", idx)
-                        removed = True
-                    except NetlinkError:
-                        pass
-                return removed
-    except NotFoundError:
-        return False

@@ -15,7 +15,8 @@ Jobs on a testbed
     rings        the ring programs of a testbed's workers, ring jobs
 
 The bench (``nicoffload bench``): the subpackage :mod:`nicoffload.lab.bench` (plan, systems,
-    ranks, the ring baselines' rank programs, the compute loop, sweep, report, plot)
+    ranks and their adapters, the ring baselines' rank programs, the compute loop, sweep, systemrun,
+    report, plot)
 
 Other experiments
     soak         N AllReduces under drop and duplication, every result checked (``bench --soak``)

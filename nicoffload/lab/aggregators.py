@@ -165,61 +165,20 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
     with the counters of every job together (``stats``), per job (``jobs``) and the engine's
     own (``engine``)."""
     from nicoffload.afxdp.engine import DEFAULT_SPIN_US, AfxdpEngine
-    from nicoffload.errors import NicoffloadError, SetupError
+    from nicoffload.errors import SetupError
 
     eng = AfxdpEngine(iface, spec.port, spec.elems, mode, DEFAULT_SPIN_US if spin_us is None else spin_us,
                       xsk_map, local_ip=local_ip, tx=tx)
+    run = _EngineJobs(eng, jobs_file, stats_file)
     stop = {"now": False}
-    refused: dict[str, str] = {}
-    seen = {"mtime": None}
 
     def on_term(signum, frame):
         stop["now"] = True
         eng.request_stop()
 
-    def follow() -> None:
-        """Serve exactly the jobs the file lists (a job that cannot be served: refused, and why)."""
-        try:
-            mtime = os.stat(jobs_file).st_mtime_ns
-        except FileNotFoundError:
-            mtime = -1
-        if mtime == seen["mtime"]:
-            return
-        seen["mtime"] = mtime
-        try:
-            want = json.loads(Path(jobs_file).read_text()) if mtime != -1 else {}
-        except (OSError, ValueError):
-            seen["mtime"] = None  # being written: read it again next time
-            return
-        served = {str(j["job"]) for j in eng.jobs}
-        for j in served - set(want):
-            eng.remove_job(int(j))
-        for j in set(want) - served:
-            w = want[j]
-            try:
-                eng.add_job(int(w["job"]), int(w["workers"]), int(w["slots"]), w["group"], w.get("worker_ips", []),
-                            w.get("delivery", "multicast"))
-                refused.pop(j, None)
-            except NicoffloadError as e:
-                refused[j] = str(e)
-        for j in list(refused):
-            if j not in want:
-                del refused[j]
-
-    def report() -> dict:
-        return {**eng.describe(), "stats": eng.stats(), "engine": eng.engine_stats(),
-                "jobs": {str(j["job"]): eng.stats(j["job"]) for j in eng.jobs}, "refused": dict(refused)}
-
-    def save() -> None:
-        if stats_file:
-            tmp = f"{stats_file}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report(), f)
-            os.replace(tmp, stats_file)
-
     try:
         if jobs_file:
-            follow()
+            run.follow()
         else:
             eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
         signal.signal(signal.SIGTERM, on_term)
@@ -231,17 +190,71 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
             if end is not None and time.monotonic() > end:
                 break
             if jobs_file:
-                follow()
-            save()
+                run.follow()
+            run.save()
             time.sleep(0.1)
         eng.request_stop()
         if eng.error:
             raise SetupError(f"the AF_XDP engine stopped: {eng.error}")
-        out = report()
-        save()
+        out = run.report()
+        run.save()
         return out
     finally:
         eng.close()
+
+
+class _EngineJobs:
+    """What :func:`serve_afxdp` keeps of a running engine: the jobs file it follows, the jobs it
+    refused (and why), and the counters it writes to the stats file."""
+
+    def __init__(self, eng, jobs_file: str | None, stats_file: str | None):
+        self.eng, self.jobs_file, self.stats_file = eng, jobs_file, stats_file
+        self.refused: dict[str, str] = {}
+        self.mtime: int | None = None
+
+    def follow(self) -> None:
+        """Serve exactly the jobs the file lists (a job that cannot be served: refused, and why)."""
+        from nicoffload.errors import NicoffloadError
+
+        eng = self.eng
+        try:
+            mtime = os.stat(self.jobs_file).st_mtime_ns
+        except FileNotFoundError:
+            mtime = -1
+        if mtime == self.mtime:
+            return
+        self.mtime = mtime
+        try:
+            want = json.loads(Path(self.jobs_file).read_text()) if mtime != -1 else {}
+        except (OSError, ValueError):
+            self.mtime = None  # being written: read it again next time
+            return
+        served = {str(j["job"]) for j in eng.jobs}
+        for j in served - set(want):
+            eng.remove_job(int(j))
+        for j in set(want) - served:
+            w = want[j]
+            try:
+                eng.add_job(int(w["job"]), int(w["workers"]), int(w["slots"]), w["group"], w.get("worker_ips", []),
+                            w.get("delivery", "multicast"))
+                self.refused.pop(j, None)
+            except NicoffloadError as e:
+                self.refused[j] = str(e)
+        for j in list(self.refused):
+            if j not in want:
+                del self.refused[j]
+
+    def report(self) -> dict:
+        eng = self.eng
+        return {**eng.describe(), "stats": eng.stats(), "engine": eng.engine_stats(),
+                "jobs": {str(j["job"]): eng.stats(j["job"]) for j in eng.jobs}, "refused": dict(self.refused)}
+
+    def save(self) -> None:
+        if self.stats_file:
+            tmp = f"{self.stats_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.report(), f)
+            os.replace(tmp, self.stats_file)
 
 
 def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = None,

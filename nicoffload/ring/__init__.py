@@ -7,8 +7,9 @@ adds the host's staged records into the passing packets and sends them on.
                the event ring buffer, per-CPU counters
     layout     the ring's arithmetic, pure: chunks, journeys, staging order, whom to ask for a
                lost record, the wire constants of the ring block
-    kernels    the host's side in numba: tagging staged records, doing a node's work in user
-               space, receiving, decoding the finals
+    kernels    the host's side in numba: tagging staged records, NACKs, decoding the finals
+    hop        a node's work on ring records in user space (numba, as xdp/ring.c does it),
+               receiving, replaying the records kept for the next call
     comm       :class:`RingCommunicator`, the API of :class:`nicoffload.worker.Communicator`
                for a ring (``offload=False``: the user-space UDP ring)
     passes     one pass as the host drives it: staging, its own chunk, wake-ups, parked records

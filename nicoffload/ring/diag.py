@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from nicoffload.errors import ProtocolError, TimeoutError_
-from nicoffload.ring import kernels as rk
+from nicoffload.ring import hop
 from nicoffload.ring.layout import TYPE_PING, TYPE_PONG
 from nicoffload.wire import codec
 
@@ -29,7 +29,7 @@ class RingDiagnosis:
     (its transport, peers and the PONGs its kernels recorded)."""
 
     def _answer_pings(self, c: int, K: int) -> None:
-        for sender in self._pings[:int(self._io[rk.IO_PINGS])]:
+        for sender in self._pings[:int(self._io[hop.IO_PINGS])]:
             self._t.send_one(self._pong(c, K), (self.peers[int(sender)], self.port))
 
     def _pong(self, c: int, K: int) -> bytes:

@@ -20,7 +20,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nicoffload.ebpf import libbpf, loadstate
+from nicoffload.ebpf import libbpf, linker, loadstate
 from nicoffload.ebpf import loader as bpf
 from nicoffload.ebpf.iface import MODES, iface_addr, resolve_mode
 from nicoffload.ebpf.iface import neighbour_mac as _neighbour_mac
@@ -124,7 +124,7 @@ class RingNode:
     one another process loaded), :meth:`for_test` (load only, for BPF_PROG_TEST_RUN). Context
     manager; :meth:`close` unloads only what this object loaded to own."""
 
-    def __init__(self, spec: RingSpec, maps: RingMaps, b=None, prog: bpf.LoadedProgram | None = None,
+    def __init__(self, spec: RingSpec, maps: RingMaps, b=None, prog: linker.LoadedProgram | None = None,
                  owner: bool = False):
         self.spec, self.maps, self.b, self.prog = spec, maps, b, prog
         self._owner = owner
@@ -163,7 +163,7 @@ class RingNode:
         node = attachment = None
         try:
             b = bpf.compile_bpf(SOURCE, spec.defines())
-            prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+            prog = linker.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
             node = cls(spec, _bcc_maps(b, spec), b, prog, owner=bool(owner))
             node._configure()
             node.maps.reset()
@@ -194,7 +194,7 @@ class RingNode:
         spec = RingSpec(None, "", rank, world, list(peers), job, port, elems, capacity, "generic",
                         peer_macs=list(peer_macs), my_ip=peers[rank], my_mac=peer_macs[rank]).validate()
         b = bpf.compile_bpf(SOURCE, spec.defines())
-        prog = bpf.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
+        prog = linker.load_linked(b, ENTRY, CALLBACKS, source_name=SOURCE)
         node = cls(spec, _bcc_maps(b, spec), b, prog)
         node._configure()
         node.maps.reset()

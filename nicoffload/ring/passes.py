@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from nicoffload.datapath.transport import MAX_MSGS
+from nicoffload.ring import hop
 from nicoffload.ring import kernels as rk
 from nicoffload.ring.layout import (
     ST_CALL,
@@ -86,24 +87,9 @@ class RingPasses:
         """One ring pass of K records: stage this rank's records (``stage(lo, hi, template)``),
         send its own chunk within the window, wait until every record's final is stored here,
         taking over what the program parks and asking again for what got lost."""
-        st, rec, W, r = self._state, self._rec, self.world, self.rank
-        c = self._next_call()
-        self.last.passes += 1
-        self.last.records += K
-        # enter the call: the program stores this call's finals from now on, and adds into a
-        # record once its tag says it is staged
-        st[ST_EXPECTED] = K
-        st[ST_STORED] = st[ST_HOST_STORED] = st[ST_OWN_STORED] = st[ST_HOST_OWN] = 0
-        st[ST_OWN_WAKE] = _NO_WAKE
-        st[ST_CALL] = c
-        if _TRACE:
-            _trace(r, f"enter call {c}, {K} records, stash {self._stash_n}")
-        tmpl = self._tmpl
-        lay = self._layout(K)
+        c, lay = self._enter_call(K)
         own_lo, own_hi = lay.own
-        self._origin = lay.origins
-        self._io[:] = 0
-        nxt = (self.peers[(r + 1) % W], self.port)
+        nxt = (self.peers[(self.rank + 1) % self.world], self.port)
         slices, si, staged = lay.slices, 0, own_lo  # own records staged: [own_lo, staged)
         sent = own_lo
         deadline_idle = time.monotonic() + self.timeout
@@ -118,38 +104,22 @@ class RingPasses:
             # go out long before the whole tensor is staged.
             staging = si < len(slices)
             if staging:
-                t0 = time.perf_counter()
                 lo, hi = slices[si]
                 si += 1
-                rk.set_tags(self._local, rec, lo, hi, 0)
-                stage(lo, hi, tmpl)
-                rk.set_tags(self._local, rec, lo, hi, c)
+                t1 = self._stage_slice(lo, hi, c, K, stage, si == len(slices))
                 if own_lo <= lo < own_hi:
                     staged = hi
-                t1 = time.perf_counter()
-                self.last.stage_s += t1 - t0
-                if si == len(slices) and self._stash_n:
-                    # records of this call that arrived before it (kept by the previous call)
-                    nst, self._stash_n = self._stash_n, 0
-                    self._run_replay(nst, c, K)
-            # the send window of this rank's own chunk: at most `window` records without their final back
             if sent < staged:
-                acked = int(st[ST_OWN_STORED]) + int(st[ST_HOST_OWN])
-                upto = min(staged, own_lo + acked + self.window)
-                if upto > sent:
-                    self._t.send_records(self._local, sent, upto - sent, nxt)
-                    self.last.packets_sent += upto - sent
-                    sent = upto
-                    if sent < own_hi:
-                        st[ST_OWN_WAKE] = max(acked + 1, sent - own_lo - self.window // 2)
-                        continue  # the wake-up may have been crossed meanwhile: look again
-                    st[ST_OWN_WAKE] = _NO_WAKE
+                sent, crossed = self._send_own(sent, staged, own_lo, own_hi, nxt)
+                if crossed:
+                    continue  # the wake-up may have been crossed meanwhile: look again
             if staging:
                 continue  # the host takes over parked records only once its own are all staged
             done = self._stored()
-            if done >= K and rk.count_tagged(self._result, rec, K, c) == K:
+            if done >= K and rk.count_tagged(self._result, self._rec, K, c) == K:
                 if _TRACE:
-                    _trace(r, f"done call {c}: stored {st[ST_STORED]} + host {st[ST_HOST_STORED]}")
+                    _trace(self.rank, f"done call {c}: stored {self._state[ST_STORED]} + host "
+                                      f"{self._state[ST_HOST_STORED]}")
                 break
             now = time.monotonic()
             if done != last_progress:
@@ -158,32 +128,91 @@ class RingPasses:
                 rto = self.rto
                 retry_at = now + rto
             elif now >= retry_at:
-                self._check_agreement(c)  # ranks that disagree about the call fail now, naming it
-                if now >= deadline_idle:
-                    self._fail(c, K)
-                # Ask for missing records again only when the whole ring stands still: a node
-                # that has not entered the call yet stalls it (asking would only add traffic), and
-                # while other nodes still store finals the records are on their way (a slow
-                # ring, e.g. queues of shaped links, is not a lossy one).
-                behind, moving = self._ring_state(c, K)
-                if not behind and not moving:
-                    self._nack_missing(c, K, self.window)
-                if _TRACE:
-                    _trace(r, f"timeout in call {c}: stored {st[ST_STORED]} + host {st[ST_HOST_STORED]} "
-                              f"of {K}, missing {rk.untagged(self._result, rec, 0, K, c, self._missing)}: "
-                              f"{self._missing[:8]}, " + (f"behind: {behind}" if behind else
-                                                           "moving" if moving else "nacked"))
-                self.last.timeouts += 1
+                self._stalled(c, K, now >= deadline_idle)
                 rto = min(rto * 2, self.max_rto)
                 retry_at = now + rto
-            self._check_abort()  # RingCommunicator.abort: a peer is gone (the torch backend's liveness)
-            wait = max(0.0, min(retry_at, deadline_idle) - time.monotonic())
-            ready, _, _ = select.select(poll, [], [], wait)
-            if self._events is not None and self._events in ready:
-                self.last.wakeups += len(self._events.drain())
-            if self._t.sock in ready:
-                self._take_over(c, K)
+            self._wait(poll, min(retry_at, deadline_idle), c, K)
         self.last.wait_s += time.perf_counter() - t1
+
+    def _enter_call(self, K: int):
+        """Enter the next call: the program stores this call's finals from now on, and adds into a
+        record once its tag says it is staged. Returns (the call, the pass's layout)."""
+        st = self._state
+        c = self._next_call()
+        self.last.passes += 1
+        self.last.records += K
+        st[ST_EXPECTED] = K
+        st[ST_STORED] = st[ST_HOST_STORED] = st[ST_OWN_STORED] = st[ST_HOST_OWN] = 0
+        st[ST_OWN_WAKE] = _NO_WAKE
+        st[ST_CALL] = c
+        if _TRACE:
+            _trace(self.rank, f"enter call {c}, {K} records, stash {self._stash_n}")
+        lay = self._layout(K)
+        self._origin = lay.origins
+        self._io[:] = 0
+        return c, lay
+
+    def _stage_slice(self, lo: int, hi: int, c: int, K: int, stage, last: bool) -> float:
+        """Stage records lo .. hi-1 (untagged while written, then tagged with the call); after the
+        last slice, the records of this call kept by the previous one. Returns when it ended."""
+        t0 = time.perf_counter()
+        rk.set_tags(self._local, self._rec, lo, hi, 0)
+        stage(lo, hi, self._tmpl)
+        rk.set_tags(self._local, self._rec, lo, hi, c)
+        t1 = time.perf_counter()
+        self.last.stage_s += t1 - t0
+        if last and self._stash_n:
+            # records of this call that arrived before it (kept by the previous call)
+            nst, self._stash_n = self._stash_n, 0
+            self._run_replay(nst, c, K)
+        return t1
+
+    def _send_own(self, sent: int, staged: int, own_lo: int, own_hi: int, nxt) -> tuple[int, bool]:
+        """Send this rank's own staged records within the window (at most ``window`` without their
+        final back). Returns (records sent so far, whether the wake-up word was set: the program
+        may have crossed it meanwhile)."""
+        st = self._state
+        acked = int(st[ST_OWN_STORED]) + int(st[ST_HOST_OWN])
+        upto = min(staged, own_lo + acked + self.window)
+        if upto <= sent:
+            return sent, False
+        self._t.send_records(self._local, sent, upto - sent, nxt)
+        self.last.packets_sent += upto - sent
+        if upto < own_hi:
+            st[ST_OWN_WAKE] = max(acked + 1, upto - own_lo - self.window // 2)
+            return upto, True
+        st[ST_OWN_WAKE] = _NO_WAKE
+        return upto, False
+
+    def _stalled(self, c: int, K: int, idle_over: bool) -> None:
+        """No progress for an RTO: fail ranks that disagree about the call, or the call when idle
+        for the whole timeout; else ask again for the missing records once the ring stands still."""
+        self._check_agreement(c)  # ranks that disagree about the call fail now, naming it
+        if idle_over:
+            self._fail(c, K)
+        # Ask for missing records again only when the whole ring stands still: a node
+        # that has not entered the call yet stalls it (asking would only add traffic), and
+        # while other nodes still store finals the records are on their way (a slow
+        # ring, e.g. queues of shaped links, is not a lossy one).
+        behind, moving = self._ring_state(c, K)
+        if not behind and not moving:
+            self._nack_missing(c, K, self.window)
+        if _TRACE:
+            st = self._state
+            _trace(self.rank, f"timeout in call {c}: stored {st[ST_STORED]} + host {st[ST_HOST_STORED]} "
+                              f"of {K}, missing {rk.untagged(self._result, self._rec, 0, K, c, self._missing)}: "
+                              f"{self._missing[:8]}, " + (f"behind: {behind}" if behind else
+                                                           "moving" if moving else "nacked"))
+        self.last.timeouts += 1
+
+    def _wait(self, poll: list, until: float, c: int, K: int) -> None:
+        """Sleep until a datagram (taken over), a wake-up from the program, an abort, or ``until``."""
+        self._check_abort()  # RingCommunicator.abort: a peer is gone (the torch backend's liveness)
+        ready, _, _ = select.select(poll, [], [], max(0.0, until - time.monotonic()))
+        if self._events is not None and self._events in ready:
+            self.last.wakeups += len(self._events.drain())
+        if self._t.sock in ready:
+            self._take_over(c, K)
 
     def _stored(self) -> int:
         st = self._state
@@ -199,18 +228,18 @@ class RingPasses:
         args = t.recv_args()
         while True:
             io[:] = 0
-            io[rk.IO_STASH] = self._stash_n
-            got = rk.recv_process(*args[:12], args[15], args[16], self._peer_addrs, self._rec, self.elems, self.rank,
+            io[hop.IO_STASH] = self._stash_n
+            got = hop.recv_process(*args[:12], args[15], args[16], self._peer_addrs, self._rec, self.elems, self.rank,
                                   self.world, self.job, c, self.capacity, self._local, self._result, self._out,
                                   self._late, self._state, self._cnt, self._stash, self._stash_src, self._pongs,
                                   self._pings, io, MAX_MSGS * t.per_datagram)
             t.syscalls += 1
-            self._stash_n = int(io[rk.IO_STASH])
+            self._stash_n = int(io[hop.IO_STASH])
             n = self._send_taken()
             if _TRACE:
                 _trace(self.rank, f"took over: {got} datagrams, sent {n}, stash {self._stash_n}, counters "
                                   f"{ {k: int(v) for k, v in zip(STATS, self._cnt) if v} }")
-            if io[rk.IO_PINGS]:
+            if io[hop.IO_PINGS]:
                 self._answer_pings(c, K)
             if not got or got < MAX_MSGS and not n:
                 return
@@ -219,7 +248,7 @@ class RingPasses:
         """Send the records the host processed (io[IO_OUT] in ``out``, io[IO_LATE] in ``late``)."""
         nxt = (self.peers[(self.rank + 1) % self.world], self.port)
         total = 0
-        for buf, i in ((self._out, rk.IO_OUT), (self._late, rk.IO_LATE)):
+        for buf, i in ((self._out, hop.IO_OUT), (self._late, hop.IO_LATE)):
             n = int(self._io[i])
             if n:
                 self._t.send_records(buf, 0, n, nxt)
@@ -238,7 +267,7 @@ class RingPasses:
         for j in range(0, nst, step):
             m = min(step, nst - j)
             io[:] = 0
-            rk.replay(stash[j * rec:(j + m) * rec], src[j:j + m], m, self._peer_addrs, rec, self.elems, self.rank,
+            hop.replay(stash[j * rec:(j + m) * rec], src[j:j + m], m, self._peer_addrs, rec, self.elems, self.rank,
                       self.world, self.job, c, self.capacity, self._local, self._result, self._out, self._late,
                       self._state, self._cnt, self._pongs, self._pings, io)
             self._send_taken()

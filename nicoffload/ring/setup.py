@@ -77,19 +77,3 @@ def _node_maps(comm, ring, netns: str | None, iface: str, lock: NodeLock) -> Hos
     except BaseException:
         node.close()
         raise
-    try:
-        s = node.spec
-        want = dict(rank=comm.rank, world=comm.world, peers=comm.peers, job=comm.job, port=comm.port,
-                    elems=comm.elems)
-        got = dict(rank=s.rank, world=s.world, peers=s.peers, job=s.job, port=s.port, elems=s.elems)
-        if want != got:
-            bad = ", ".join(f"{k} {got[k]} (not {want[k]})" for k in want if want[k] != got[k])
-            raise InputError(f"the ring program on {iface} was loaded for another ring: {bad}; reload it "
-                             f"(nicoffload ring unload / load)")
-        m = node.maps
-        m.reset()
-        return HostMaps(m.local, m.result, m.state, m.events, node, iface, s.capacity, lock)
-    except BaseException:
-        node.close()
-        lock.release()
-        raise

@@ -2,8 +2,10 @@
 UDP socket in numpy; the baseline the XDP path is measured against, and a fallback where XDP
 cannot be loaded (``nicoffload aggregator-userspace``).
 
-    aggregator  :class:`UserspaceAggregator`: rounds, double buffering, retransmission answers,
-                multicast results, the optimizer's update (the same arithmetic as the XDP program)
+    aggregator  :class:`UserspaceAggregator`: the socket, datagrams checked and answered, results
+                to the group or each rank
+    slots       its slot algorithm per record: rounds, double buffering, retransmission answers,
+                the optimizer's update (the same arithmetic as the XDP program)
     epochs      its epoch state and JOIN handshake (as struct ar_job and join_epoch in the C)
 """
 from __future__ import annotations

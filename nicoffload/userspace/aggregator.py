@@ -19,25 +19,13 @@ from nicoffload.datapath.transport import Transport
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.optim import OptimizerSpec
-from nicoffload.userspace.epochs import EpochState, serial_after
+from nicoffload.userspace.epochs import EpochState
+from nicoffload.userspace.slots import SlotRules, SetState
 from nicoffload.wire import codec, proto
 
 
 @dataclass
-class _Set:
-    epoch: int = 0
-    round: int = 0
-    bitmap: int = 0
-    mask: int = 0
-    op: int = 0
-    exp: int = 0
-    count: int = 0
-    complete: bool = False
-    conflict: bool = False  # a contribution disagreed with the round: it never completes
-
-
-@dataclass
-class UserspaceAggregator(EpochState):
+class UserspaceAggregator(SlotRules, EpochState):
     workers: int
     port: int = DEFAULT.port
     slots: int = DEFAULT.slots
@@ -81,7 +69,7 @@ class UserspaceAggregator(EpochState):
         s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
         s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
         self._acc = np.zeros((self.slots, 2, self.elems), dtype=np.int32)
-        self._sets = [[_Set(), _Set()] for _ in range(self.slots)]
+        self._sets = [[SetState(), SetState()] for _ in range(self.slots)]
         self._mask_all = (1 << self.workers) - 1
         self._ips = [socket.inet_aton(ip) for ip in self.worker_ips]
         self._stop = threading.Event()
@@ -198,173 +186,10 @@ class UserspaceAggregator(EpochState):
         else:
             self._send(kept, addr[0], addr[1])
 
-    def _record(self, r, recs, i, rank: int, flags_first: int) -> str | None:
-        """One CONTRIB record; rewrites it in place (RESULT, STATUS or NOP). Returns "mcast" when
-        it completed a round, "answer" when it answers the sender, None otherwise."""
-        st = self.stats
-        st["records"] += 1
-        bad = self._check(r, rank)
-        if bad:
-            r["type"] = proto.TYPE_NOP
-            st[bad] += 1
-            return None
-        flags = int(r["flags"])
-        if not self.live or int(r["epoch"]) != self.live:
-            st["stale_epoch"] += 1
-            if flags & (proto.FLAG_RETX | proto.FLAG_PULL):
-                self._status(r, 0, "epoch")
-                return "answer"
-            r["type"] = proto.TYPE_NOP
-            return None
-        slot, v = int(r["slot"]), int(r["set"])
-        s = self._sets[slot][v]
-        acc = self._acc[slot, v]
-        rnd = int(r["round"])
-        bit = 1 << rank
-        same = s.epoch == self.live and s.round == rnd
-        p = recs["payload"][i]
-        if same and s.conflict:  # the ranks disagree on the round: every rank is told
-            self._status(r, s.bitmap, "mismatch")
-            st["status_sent"] += 1
-            return "answer"
-        if flags & proto.FLAG_PULL:
-            if same and s.complete:
-                p[:] = acc
-                self._result(r, s)
-                r["flags"] = proto.FLAG_ANSWER
-                st["pull_answered"] += 1
-                return "answer"
-            gone = not same and s.epoch == self.live and serial_after(s.round, rnd)
-            self._status(r, 0 if gone or not same else s.bitmap, "gone" if gone else "waiting")
-            st["status_sent"] += 1
-            return "answer"
-        if same and s.bitmap & bit:
-            if not flags & proto.FLAG_RETX:
-                st["dup_dropped"] += 1
-                r["type"] = proto.TYPE_NOP
-                return None
-            if s.complete:
-                p[:] = acc
-                self._result(r, s)
-                r["flags"] = proto.FLAG_ANSWER
-                st["retx_answered"] += 1
-                return "answer"
-            self._status(r, s.bitmap, "waiting")
-            st["status_sent"] += 1
-            return "answer"
-        mask, cnt, op, exp = int(r["mask"]), int(r["count"]), int(r["op"]), int(r["exp"])
-        if not same:
-            if s.epoch == self.live:
-                if not serial_after(rnd, s.round):
-                    if flags & proto.FLAG_RETX:
-                        self._status(r, 0, "gone")
-                        st["status_sent"] += 1
-                        return "answer"
-                    st["stale_round"] += 1
-                    r["type"] = proto.TYPE_NOP
-                    return None
-                if not all(serial_after(self.acks[q], s.round) for q in range(self.workers)):
-                    st["early"] += 1
-                    r["type"] = proto.TYPE_NOP
-                    return None
-            s.epoch, s.round, s.bitmap, s.mask, s.count, s.exp, s.op, s.complete, s.conflict = (
-                self.live, rnd, bit, mask, cnt, exp, op, False, False)
-            acc[:] = p
-        else:
-            if s.mask != mask or s.op != op or s.exp != exp or s.count != cnt:
-                # not the same tensors: the round cannot complete (the XDP program's SET_CONFLICT)
-                s.conflict = not s.complete  # a completed round keeps its result
-                st["mismatch"] += 1
-                self._status(r, s.bitmap, "mismatch")
-                return "answer"
-            s.bitmap |= bit
-            self._combine(op, acc, p)
-        st["aggregated"] += 1
-        if s.bitmap != s.mask:
-            r["type"] = proto.TYPE_NOP
-            return None
-        if s.op == proto.OP_SGD:
-            self._update(slot, s, acc)
-        s.complete = True
-        st["completed"] += 1
-        p[:] = acc
-        self._result(r, s)
-        return "mcast"
-
-    def _update(self, slot: int, s: _Set, acc: np.ndarray) -> None:
-        """The round's sum is the averaged gradient of block slot - meta: apply the optimizer and
-        make the result the updated parameters (optim.apply_update, bit for bit the XDP program's)."""
-        m = self._opt
-        res, e = optim.apply_update(m.spec, m.states[slot - self._meta], acc.view(np.uint32), self.workers * m.bias,
-                                    s.exp, self._hyper, s.count)
-        acc[:] = res
-        s.exp = e
-        self.stats["updated"] += 1
-
     @property
     def master_weights(self) -> np.ndarray:
         """The optimizer job's parameters (float64)."""
         return optim.from_fixed(self._opt.w)
-
-    def _check(self, r, rank: int) -> str | None:
-        if int(r["magic"]) != proto.MAGIC:
-            return "bad_magic"
-        if int(r["version"]) != proto.VERSION:
-            return "bad_version"
-        if int(r["type"]) != proto.TYPE_CONTRIB:
-            return "bad_type"
-        flags = int(r["flags"])
-        if flags & ~proto.FLAGS_KNOWN:
-            return "bad_flags"
-        if int(r["job"]) != self.job or int(r["rank"]) != rank:
-            return "bad_mixed"
-        if int(r["slot"]) >= self.slots:
-            return "bad_slot"
-        if int(r["set"]) > 1:
-            return "bad_set"
-        op = int(r["op"])
-        if op >= proto.OP_COUNT:
-            return "bad_op"
-        mask = int(r["mask"])
-        if not mask or mask & ~self._mask_all:
-            return "bad_mask"
-        cnt = int(r["count"])
-        if flags & proto.FLAG_PULL:
-            return "bad_len" if cnt else None
-        if not mask & (1 << rank):
-            return "bad_mask"
-        # as the XDP program: an optimizer job's exponent rounds (MAX) come first, SGD on the rest
-        if self._opt is not None:
-            if op != (proto.OP_MAX if int(r["slot"]) < self._meta else proto.OP_SGD):
-                return "bad_op"
-        elif op == proto.OP_SGD:
-            return "bad_op"
-        if op == proto.OP_SGD and mask != self._mask_all:
-            return "bad_mask"
-        if not 1 <= cnt <= (2 * self.elems if op == proto.OP_SUM16 else self.elems):
-            return "bad_len"
-        return None
-
-    @staticmethod
-    def _combine(op: int, acc: np.ndarray, p: np.ndarray) -> None:
-        if op == proto.OP_SUM:
-            acc += p  # int32 wraps modulo 2^32, like the XDP program
-        elif op == proto.OP_SUM64 or op == proto.OP_SGD or op == proto.OP_SUM16:
-            w = acc.view("<u8")
-            w += p.view("<u8")
-        elif op == proto.OP_MAX:
-            np.maximum(acc, p, out=acc)
-        else:
-            np.bitwise_or(acc, p, out=acc)
-
-    def _result(self, r, s: _Set) -> None:
-        r["type"], r["flags"], r["rank"], r["mask"], r["ack"] = proto.TYPE_RESULT, 0, proto.RANK_AGG, s.bitmap, self._gate
-        r["count"], r["exp"], r["op"], r["detail"] = s.count, s.exp, s.op, 0
-
-    @staticmethod
-    def _status(r, bitmap: int, detail: str) -> None:
-        r["type"], r["flags"], r["mask"], r["ack"], r["count"] = proto.TYPE_STATUS, 0, bitmap, 0, 0
-        r["detail"] = proto.DETAIL[detail]
 
     def _to_ranks(self, data: bytes | bytearray, port: int) -> None:
         """A frame for every rank: to the group, or (unicast delivery) a copy to each address."""

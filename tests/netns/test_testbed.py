@@ -105,7 +105,7 @@ def test_with_block_tears_down_when_body_raises(uid):
 
 
 def test_failed_up_removes_what_it_made(uid, monkeypatch):
-    import nicoffload.testbed.testbed as tbmod
+    import nicoffload.testbed.realise as tbmod
     def broken(*a, **k):
         raise OSError(5, "injected failure")
 

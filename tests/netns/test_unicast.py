@@ -14,8 +14,8 @@ import pytest
 from e2ekit import save
 
 from nicoffload.agg import control as aggregator
+from nicoffload.ebpf import tc
 from nicoffload.errors import ProtocolError
-from nicoffload.ebpf import loader as bpf
 from nicoffload.jobspec import DEFAULT
 from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job
@@ -54,7 +54,7 @@ def test_unicast_results_are_exact_without_multicast(make_testbed, tmp_path, wor
         # every result went out as one copy per rank, and none needed a retransmission
         assert st["copies"] == world * st["result_sent"] and st["tx_failed"] == 0, st
         assert res.totals("retransmissions") == 0
-    assert aggregator.loaded(tb.agg.netns) == [] and bpf.tc_ingress_names(tb.agg.iface, tb.agg.netns) == []
+    assert aggregator.loaded(tb.agg.netns) == [] and tc.tc_ingress_names(tb.agg.iface, tb.agg.netns) == []
 
 
 def test_unicast_under_drop_and_duplication_is_bit_identical(make_testbed, tmp_path):

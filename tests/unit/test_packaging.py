@@ -84,6 +84,20 @@ def test_a_non_editable_install_holds_everything(tmp_path):
     assert not (target / "packets").exists() and not (target / "testbed").exists(), \
         "top-level packages named packets/testbed would clash with other projects"
     assert "ok" in _run_check(target, target)
+    from importlib.metadata import distributions
+
+    import nicoffload
+    (dist,) = [d for d in distributions(path=[str(target)]) if d.metadata["Name"] == "nicoffload"]
+    assert dist.version == nicoffload.__version__, "the built wheel's version is not nicoffload.__version__"
+
+
+def test_the_installed_version_is_the_package_version():
+    """One version: pyproject reads it from nicoffload/__init__.py (dynamic), so the installed
+    metadata and ``nicoffload.__version__`` (what ``--version`` and the service print) agree."""
+    from importlib.metadata import version
+
+    import nicoffload
+    assert version("nicoffload") == nicoffload.__version__
 
 
 def test_every_subpackage_is_installed():

@@ -1,6 +1,6 @@
 """The ring offload's layout and schedule without root: chunks, origins, who adds and stores last,
 the staging order, where a missing record is asked for; and the whole protocol simulated in one
-process with the host's kernel (ring_kernels.process_datagram, what the user-space ring runs and
+process with the host's kernel (hop.process_datagram, what the user-space ring runs and
 what xdp/ring.c mirrors), with records lost and duplicated on every hop: every node ends with
 the exact sum."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import socket
 import numpy as np
 import pytest
 
-from nicoffload.datapath import kernels
+from nicoffload.datapath import encode
+from nicoffload.ring import hop
 from nicoffload.ring import kernels as rk
 from nicoffload.ring import layout as L
 from nicoffload.wire import codec, proto
@@ -111,7 +112,7 @@ class Node:
         self.late = np.zeros_like(self.out)
         self.stash = np.zeros(cap * REC, np.uint8)
         self.stash_src = np.zeros(cap, np.int64)
-        self.io = np.zeros(rk.IO_WORDS, np.int64)
+        self.io = np.zeros(hop.IO_WORDS, np.int64)
         self.cap = cap
 
 
@@ -131,7 +132,7 @@ def simulate(xs, world, call=5, drop=0.0, dup=0.0, seed=0, max_rounds=400):
     nodes = [Node(r, world, K) for r in range(world)]
     masks = L.origin_masks(K, world)
     for nd, x in zip(nodes, xs):
-        kernels.encode_int(nd.local, REC, E, _template(nd.rank), x, np.arange(K), 0, 1 << 40, np.arange(K), masks,
+        encode.encode_int(nd.local, REC, E, _template(nd.rank), x, np.arange(K), 0, 1 << 40, np.arange(K), masks,
                            proto.OP_SUM, 0)
         rk.set_tags(nd.local, REC, 0, K, call)
         nd.st[L.ST_CALL], nd.st[L.ST_EXPECTED] = call, K
@@ -150,10 +151,10 @@ def simulate(xs, world, call=5, drop=0.0, dup=0.0, seed=0, max_rounds=400):
                 nd = nodes[dst]
                 nd.io[:] = 0
                 for j in range(0, len(frame) // REC):  # one record per frame, as GRO segments arrive
-                    rk.process_datagram(frame, j * REC, REC, addrs[src], addrs, REC, E, dst, world, 1, call, K,
+                    hop.process_datagram(frame, j * REC, REC, addrs[src], addrs, REC, E, dst, world, 1, call, K,
                                         nd.local, nd.result, nd.out, nd.late, nd.st, nd.cnt, nd.stash, nd.stash_src,
                                         np.zeros((world, 4), np.int64), np.zeros(4, np.int64), nd.io)
-                m = int(nd.io[rk.IO_OUT])
+                m = int(nd.io[hop.IO_OUT])
                 for j in range(0, m, 4):  # batches of up to 4 records go on
                     nxt_wire.append((dst, (dst + 1) % world, nd.out[j * REC:min(m, j + 4) * REC].copy()))
         wire = nxt_wire

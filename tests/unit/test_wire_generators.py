@@ -21,6 +21,7 @@ from nicoffload.packets import generators as g
 from nicoffload.packets import hostile
 from nicoffload.packets.layers import AllReduce, payload_array, split_records
 from nicoffload.wire import proto
+from nicoffload.wire.addr import multicast_mac
 
 W, S, E = 4, 8, 256
 FULL = (1 << W) - 1
@@ -90,10 +91,10 @@ def test_helpers():
     assert blocks.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]] and counts.tolist() == [4, 4, 2]
     blocks, counts = g.split_blocks(np.arange(8, dtype=np.int32), 4)
     assert counts.tolist() == [4, 4]
-    assert g.multicast_mac("239.77.0.1") == "01:00:5e:4d:00:01"
-    assert g.multicast_mac("224.255.1.2") == "01:00:5e:7f:01:02"
+    assert multicast_mac("239.77.0.1") == "01:00:5e:4d:00:01"
+    assert multicast_mac("224.255.1.2") == "01:00:5e:7f:01:02"
     with pytest.raises(InputError):
-        g.multicast_mac("10.0.0.1")
+        multicast_mac("10.0.0.1")
     assert [g.worker_ip(r) for r in (0, 3)] == ["10.0.0.1", "10.0.0.4"]
     assert g.worker_mac(10) == "02:00:00:00:00:0b"
 
@@ -376,7 +377,7 @@ def test_result_frame_is_what_xdp_sends():
     dgram = bytes(AllReduce(type=proto.TYPE_RESULT, rank=proto.RANK_AGG) / bytes(16))
     raw = g.result_frame(dgram, dport=40123)
     p = Ether(raw)
-    assert (p[Ether].src, p[Ether].dst) == (g.AGG_MAC, g.multicast_mac(g.GROUP_IP))
+    assert (p[Ether].src, p[Ether].dst) == (g.AGG_MAC, multicast_mac(g.GROUP_IP))
     assert (p[IP].src, p[IP].dst, p[IP].ttl, p[IP].id, str(p[IP].flags)) == (g.AGG_IP, g.GROUP_IP, 64, 0, "DF")
     assert (p[UDP].sport, p[UDP].dport, p[UDP].chksum) == (proto.DEFAULT_PORT, 40123, 0)
     assert raw[proto.L2L4_LEN:] == dgram and raw[40:42] == b"\0\0"

@@ -1,7 +1,7 @@
 """One rank of a ``nicoffload bench`` run: ``python -m nicoffload.lab.bench.ranks --system S --plan FILE
 [--rank R]``. An adapter per system gives the same two calls (an AllReduce into ``out``, and a
 one-element AllReduce that is the barrier and carries rank 0's decision to go on); the rank goes
-through every point of the plan with them and prints one JSON line per point.
+through every point of the plan with them (:mod:`.adapters`) and prints one JSON line per point.
 
 Per point every rank loads its input, runs ``warmup`` untimed AllReduces, then timed ones: each
 is preceded by the one-element AllReduce (at least ``reps`` reps and ``min_time`` seconds, at
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,214 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from nicoffload.lab import counters
+from nicoffload.lab.bench.adapters import ADAPTERS, Adapter
 from nicoffload.lab.bench.plan import SYSTEMS
-from nicoffload.lab.bench.systems import job_spec
 
-
-class _Adapter:
-    rank: int
-
-    def prepare(self, x: np.ndarray, out: np.ndarray) -> None:
-        """Before each timed AllReduce, untimed: what a system that reduces in place needs (the
-        input copied into the buffer it reduces)."""
-
-    def allreduce(self, x: np.ndarray, out: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def collect(self, out: np.ndarray) -> None:
-        """After each timed AllReduce, untimed: what a system that reduces into a buffer of its
-        own needs (the result copied into ``out``)."""
-
-    def flag(self, v: int) -> int:
-        raise NotImplementedError
-
-    def emit(self, rec: dict) -> None:
-        print(json.dumps(rec), flush=True)
-
-    def counters(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-class _Nicoffload(_Adapter):
-    def __init__(self, plan: dict, rank: int):
-        from nicoffload.communicators import communicator
-
-        p = plan["params"]
-        self.rank = rank
-        # several aggregators (comma-separated): a job sharded over them
-        self.c = communicator(rank, plan["world"], aggregator=p["aggregator"], spec=job_spec(p),
-                              local_ip=plan["ips"][rank])
-        self._one = np.zeros(1, dtype=np.int32)
-
-    def allreduce(self, x, out):
-        self.c.allreduce(x, out=out)
-
-    def flag(self, v):
-        self._one[0] = v
-        return int(self.c.allreduce(self._one)[0])
-
-    def counters(self):
-        s = self.c.stats
-        return {"packets": s.packets_sent, "retransmissions": s.retransmissions}
-
-    def close(self):
-        self.c.close()
-
-
-class _Ring(_Adapter):
-    def __init__(self, plan: dict, rank: int):
-        from nicoffload.lab.bench.tcpring import RingComm
-
-        self.rank = rank
-        self.r = RingComm(rank, plan["world"], plan["ips"], plan["params"]["port"], plan["timeout"])
-        self._f = np.zeros(plan["world"], dtype=np.int32)
-
-    def allreduce(self, x, out):
-        self.r.allreduce(x, out)
-
-    def flag(self, v):
-        self._f[:] = 0
-        self._f[0] = v
-        return int(self.r.allreduce(self._f)[0])
-
-    def close(self):
-        self.r.close()
-
-
-class _RingMode(_Nicoffload):
-    """nicoffload's ring mode: the ring offload (xdpring; the ring programs are loaded by the
-    sweep) or the user-space UDP ring (udpring); the same calls as the aggregator mode's."""
-
-    def __init__(self, plan: dict, rank: int):
-        from nicoffload.ring.comm import RingCommunicator
-
-        p = plan["params"]
-        self.rank = rank
-        self.c = RingCommunicator.from_spec(rank, plan["world"], p["peers"], job_spec(p), offload=p["offload"],
-                                            capacity=p["capacity"])
-        self._one = np.zeros(1, dtype=np.int32)
-
-
-class _Gloo(_Adapter):
-    def __init__(self, plan: dict, rank: int):
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        self.rank, self.torch, self.dist = rank, torch, dist
-        # one thread per rank (ranks share the machine): torch's pool would spin between calls, on
-        # the cores the next system of an interleaved sweep runs on
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=plan["world"],
-                                timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
-        self._f = torch.zeros(1, dtype=torch.int32)
-
-    def prepare(self, x, out):
-        np.copyto(out, x)  # gloo reduces in place: the timed call is the all_reduce alone
-
-    def allreduce(self, x, out):
-        self.dist.all_reduce(self.torch.from_numpy(out))
-
-    def flag(self, v):
-        self._f[0] = v
-        self.dist.all_reduce(self._f)
-        return int(self._f[0])
-
-    def close(self):
-        self.dist.destroy_process_group()
-
-
-class _GlooHalf(_Gloo):
-    """gloo all-reducing a half-precision copy of the gradients (bfloat16 or float16), as DDP's
-    compress hooks do; the casts in and out are untimed (prepare, collect)."""
-
-    def __init__(self, plan: dict, rank: int):
-        super().__init__(plan, rank)
-        from nicoffload.lab.bench.plan import HALF_GLOO
-
-        self._dtype = getattr(self.torch, HALF_GLOO[plan["system"]])
-        self._buf = None
-
-    def prepare(self, x, out):
-        t = self.torch.from_numpy(x)
-        if self._buf is None or self._buf.numel() != t.numel():
-            self._buf = self.torch.empty(t.shape, dtype=self._dtype)
-        self._buf.copy_(t)
-
-    def allreduce(self, x, out):
-        self.dist.all_reduce(self._buf)
-
-    def collect(self, out):
-        self.torch.from_numpy(out).copy_(self._buf)
-
-
-class _Torch(_Gloo):
-    """torch.distributed with the backend "nicoffload" (the service's job); like gloo's adapter,
-    the input is copied into the tensor reduced in place."""
-
-    def __init__(self, plan: dict, rank: int):
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        import nicoffload.torch  # noqa: F401  (registers the backend)
-
-        self.rank, self.torch, self.dist = rank, torch, dist
-        torch.set_num_threads(1)
-        dist.init_process_group("nicoffload", rank=rank, world_size=plan["world"],
-                                timeout=timedelta(seconds=max(60.0, plan["timeout"] * 3)))
-        self._f = torch.zeros(1, dtype=torch.int32)
-
-    def counters(self):
-        c = self.dist.distributed_c10d._get_default_group().comm
-        return {"packets": c.stats.packets_sent, "retransmissions": c.stats.retransmissions}
-
-
-class _Mpi(_Adapter):
-    def __init__(self, plan: dict, rank: int | None):
-        from mpi4py import MPI
-
-        self.MPI, self.comm = MPI, MPI.COMM_WORLD
-        self.rank = self.comm.Get_rank()
-        if self.comm.Get_size() != plan["world"]:
-            raise RuntimeError(f"mpirun started {self.comm.Get_size()} ranks, the plan has {plan['world']}")
-        _check_local_ip(plan["ips"][self.rank], f"MPI rank {self.rank}")
-        self._f, self._g = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
-
-    def allreduce(self, x, out):
-        self.comm.Allreduce(x, out, op=self.MPI.SUM)
-
-    def flag(self, v):
-        self._f[0] = v
-        self.comm.Allreduce(self._f, self._g, op=self.MPI.SUM)
-        return int(self._g[0])
-
-    def emit(self, rec):
-        # mpirun merges every rank's stdout: gather to rank 0, which prints whole lines
-        recs = self.comm.gather(rec, root=0)
-        if self.rank == 0:
-            for r in recs:
-                print(json.dumps(r), flush=True)
-
-
-def _check_local_ip(ip: str, who: str) -> None:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.bind((ip, 0))
-    except OSError:
-        raise RuntimeError(f"{who} is not on the host with address {ip} (placement went wrong)") from None
-    finally:
-        s.close()
-
-
-ADAPTERS = {"xdp": _Nicoffload, "afxdp": _Nicoffload, "userspace": _Nicoffload, "ring": _Ring, "gloo": _Gloo,
-            "mpi": _Mpi, "xdpring": _RingMode, "udpring": _RingMode, "xdptorch": _Torch, "xdpuni": _Nicoffload,
-            "xdp16": _Nicoffload, "gloobf16": _GlooHalf, "gloofp16": _GlooHalf}
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
 IDLE_S = 1.0
 
@@ -284,7 +78,7 @@ def _go_on(plan: dict, done: int, elapsed: float) -> bool:
         (done < plan["reps"] or elapsed < plan["min_time"])
 
 
-def run_point(a: _Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dict, loop=None) -> dict:
+def run_point(a: Adapter, x: np.ndarray, out: np.ndarray, lead: bool, plan: dict, loop=None) -> dict:
     """Warm-up, then timed reps, each behind a one-element AllReduce (barrier + rank 0's go-on).
     Every rank also reports its own process's CPU time over the reps; with a compute ``loop``
     (:class:`~nicoffload.lab.bench.compute.ComputeLoop`), its rate while every rank idles and while
@@ -333,7 +127,7 @@ def _token(fd: int) -> bytes:
     return t
 
 
-def run_driven_point(a: _Adapter, x: np.ndarray, out: np.ndarray, fd: int, index: int) -> dict:
+def run_driven_point(a: Adapter, x: np.ndarray, out: np.ndarray, fd: int, index: int) -> dict:
     """One point with the sweep deciding every rep (``WARM``/``REP`` tokens from the FIFO ``fd``,
     ``NEXT`` ends the point): each rep is the one-element AllReduce (a barrier), then the timed
     AllReduce; after each, a line {"rep": index, "rank", "t"} tells the sweep this rank is done,
