@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import njit
 
+from nicoffload.datapath import kernels
 from nicoffload.datapath.kernels import (
     F32_SHIFT_LIMIT,
     HDR,
@@ -31,6 +32,7 @@ from nicoffload.datapath.kernels import (
     _put32,
     pow2_split,
 )
+from nicoffload.wire import proto
 
 
 @njit(cache=True, inline="always")
@@ -142,3 +144,21 @@ def encode_pulls(buf, rec, tmpl, which, base, nslots, masks):
         i = which[j]
         off = j * rec
         _header(buf, off, tmpl, base + i, nslots, masks[i], 0, 0, 0)
+
+
+def warm_up(elems: int) -> None:
+    """Compile (or load from the on-disk cache) the encoders and the metadata kernels for the
+    argument types the communicators use, before their first collective."""
+    kernels.warm_up(elems)
+    rec = proto.record_size(elems)
+    buf = np.zeros(2 * rec, np.uint8)
+    tmpl = np.zeros(HDR, np.uint8)
+    one = np.zeros(1, np.int64)
+    masks = np.ones(1, np.int64)
+    shifts = np.zeros(1, np.int32)
+    for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
+        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0,
+                     proto.OP_SUM64)
+        encode_half(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0)
+    encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
+    encode_pulls(buf, rec, tmpl, one, 0, 1, masks)

@@ -277,29 +277,17 @@ _warm: set = set()
 
 
 def warm_up(elems: int) -> None:
-    """Compile (or load from the on-disk cache) the metadata and encoding kernels for the
-    argument types the worker uses, so that a communicator's first collective does not pay."""
-    from nicoffload.datapath.encode import encode_float, encode_half, encode_int, encode_pulls
-
+    """Compile (or load from the on-disk cache) the metadata kernels for the argument types the
+    worker uses, so that a communicator's first collective does not pay (the encoders:
+    :func:`nicoffload.datapath.encode.warm_up`, which calls this)."""
     if elems in _warm:
         return
-    rec = proto.record_size(elems)
-    buf = np.zeros(2 * rec, np.uint8)
-    tmpl = np.zeros(HDR, np.uint8)
-    one = np.zeros(1, np.int64)
-    masks = np.ones(1, np.int64)
-    shifts = np.zeros(1, np.int32)
     for x in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         exps = np.zeros(1, np.int32)
         (block_meta_f32 if x.dtype == np.float32 else block_meta_f64)(x, elems, exps)
-        encode_float(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0,
-                     proto.OP_SUM64)
-        encode_half(buf, rec, elems, tmpl, x, one, 0, 1, one, masks, shifts, 1, x.dtype == np.float32, 0)
     block_nonzero_i32(np.zeros(2, np.int32), elems, np.zeros(1, np.uint8))
     for w in (np.zeros(2, np.int32), np.zeros(2, np.int64)):
         zero_blocks(w, np.zeros(1, np.bool_), elems)
-    encode_int(buf, rec, elems, tmpl, np.zeros(2, np.int32), one, 0, 1, one, masks, proto.OP_SUM, 0)
-    encode_pulls(buf, rec, tmpl, one, 0, 1, masks)
     # the speculative call's plan and verdict (types as Communicator._speculative passes them)
     reset_rounds(np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
     zero_exp, i32 = int(np.iinfo(np.int32).min), np.zeros(1, np.int32)
@@ -310,17 +298,3 @@ def warm_up(elems: int) -> None:
     spec_verdict(i32, i32, np.zeros(2, np.int64), 1, 1, i32, i32, zero_exp, np.int64(1), b[:1], b[1:],
                  np.zeros(1, np.int64), np.zeros(1, np.int64))
     _warm.add(elems)
-
-
-#: the encoders, re-exported: the communicators (nicoffload/worker/, nicoffload/ring/comm.py) call
-#: them as kernels.encode_*. Looked up on first use (PEP 562), as encode.py imports this module.
-_ENCODERS = ("encode_float", "encode_half", "encode_int", "encode_pulls")
-
-
-def __getattr__(name: str):
-    if name not in _ENCODERS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from nicoffload.datapath import encode
-
-    value = globals()[name] = getattr(encode, name)
-    return value

@@ -31,7 +31,7 @@ from typing import ClassVar
 import numpy as np
 
 from nicoffload import collective
-from nicoffload.datapath import kernels
+from nicoffload.datapath import encode as enc
 from nicoffload.datapath.pump import KIND_FLOAT32, KIND_FLOAT64, KIND_INT32
 from nicoffload.datapath.tensors import KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import MAX_GSO_SEGS, MAX_MSGS, Transport
@@ -156,7 +156,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
         self._missing = np.zeros(cap, np.int64)
         self._tmpl = _template(self.rank, self.job)
         self._nacks = np.zeros(MAX_MSGS * self._t.per_datagram * self._rec, np.uint8)
-        kernels.warm_up(self.elems)
+        enc.warm_up(self.elems)
         self._warm_up()
         self._mismatch_seen = int(self.counters().get("mismatch", 0))
 
@@ -284,11 +284,11 @@ class RingCommunicator(RingPasses, RingDiagnosis):
             sh = shifts[s0:s1]
             if kind == KIND_INT32:
                 def stage(lo, hi, tmpl):
-                    kernels.encode_int(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40, blocks,
+                    enc.encode_int(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40, blocks,
                                        masks, proto.OP_SUM, lo)
             else:
                 def stage(lo, hi, tmpl):
-                    kernels.encode_float(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40,
+                    enc.encode_float(self._local, self._rec, E, tmpl, flat, lay.idx[lo:hi], 0, 1 << 40,
                                          blocks, masks, sh, bias, single, lo, proto.OP_SUM64)
             self._pass(K, stage)
             t2 = time.perf_counter()
@@ -321,7 +321,7 @@ class RingCommunicator(RingPasses, RingDiagnosis):
             lay = self._layout(K)
 
             def stage(lo, hi, tmpl, vals=vals, lay=lay):
-                kernels.encode_int(self._local, self._rec, E, tmpl, vals, lay.idx[lo:hi], 0, 1 << 40, lay.idx,
+                enc.encode_int(self._local, self._rec, E, tmpl, vals, lay.idx[lo:hi], 0, 1 << 40, lay.idx,
                                    lay.masks, op, lo)
             self._pass(K, stage)
             got = np.empty(K * E, np.int32)

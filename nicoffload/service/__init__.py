@@ -5,7 +5,8 @@ slots of dead runs and Prometheus metrics.
     api           requests and answers as data: a job request checked field by field, the grant
                   every rank builds its communicator from
     core          the logic: admit, remove, renew, list, reap; the snapshot the metrics read
-    engine        what a job runs on: the Engine interface, its errors, the registry of engines
+    engine        what a job runs on: the Engine interface, its errors, the registry's class
+    engines       the registry of the engines a service has (xdp, afxdp)
     xdp_pool      the XDP program's slot pool as an engine ("xdp")
     afxdp_engine  the AF_XDP engine beside it ("afxdp", ``--fallback afxdp``)
     leases        the lease book (persisted, so a restarted service keeps its jobs)

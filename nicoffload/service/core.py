@@ -19,7 +19,8 @@ from nicoffload.agg.jobtable import first_free_group
 from nicoffload.errors import CapacityError, InputError, NotFoundError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.api import JobGrant, JobRequest
-from nicoffload.service.engine import Admitted, Engine, Placement, UnknownEngine, UnknownJob, registry
+from nicoffload.service.engine import Admitted, Engine, Placement, UnknownEngine, UnknownJob
+from nicoffload.service.engines import registry
 from nicoffload.service.leases import LeaseBook
 
 log = logging.getLogger("nicoffload.service")

@@ -147,20 +147,3 @@ class EngineRegistry:
         except KeyError:
             raise UnknownEngine(f"no engine is named {name!r}; there are {', '.join(self._factories)}") from None
         return factory(agg, leases)
-
-
-def _xdp(agg: "Aggregator", leases: LeaseBook) -> Engine:
-    from nicoffload.service.xdp_pool import XdpPool
-
-    return XdpPool(agg, leases)
-
-
-def _afxdp(agg: "Aggregator", leases: LeaseBook) -> Engine:
-    from nicoffload.service.afxdp_engine import AfxdpEngine
-
-    return AfxdpEngine(agg, leases)
-
-
-registry = EngineRegistry()
-registry.register("xdp", _xdp)
-registry.register("afxdp", _afxdp)

@@ -33,7 +33,7 @@ from nicoffload.ebpf import loader as bpf
 from nicoffload.errors import InputError, NotFoundError, PrivilegeError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.core import Service, ServiceConfig
-from nicoffload.service.engine import registry as engines
+from nicoffload.service.engines import registry as engines
 from nicoffload.service.http import make_app
 from nicoffload.service.leases import LeaseBook
 

@@ -36,6 +36,7 @@ from typing import ClassVar
 import numpy as np
 
 from nicoffload import collective, optim
+from nicoffload.datapath import encode as enc
 from nicoffload.datapath import kernels, pump
 from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
@@ -275,20 +276,20 @@ class Communicator:
             bias16 = self._s.bias16
 
             def encode(j0: int, j1: int, at: int) -> None:
-                kernels.encode_half(send, rec, self.elems, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts,
+                enc.encode_half(send, rec, self.elems, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts,
                                     bias16, single, at)
         elif c.is_float:
             shifts = quant.shifts_for(gexp[blocks], self.world, 32).astype(np.int32)
             bias = self._s.bias
 
             def encode(j0: int, j1: int, at: int) -> None:
-                kernels.encode_float(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts, bias,
+                enc.encode_float(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, shifts, bias,
                                      single, at, proto.OP_SUM64)
         else:
             shifts = self._buf.get("noshift", K, np.int32)
 
             def encode(j0: int, j1: int, at: int) -> None:
-                kernels.encode_int(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, proto.OP_SUM, at)
+                enc.encode_int(send, rec, E, tmpl, flat, mine[j0:j1], base, S, blocks, masks, proto.OP_SUM, at)
         kind = (pump.KIND_HALF32 if single else pump.KIND_HALF64) if c.half else KIND[c.x.dtype]
         self._s.run(base, Rounds(blocks, masks, mine, shifts, send, kind, c.res, encode))
         st.results += K
@@ -347,7 +348,7 @@ class Communicator:
         single = g.dtype == np.float32
 
         def encode(j0: int, j1: int, at: int) -> None:
-            kernels.encode_float(send, self._rec, E, tmpl, flat, blocks[j0:j1], base, self.slots, blocks, masks,
+            enc.encode_float(send, self._rec, E, tmpl, flat, blocks[j0:j1], base, self.slots, blocks, masks,
                                  shifts, self._s.bias, single, at, proto.OP_SGD)
 
         kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
@@ -388,7 +389,7 @@ class Communicator:
         tmpl = self._s.template(proto.TYPE_CONTRIB)
         for p, (_v, op) in enumerate(parts):
             rounds = blocks[p * per:(p + 1) * per]
-            kernels.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op,
+            enc.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op,
                                p * per)
         res = self._buf.get("meta_out", k * E, np.int32)
         self._s.run(base, Rounds(blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,

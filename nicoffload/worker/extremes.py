@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nicoffload.datapath import kernels, pump
+from nicoffload.datapath import encode as enc
+from nicoffload.datapath import pump
 from nicoffload.datapath.tensors import call_arrays
 from nicoffload.errors import InputError
 from nicoffload.wire import proto
@@ -46,7 +47,7 @@ def extreme(self: Communicator, array: np.ndarray, out: np.ndarray | None, op: s
     tmpl = self._s.template(proto.TYPE_CONTRIB)
 
     def encode(j0: int, j1: int, at: int) -> None:
-        kernels.encode_int(send, self._rec, E, tmpl, keys, blocks[j0:j1], base, self.slots, blocks, masks,
+        enc.encode_int(send, self._rec, E, tmpl, keys, blocks[j0:j1], base, self.slots, blocks, masks,
                            proto.OP_MAX, at)
 
     res = self._buf.get("xres", n, np.int32)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nicoffload.datapath import encode as enc
 from nicoffload.datapath import kernels, pump
 from nicoffload.datapath.tensors import KIND
 from nicoffload.wire import proto, quant
@@ -104,11 +105,11 @@ def speculative_run(self: Communicator, x: np.ndarray, flat: np.ndarray, res: np
         while j0 < j1 and j0 < k:  # metadata records, one op per part
             p = j0 // per
             m1 = min(j1, (p + 1) * per)
-            kernels.encode_int(send, rec, E, tmpl, values, mine[j0:m1], base, S, blocks, masks, parts[p][1], at)
+            enc.encode_int(send, rec, E, tmpl, values, mine[j0:m1], base, S, blocks, masks, parts[p][1], at)
             at += m1 - j0
             j0 = m1
         if j0 < j1:
-            kernels.encode_float(send, rec, E, tmpl, src, mine[j0:j1], base, S, blocks, masks, shifts, bias,
+            enc.encode_float(send, rec, E, tmpl, src, mine[j0:j1], base, S, blocks, masks, shifts, bias,
                                  single, at, proto.OP_SUM64)
 
     meta_out = self._buf.get("meta_out", k * E, np.int32)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from nicoffload.datapath import encode as enc
 from nicoffload.datapath import kernels, pump
 from nicoffload.datapath.transport import Transport, faulted_in
 from nicoffload.errors import MismatchError, ProtocolError, TimeoutError_
@@ -89,7 +90,7 @@ class RoundStream:
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         # set from another thread (abort): the call in flight and every later one raise it
         self._abort: BaseException | None = None
-        kernels.warm_up(elems)
+        enc.warm_up(elems)
         pump.warm_up(elems)
         self._warm_pumps()
 
@@ -304,7 +305,7 @@ class RoundStream:
         if len(others):
             buf = self._buf.get("pull", len(others) * rec, np.uint8)
             buf[:] = 0
-            kernels.encode_pulls(buf, rec, self._records.pull(self._epoch, head_abs), others, base, self.slots, masks)
+            enc.encode_pulls(buf, rec, self._records.pull(self._epoch, head_abs), others, base, self.slots, masks)
             self._t.send_records(buf, 0, len(others), dest)
             st.pulls += len(others)
             st.packets_sent += len(others)

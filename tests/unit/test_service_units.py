@@ -217,7 +217,8 @@ def test_every_registered_engine_has_the_whole_interface():
     import inspect
     from types import SimpleNamespace
 
-    from nicoffload.service.engine import Engine, UnknownEngine, registry
+    from nicoffload.service.engine import Engine, UnknownEngine
+    from nicoffload.service.engines import registry
 
     methods = {n: f for n, f in vars(Engine).items() if inspect.isfunction(f) and not n.startswith("_")}
     assert {"grant", "describe", "stats", "traffic", "release", "admit", "refresh"} <= set(methods)
