@@ -202,7 +202,7 @@ def sgd_update(state: BlockState, lanes: np.ndarray, offset: int, gexp: int, hyp
     """Apply one update to ``state`` from the SUM64 lanes of a completed round (uint32, one per
     element; ``offset`` = ranks * bias; the gradient is (lane - offset) * 2^-gexp) to its first
     ``count`` elements (the padding of a partial block stays as it is, 0); returns the result:
-    (int32 lanes, exponent). Mirrors sgd_apply in xdp/aggregator.c exactly."""
+    (int32 lanes, exponent). Mirrors sgd_apply in xdp/optim.h exactly."""
     if count is not None and count < len(lanes):
         head = BlockState(state.w[:count].copy(), state.m[:count].copy(), state.steps)
         res, e = sgd_update(head, lanes[:count], offset, gexp, hyper, nesterov)
