@@ -158,12 +158,12 @@ long ar_record(u64 i)
         /* the round's sum is the averaged gradient: the result is the updated parameters */
         struct ar_set *set = &slot->set[h->set & 1];
         u32 exp = sgd_apply(job, hp, opt, set, idx, h->set & 1);
-        acc_read(set->acc, p);
+        result_values(p, set->acc, AR_WORDS);
         slot_lock(slot);
         set->exp = (u16)exp;
         set->complete = SET_COMPLETE;
         slot_unlock(slot);
-        to_result(h, set, f->gate);
+        round_result(h, set, f->gate);
         o = OUT_COMPLETE;
     }
 #endif

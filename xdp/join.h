@@ -59,9 +59,7 @@ static __always_inline int on_ack(struct xdp_md *ctx, struct sender *s, struct a
     if (!(h->flags & AR_FLAG_RETX))
         return XDP_DROP;
     /* a worker whose window the gate holds asks for the current one */
-    h->rank = bpf_htons(AR_RANK_AGG);
-    h->flags = 0;
-    h->ack = bpf_htonl(job_gate(s->job));
+    to_gate(h, job_gate(s->job));
     return emit(ctx, s->job, 0, 1);
 }
 

@@ -1,9 +1,10 @@
 /* The slot algorithm of the XDP aggregator (SwitchML's Rx/Tx spots, docs/protocol.md): what one
  * record does to its slot's set under the slot's lock, and what a JOIN does to its job's epoch
- * under the job's lock. State transitions and the record rewrites they decide; the frame around
- * them (parsing, counters, sending) is the caller's.
+ * under the job's lock. State transitions and the answers they decide (the record rewrites
+ * themselves are record.h's, shared with the AF_XDP engine); the frame around them (parsing,
+ * counters, sending) is the caller's.
  *
- *   acc_write, acc_read, acc_combine   the set's accumulator and a record's payload (SUM, SUM64, MAX, OR)
+ *   acc_write, acc_combine             the set's accumulator and a record's payload (SUM, SUM64, MAX, OR)
  *   slot_lock                          the slot's spin lock (a test-only mutant builds without it)
  *   acked_by_all, job_gate             the Tx-spot rule: a set is overwritten once every rank holds its result
  *   slot_update                        one contribution (or pull) against its set: an enum outcome
@@ -13,6 +14,7 @@
 #define NICOFFLOAD_SLOTS_H
 
 #include "parse.h"
+#include "record.h"
 #include "agg_maps.h"
 
 enum outcome {
@@ -55,13 +57,6 @@ static __always_inline void acc_write(u64 *acc, u64 *p)
 #pragma unroll
     for (int k = 0; k < AR_WORDS; k++)
         acc[k] = p[k];
-}
-
-static __always_inline void acc_read(u64 *acc, u64 *p)
-{
-#pragma unroll
-    for (int k = 0; k < AR_WORDS; k++)
-        p[k] = acc[k];
 }
 
 /* acc op= p; with `out` the result is also written into the packet (the completing record). */
@@ -153,28 +148,11 @@ static __always_inline u32 job_gate(struct ar_job *job)
     return gate;
 }
 
-/* A RESULT record: the round's state as the aggregator holds it; ack carries the job's gate. */
-static __always_inline void to_result(struct ar_hdr *h, struct ar_set *s, u32 gate)
+/* A RESULT record: the round's state as set s holds it; ack carries the job's gate (wire order).
+ * The payload is the caller's (result_values, or the sum acc_combine wrote). */
+static __always_inline void round_result(struct ar_hdr *h, struct ar_set *s, u32 gate)
 {
-    h->type = AR_TYPE_RESULT;
-    h->flags = 0;
-    h->rank = bpf_htons(AR_RANK_AGG);
-    h->mask = bpf_htonl(s->bitmap);
-    h->ack = gate;
-    h->count = bpf_htons(s->count);
-    h->exp = s->exp;
-    h->op = s->op;
-    h->detail = 0;
-}
-
-static __always_inline void to_status(struct ar_hdr *h, u32 bitmap, u8 detail)
-{
-    h->type = AR_TYPE_STATUS;
-    h->flags = 0;
-    h->mask = bpf_htonl(bitmap);
-    h->ack = 0;
-    h->count = 0;
-    h->detail = detail;
+    to_result(h, s->bitmap, s->count, s->exp, s->op, gate);
 }
 
 /* One validated CONTRIB record against its set, under the slot's lock. */
@@ -192,8 +170,8 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     }
     if (h->flags & AR_FLAG_PULL) {
         if (same && s->complete == SET_COMPLETE) {
-            acc_read(s->acc, p);
-            to_result(h, s, gate);
+            result_values(p, s->acc, AR_WORDS);
+            round_result(h, s, gate);
             return OUT_PULL_ANSWER;
         }
         if (!same && s->epoch == epoch && serial_after(s->round, round))
@@ -207,8 +185,8 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
         if (!(h->flags & AR_FLAG_RETX))
             return OUT_DUP;
         if (s->complete == SET_COMPLETE) {
-            acc_read(s->acc, p);
-            to_result(h, s, gate);
+            result_values(p, s->acc, AR_WORDS);
+            round_result(h, s, gate);
             return OUT_RETX_ANSWER;
         }
         to_status(h, s->bitmap, AR_DETAIL_WAITING);
@@ -262,26 +240,13 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
         return OUT_UPDATING;
     }
     s->complete = SET_COMPLETE;
-    to_result(h, s, gate); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
+    round_result(h, s, gate); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
     return OUT_COMPLETE;
 }
 
 /* --- JOIN: epoch formation --------------------------------------------------------------------- */
 
 enum join_outcome { JOIN_WAIT, JOIN_FORMED, JOIN_ANSWER, JOIN_STATUS, JOIN_SUPERSEDED };
-
-/* Copy the nonce table into a JOINED record (the job's lock is held). */
-static __always_inline void to_joined(struct ar_hdr *h, u64 *table, struct ar_job *job)
-{
-    h->type = AR_TYPE_JOINED;
-    h->flags = 0;
-    h->epoch = bpf_htonl(job->live);
-    h->mask = bpf_htonl(job->joined);
-    h->detail = 0;
-#pragma unroll
-    for (int r = 0; r < AR_MAX_WORKERS; r++)
-        table[r] = job->nonce[r];
-}
 
 /* A run's epoch forms once every rank of the job has joined with a fresh nonce; a JOIN from a
  * newer process of a rank ends the current epoch (its rounds can no longer complete, and their
@@ -296,7 +261,7 @@ static __always_inline enum join_outcome join_epoch(struct ar_job *job, struct a
     bpf_spin_lock(&job->lock);
     u64 cur = job->nonce[rank];
     if (job->live && nonce == cur) {
-        to_joined(h, table, job); /* the JOINED was lost: answer again */
+        to_joined(h, table, job->live, job->joined, job->nonce); /* the JOINED was lost: answer again */
         o = JOIN_ANSWER;
     } else if (cur && nonce < cur) {
         o = JOIN_SUPERSEDED;
@@ -319,7 +284,7 @@ static __always_inline enum join_outcome join_epoch(struct ar_job *job, struct a
 #pragma unroll
             for (int r = 0; r < AR_MAX_WORKERS; r++)
                 job->ack[r] = 0;
-            to_joined(h, table, job);
+            to_joined(h, table, job->live, job->joined, job->nonce);
             o = JOIN_FORMED;
         } else {
             o = JOIN_WAIT;
