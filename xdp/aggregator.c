@@ -26,7 +26,9 @@
  *                multicast group (XDP_TX); else if a record answers the sender, back to it; else
  *                it is dropped.
  * Every record ends in exactly one counter of its job's row (ar_stats, verdict.h); malformed ones
- * are counted by reason and never touch a slot. The maps and the build's sizes are in agg_maps.h.
+ * are counted by reason and never touch a slot. The maps and the build's sizes are in agg_maps.h;
+ * the rewrites of a record into its answer (RESULT, STATUS, JOINED, the gate) and the checksums are
+ * record.h's, which the AF_XDP engine compiles too.
  *
  * bcc rewrites map accesses (map.lookup()) and compiles programs and bpf_loop callbacks only in its
  * main file: the loader splices these headers into the text it hands to bcc (main_file in
