@@ -1,4 +1,4 @@
-/* Maps of the XDP aggregator. Included by aggregator.c and by the control plane's inspector
+/* Maps of the XDP aggregator. Included by aggregator.c's headers and by the control plane's inspector
  * (which compiles only these definitions to reopen the pinned maps with bcc's typed tables).
  *
  * Build-time sizes (bcc -D, set by nicoffload/agg/control.py):
@@ -7,6 +7,8 @@
  *   AR_PIN_DIR  optional bpffs directory (string literal); when set, maps are pinned there
  *   AR_OPT_SLOTS  entries of the optimizer state map (AR_SLOTS when the aggregator may hold
  *               optimizer jobs, 1 otherwise: the state of pool slot i is entry i)
+ * and what follows from them: AR_WORDS (64-bit words of a payload), AR_REC_LEN (bytes of a record),
+ * AR_JOIN_LEN, AR_MAX_RECS (records of one frame at most).
  */
 #ifndef NICOFFLOAD_AGG_MAPS_H
 #define NICOFFLOAD_AGG_MAPS_H
@@ -23,6 +25,12 @@
 #error "AR_ELEMS must be even (AR_OP_SUM64 and AR_OP_OR work on 64-bit words)"
 #endif
 #define AR_WORDS (AR_ELEMS / 2)
+#define AR_REC_LEN (AR_HDR_LEN + AR_ELEMS * 4)  /* bytes of one record */
+#define AR_JOIN_LEN (AR_HDR_LEN + AR_JOIN_PAYLOAD)
+/* records of one frame: the verifier reaches at most AR_MAX_PACKET_OFF bytes into a packet */
+#define AR_MAX_RECS ((AR_MAX_PACKET_OFF - AR_L2L4_LEN) / AR_REC_LEN)
+
+_Static_assert(AR_MAX_RECS >= 1, "a record must fit the verifier's packet window");
 #ifndef AR_OPT_SLOTS
 #define AR_OPT_SLOTS 1
 #endif

@@ -1,8 +1,8 @@
 /* Parsing for the aggregator and the ring: a cursor over the frame (each step checks bounds,
- * advances and returns a pointer to the header or NULL), the record header's C view, checksums,
- * what both programs do to a frame's Ethernet / IPv4 / UDP headers: recognise one of theirs
- * (parse_l2l4) and make it go out again (out_headers), and the two macros of their bpf_loop
- * callbacks (callback_ctx, barrier_var).
+ * advances and returns a pointer to the header or NULL), what both programs do to a frame's
+ * Ethernet / IPv4 / UDP headers: recognise one of theirs (parse_l2l4) and make it go out again
+ * (out_headers, with record.h's checksums), and the two macros of their bpf_loop callbacks
+ * (callback_ctx, barrier_var). The record header's C view is in record.h.
  * Byte order: wire fields are big endian, payloads little endian (see nicoffload_proto.h). */
 #ifndef NICOFFLOAD_PARSE_H
 #define NICOFFLOAD_PARSE_H
@@ -13,14 +13,12 @@
 #include <uapi/linux/udp.h>
 
 #include "nicoffload_proto.h"
+#include "record.h"
 
 #ifndef AR_PORT
 #define AR_PORT AR_DEFAULT_PORT
 #endif
 
-/* IPv4 header without options (bytes); results are rewritten in place, so only ihl 5 is ours */
-#define AR_IPV4_LEN 20
-#define AR_IPV4_IHL 5
 /* frag_off bits: "more fragments" and the fragment offset; DF alone is fine */
 #define AR_IP_MF_OFFSET 0x3fff
 #define AR_IP_DF 0x4000
@@ -45,47 +43,6 @@ struct cursor {
     void *end;
 };
 
-struct ar_hdr {
-    u16 magic;
-    u8 version;
-    u8 type;
-    u8 flags;
-    u8 set;
-    u16 rank;
-    u32 job;
-    u32 epoch;
-    u32 slot;
-    u32 round;
-    u32 mask;
-    u32 ack;
-    u16 count;
-    s16 exp;
-    u8 op;
-    u8 detail;
-    u16 pad;
-} __attribute__((packed));
-
-/* The wire layout is checked here, against the shared constants, by the compiler: the one
- * place the C view of a record is tied to AR_OFF_* (Python derives its view from AR_OFF_*). */
-_Static_assert(sizeof(struct ar_hdr) == AR_HDR_LEN, "ar_hdr size drifted from AR_HDR_LEN");
-_Static_assert(__builtin_offsetof(struct ar_hdr, magic) == AR_OFF_MAGIC, "magic offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, version) == AR_OFF_VERSION, "version offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, type) == AR_OFF_TYPE, "type offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, flags) == AR_OFF_FLAGS, "flags offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, set) == AR_OFF_SET, "set offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, rank) == AR_OFF_RANK, "rank offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, job) == AR_OFF_JOB, "job offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, epoch) == AR_OFF_EPOCH, "epoch offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, slot) == AR_OFF_SLOT, "slot offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, round) == AR_OFF_ROUND, "round offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, mask) == AR_OFF_MASK, "mask offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, ack) == AR_OFF_ACK, "ack offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, count) == AR_OFF_COUNT, "count offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, exp) == AR_OFF_EXP, "exp offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, op) == AR_OFF_OP, "op offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, detail) == AR_OFF_DETAIL, "detail offset");
-_Static_assert(__builtin_offsetof(struct ar_hdr, pad) == AR_OFF_PAD, "pad offset");
-_Static_assert(AR_JOIN_PAYLOAD == AR_MAX_WORKERS * 8, "JOIN payload holds one u64 nonce per rank");
 _Static_assert(AR_L2L4_LEN == sizeof(struct ethhdr) + AR_IPV4_LEN + sizeof(struct udphdr), "L2-L4 length");
 
 static __always_inline struct ethhdr *parse_eth(struct cursor *c)
@@ -123,34 +80,6 @@ static __always_inline struct ar_hdr *parse_ar(struct cursor *c)
         return NULL;
     c->pos = ar + 1;
     return ar;
-}
-
-static __always_inline u32 csum_fold(u32 sum)
-{
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    return sum;
-}
-
-/* IPv4 header checksum over exactly AR_IPV4_LEN bytes (ihl 5). */
-static __always_inline u16 ipv4_csum(struct iphdr *ip)
-{
-    u32 sum = 0;
-    u16 *w = (u16 *)ip;
-#pragma unroll
-    for (int i = 0; i < AR_IPV4_LEN / 2; i++)
-        sum += w[i];
-    return ~csum_fold(sum);
-}
-
-/* The UDP checksum field of a CHECKSUM_PARTIAL (GSO) skb holds the folded, uncomplemented
- * pseudo-header sum; the stack adds the payload when it segments or transmits. Recomputed from
- * the (rewritten) addresses and length, in wire order. */
-static __always_inline u16 udp_pseudo_partial(struct iphdr *ip, struct udphdr *udp)
-{
-    u32 sum = (ip->saddr & 0xffff) + (ip->saddr >> 16) + (ip->daddr & 0xffff) + (ip->daddr >> 16);
-    sum += bpf_htons(IPPROTO_UDP) + udp->len;
-    return csum_fold(sum);
 }
 
 /* Ethernet / IPv4 / UDP to AR_PORT (and, with to_me, to the address my_ip). Returns 0 with *ipp,

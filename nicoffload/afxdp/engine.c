@@ -13,8 +13,10 @@
  * arrives as a chain of descriptors (XDP_USE_SG, XDP_PKT_CONTD) and is gathered before it is
  * parsed. Results leave as frames of at most the interface's MTU.
  *
- * Built by nicoffload/afxdp/build.py with gcc against libxdp (xsk API) and libbpf; driven from
- * Python through ctypes (nicoffload/afxdp/engine.py). One thread runs afx_run(); the job table
+ * Built by nicoffload/afxdp/build.py with gcc against libxdp (xsk API) and libbpf, with xdp/ on the
+ * include path: the record header, the rewrites of a record into its answer and the checksums are
+ * xdp/record.h's, the XDP programs' own; driven from Python through ctypes
+ * (nicoffload/afxdp/engine.py). One thread runs afx_run(); the job table
  * is changed under a mutex the loop holds per batch. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -38,7 +40,7 @@
 #include <net/if.h>
 #include <xdp/xsk.h>
 
-#include "nicoffload_proto.h"
+#include "record.h"
 
 #ifndef XDP_USE_SG
 #define XDP_USE_SG (1 << 4)
@@ -138,47 +140,6 @@ static inline int serial_after(uint32_t a, uint32_t b)
     return d != 0 && d < 0x80000000u;
 }
 
-struct rec {  /* the record header, wire order */
-    uint16_t magic;
-    uint8_t version, type, flags, set;
-    uint16_t rank;
-    uint32_t job, epoch, slot, round, mask, ack;
-    uint16_t count;
-    int16_t exp;
-    uint8_t op, detail;
-    uint16_t pad;
-} __attribute__((packed));
-
-_Static_assert(sizeof(struct rec) == AR_HDR_LEN, "record header is AR_HDR_LEN bytes");
-
-static uint16_t csum_fold(uint64_t sum)
-{
-    while (sum >> 16)
-        sum = (sum & 0xffff) + (sum >> 16);
-    return (uint16_t)~sum;
-}
-
-static uint64_t csum_add(uint64_t sum, const uint8_t *p, size_t n)
-{
-    /* 16-bit words in network order, summed 32 bits at a time */
-    while (n >= 4) {
-        uint32_t w;
-        memcpy(&w, p, 4);
-        w = ntohl(w);
-        sum += (w >> 16) + (w & 0xffff);
-        p += 4;
-        n -= 4;
-    }
-    if (n >= 2) {
-        sum += ((uint32_t)p[0] << 8) | p[1];
-        p += 2;
-        n -= 2;
-    }
-    if (n)
-        sum += (uint32_t)p[0] << 8;
-    return sum;
-}
-
 static uint64_t now_ns(void)
 {
     struct timespec ts;
@@ -267,19 +228,14 @@ static int send_frame(struct afx_engine *e, struct afx_queue *q, const uint8_t *
     ip->check = 0;
     ip->saddr = e->local_ip_be;
     ip->daddr = dst_be;
-    ip->check = htons(csum_fold(csum_add(0, (uint8_t *)ip, 20)));
+    ip->check = ipv4_csum(ip);
     struct udphdr *udp = (struct udphdr *)(ip + 1);
     udp->source = htons(e->port);
     udp->dest = dport_be;
     udp->len = htons(8 + n);
     udp->check = 0;
     memcpy(udp + 1, payload, n);
-    /* pseudo-header + UDP header + payload */
-    uint64_t s = csum_add(0, (uint8_t *)&ip->saddr, 8);
-    s += IPPROTO_UDP + 8 + n;
-    s = csum_add(s, (uint8_t *)udp, 8 + n);
-    uint16_t c = htons(csum_fold(s));
-    udp->check = c ? c : 0xffff;
+    udp->check = udp_csum(ip, udp, 8 + n);
     struct xdp_desc *d = xsk_ring_prod__tx_desc(&q->tx, idx);
     d->addr = addr;
     d->len = 14 + 20 + 8 + n;
@@ -419,27 +375,11 @@ struct sender {
     uint16_t port_be;
 };
 
-static void status(struct rec *r, uint32_t bitmap, uint8_t detail)
+/* A RESULT of the round set s holds, its payload the round's sum acc (record.h's rewrite). */
+static void result(struct afx_engine *e, struct afx_job *j, struct ar_hdr *r, struct afx_set *s, const int32_t *acc)
 {
-    r->type = AR_TYPE_STATUS;
-    r->flags = 0;
-    r->mask = htonl(bitmap);
-    r->ack = 0;
-    r->count = 0;
-    r->detail = detail;
-}
-
-static void result(struct afx_job *j, struct rec *r, struct afx_set *s)
-{
-    r->type = AR_TYPE_RESULT;
-    r->flags = 0;
-    r->rank = htons(AR_RANK_AGG);
-    r->mask = htonl(s->bitmap);
-    r->ack = htonl(j->gate);
-    r->count = htons(s->count);
-    r->exp = (int16_t)htons((uint16_t)s->exp);
-    r->op = s->op;
-    r->detail = 0;
+    result_values((ar_u64_any *)(r + 1), (const ar_u64_any *)acc, e->elems / 2);
+    to_result(r, s->bitmap, s->count, (int16_t)htons((uint16_t)s->exp), s->op, htonl(j->gate));
 }
 
 static uint32_t job_gate(struct afx_job *j)
@@ -471,25 +411,15 @@ static void reply(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, 
     send_records(e, q, j, from->mac, from->ip_be, from->port_be, data, n);
 }
 
-static void joined(struct afx_job *j, struct rec *r, uint8_t *table)
-{
-    r->type = AR_TYPE_JOINED;
-    r->flags = 0;
-    r->epoch = htonl(j->live);
-    r->mask = htonl(j->joined);
-    r->detail = 0;
-    memcpy(table, j->nonces, sizeof(j->nonces));  /* u64 little endian, index = rank */
-}
-
 static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j, uint8_t *d, uint32_t rank,
                     const struct sender *from)
 {
     uint64_t *st = j->stats;
-    struct rec *r = (struct rec *)d;
+    struct ar_hdr *r = (struct ar_hdr *)d;
     uint8_t *table = d + AR_HDR_LEN;
     uint32_t n = AR_HDR_LEN + AR_JOIN_PAYLOAD;
     if (ntohl(r->mask) != j->mask_all) {
-        status(r, j->mask_all, AR_DETAIL_WORLD);
+        to_status(r, j->mask_all, AR_DETAIL_WORLD);
         st[AR_STAT_STATUS_SENT]++;
         reply(e, q, j, from, d, n);
         return;
@@ -499,7 +429,7 @@ static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j
     uint32_t bit = 1u << rank;
     if (j->live && nonce == cur) {
         st[AR_STAT_JOIN]++;
-        joined(j, r, table);
+        to_joined(r, (ar_u64_any *)table, j->live, j->joined, j->nonces);
         r->flags = AR_FLAG_ANSWER;
         reply(e, q, j, from, d, n);
         return;
@@ -507,7 +437,7 @@ static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j
     if (cur && nonce < cur) {
         st[AR_STAT_STALE_JOIN]++;
         if (r->flags & AR_FLAG_RETX) {
-            status(r, 0, AR_DETAIL_SUPERSEDED);
+            to_status(r, 0, AR_DETAIL_SUPERSEDED);
             reply(e, q, j, from, d, n);
         }
         return;
@@ -515,7 +445,7 @@ static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j
     st[AR_STAT_JOIN]++;
     if (!j->live && (j->joined & bit) && nonce == cur) {
         if (r->flags & AR_FLAG_RETX) {
-            status(r, j->joined, AR_DETAIL_JOINING);
+            to_status(r, j->joined, AR_DETAIL_JOINING);
             reply(e, q, j, from, d, n);
         }
         return;
@@ -532,12 +462,12 @@ static void on_join(struct afx_engine *e, struct afx_queue *q, struct afx_job *j
         memset(j->acks, 0, sizeof(j->acks));
         st[AR_STAT_EPOCH_FORMED]++;
         st[AR_STAT_RESULT_SENT]++;
-        joined(j, r, table);
+        to_joined(r, (ar_u64_any *)table, j->live, j->joined, j->nonces);
         to_ranks(e, q, j, from->port_be, d, n);
     }
 }
 
-static const char *check(struct afx_engine *e, struct afx_job *j, struct rec *r, uint32_t rank, int *stat)
+static const char *check(struct afx_engine *e, struct afx_job *j, struct ar_hdr *r, uint32_t rank, int *stat)
 {
 #define BAD(x) do { *stat = (x); return "bad"; } while (0)
     if (r->magic != htons(AR_MAGIC)) BAD(AR_STAT_BAD_MAGIC);
@@ -594,7 +524,7 @@ static void combine(uint8_t op, int32_t *acc, const int32_t *p, uint32_t elems)
 
 enum { OUT_NONE, OUT_MCAST, OUT_ANSWER };
 
-static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uint32_t rank)
+static int on_record(struct afx_engine *e, struct afx_job *j, struct ar_hdr *r, uint32_t rank)
 {
     uint64_t *st = j->stats;
     int32_t *p = (int32_t *)((uint8_t *)r + AR_HDR_LEN);
@@ -609,7 +539,7 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
     if (!j->live || ntohl(r->epoch) != j->live) {
         st[AR_STAT_STALE_EPOCH]++;
         if (flags & (AR_FLAG_RETX | AR_FLAG_PULL)) {
-            status(r, 0, AR_DETAIL_EPOCH);
+            to_status(r, 0, AR_DETAIL_EPOCH);
             return OUT_ANSWER;
         }
         r->type = AR_TYPE_NOP;
@@ -622,20 +552,19 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
     uint32_t bit = 1u << rank;
     int same = s->epoch == j->live && s->round == rnd;
     if (same && s->complete == SET_CONFLICT) { /* the ranks disagree on the round: every rank is told */
-        status(r, s->bitmap, AR_DETAIL_MISMATCH);
+        to_status(r, s->bitmap, AR_DETAIL_MISMATCH);
         st[AR_STAT_STATUS_SENT]++;
         return OUT_ANSWER;
     }
     if (flags & AR_FLAG_PULL) {
         if (same && s->complete) {
-            memcpy(p, acc, 4 * e->elems);
-            result(j, r, s);
+            result(e, j, r, s, acc);
             r->flags = AR_FLAG_ANSWER;
             st[AR_STAT_PULL_ANSWERED]++;
             return OUT_ANSWER;
         }
         int gone = !same && s->epoch == j->live && serial_after(s->round, rnd);
-        status(r, gone || !same ? 0 : s->bitmap, gone ? AR_DETAIL_GONE : AR_DETAIL_WAITING);
+        to_status(r, gone || !same ? 0 : s->bitmap, gone ? AR_DETAIL_GONE : AR_DETAIL_WAITING);
         st[AR_STAT_STATUS_SENT]++;
         return OUT_ANSWER;
     }
@@ -646,13 +575,12 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
             return OUT_NONE;
         }
         if (s->complete) {
-            memcpy(p, acc, 4 * e->elems);
-            result(j, r, s);
+            result(e, j, r, s, acc);
             r->flags = AR_FLAG_ANSWER;
             st[AR_STAT_RETX_ANSWERED]++;
             return OUT_ANSWER;
         }
-        status(r, s->bitmap, AR_DETAIL_WAITING);
+        to_status(r, s->bitmap, AR_DETAIL_WAITING);
         st[AR_STAT_STATUS_SENT]++;
         return OUT_ANSWER;
     }
@@ -664,7 +592,7 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
         if (s->epoch == j->live) {
             if (!serial_after(rnd, s->round)) {
                 if (flags & AR_FLAG_RETX) {
-                    status(r, 0, AR_DETAIL_GONE);
+                    to_status(r, 0, AR_DETAIL_GONE);
                     st[AR_STAT_STATUS_SENT]++;
                     return OUT_ANSWER;
                 }
@@ -694,7 +622,7 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
             /* not the same tensors: the round cannot complete (the XDP program's SET_CONFLICT) */
             if (!s->complete)
                 s->complete = SET_CONFLICT;
-            status(r, s->bitmap, AR_DETAIL_MISMATCH);
+            to_status(r, s->bitmap, AR_DETAIL_MISMATCH);
             st[AR_STAT_MISMATCH]++;
             return OUT_ANSWER;
         }
@@ -708,8 +636,7 @@ static int on_record(struct afx_engine *e, struct afx_job *j, struct rec *r, uin
     }
     s->complete = 1;
     st[AR_STAT_COMPLETED]++;
-    memcpy(p, acc, 4 * e->elems);
-    result(j, r, s);
+    result(e, j, r, s, acc);
     return OUT_MCAST;
 }
 
@@ -739,7 +666,7 @@ static void reject_unattributed(struct afx_engine *e, int reason)
 static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, uint32_t n, const struct sender *from,
                         int truncated)
 {
-    struct rec *h = (struct rec *)d;
+    struct ar_hdr *h = (struct ar_hdr *)d;
     if (h->magic != htons(AR_MAGIC))
         return reject_unattributed(e, AR_STAT_BAD_MAGIC);
     if (h->version != AR_VERSION)
@@ -773,9 +700,7 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
         st[AR_STAT_ACK]++;
         take_ack(j, rank, ntohl(h->ack));
         if (h->flags & AR_FLAG_RETX) {  /* asks for the gate */
-            h->rank = htons(AR_RANK_AGG);
-            h->flags = 0;
-            h->ack = htonl(job_gate(j));
+            to_gate(h, job_gate(j));
             reply(e, q, j, from, d, n);
         }
         return;
@@ -791,7 +716,7 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
     int mcast = 0, answer = 0;
     uint32_t kept = 0;
     for (uint32_t off = 0; off < n; off += e->rsize) {
-        struct rec *r = (struct rec *)(d + off);
+        struct ar_hdr *r = (struct ar_hdr *)(d + off);
         int o = on_record(e, j, r, rank);
         mcast |= o == OUT_MCAST;
         answer |= o == OUT_ANSWER;
@@ -800,7 +725,7 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
         return;
     /* the answers move to the front and the datagram ends after them */
     for (uint32_t off = 0; off < n; off += e->rsize) {
-        struct rec *r = (struct rec *)(d + off);
+        struct ar_hdr *r = (struct ar_hdr *)(d + off);
         if (r->type == AR_TYPE_NOP)
             continue;
         if (kept != off)
@@ -977,6 +902,10 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
     e->gso_max = 65507 / e->rsize < 64 ? 65507 / e->rsize : 64;
     if (!e->gather || !e->pend_buf) {
         snprintf(e->err, sizeof(e->err), "out of memory");
+        return e;
+    }
+    if (elems < 2 || elems % 2) {  /* a round's sum is added (SUM64) and copied out in 64-bit words */
+        snprintf(e->err, sizeof(e->err), "elems must be even and at least 2, not %u", elems);
         return e;
     }
     if (nq < 1 || nq > AFX_MAX_QUEUES) {

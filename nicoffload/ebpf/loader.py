@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -165,11 +166,46 @@ def cflags_from(defines: Mapping[str, int | str]) -> list[str]:
     return flags
 
 
+_OWN_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"/]+)"[ \t]*$')
+
+
+def main_file(text: str, name: str, where: Path | None = None) -> str:
+    """The text bcc compiles for ``text`` (the source ``name``): each ``#include "x.h"`` of one of
+    the project's own headers (a file in ``where``, default xdp/) replaced by the header's text,
+    once per header (as its include guard would have it), between #line markers, so that the
+    compiler's messages still name the header and its line. bcc rewrites map accesses
+    (``map.lookup()``, ``map.redirect_map()``) and compiles programs and bpf_loop callbacks only
+    in its main file; spliced in, a header may hold them as the source itself may. System headers
+    (``<...>``) stay includes."""
+    where = xdp_dir() if where is None else where
+    seen: set[str] = set()
+
+    def splice(src: str, fname: str) -> str:
+        out = []
+        for n, line in enumerate(src.splitlines(keepends=True), 1):
+            m = _OWN_INCLUDE.match(line.rstrip("\n"))
+            if not m or not (where / m.group(1)).is_file():
+                out.append(line)
+                continue
+            inc = m.group(1)
+            if inc not in seen:
+                seen.add(inc)
+                body = splice((where / inc).read_text(), inc)
+                out.append(f'#line 1 "{inc}"\n{body}{"" if body.endswith(chr(10)) else chr(10)}')
+                out.append(f'#line {n + 1} "{fname}"\n')
+            else:
+                out.append("\n")
+        return "".join(out)
+
+    return splice(text, name)
+
+
 def compile_bpf(source_name: str, defines: Mapping[str, int | str] | None = None, text: str | None = None):
-    """Compile ``xdp/<source_name>`` (or ``text``) with bcc; compiler errors become SetupError."""
+    """Compile ``xdp/<source_name>`` (or ``text``) with bcc, the project's headers spliced in
+    (:func:`main_file`); compiler errors become SetupError."""
     require_root(f"compiling {source_name}")
     bcc = import_bcc()
-    src = text if text is not None else (xdp_dir() / source_name).read_text()
+    src = main_file(text if text is not None else (xdp_dir() / source_name).read_text(), source_name)
     b, exc, log = _call_capturing(lambda: bcc.BPF(text=src, cflags=cflags_from(defines or {})))
     if exc is not None:
         if "linux/" in log and "not found" in log or "kernel headers" in str(exc).lower():

@@ -1,6 +1,6 @@
 """AdamW in the aggregator's fixed point: torch.optim.AdamW's update (decoupled weight decay,
 bias correction from the step count, amsgrad and maximize) as the XDP program computes it
-(``adamw_apply``/``ar_adamw`` in xdp/aggregator.c), bit for bit, and a bound on its distance
+(``adamw_constants``/``adamw_chunk`` in xdp/optim.h), bit for bit, and a bound on its distance
 from float64 AdamW on the same gradients (derivation: docs/optimizer.md, "AdamW").
 
 State per parameter: the master weight w (int64, F = 32 fractional bits, as SGD's), the first

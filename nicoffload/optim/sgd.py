@@ -1,5 +1,5 @@
 """SGD in the aggregator's fixed point: torch.optim.SGD's update (momentum, dampening, Nesterov,
-weight decay) as the XDP program computes it (``sgd_apply`` in xdp/aggregator.c), bit for bit;
+weight decay) as the XDP program computes it (``sgd_apply`` in xdp/optim.h), bit for bit;
 a whole optimizer job in numpy (:class:`JobModel`, which hands AdamW's blocks to :mod:`.adamw`);
 and a bound on SGD's distance from float64 (derivation: docs/optimizer.md). The user-space
 aggregator runs this model and the tests hold the XDP program to it.
@@ -73,7 +73,7 @@ def sgd_update(state: BlockState, lanes: np.ndarray, offset: int, gexp: int, hyp
     """Apply one update to ``state`` from the SUM64 lanes of a completed round (uint32, one per
     element; ``offset`` = ranks * bias; the gradient is (lane - offset) * 2^-gexp) to its first
     ``count`` elements (the padding of a partial block stays as it is, 0); returns the result:
-    (int32 lanes, exponent). Mirrors sgd_apply in xdp/aggregator.c exactly."""
+    (int32 lanes, exponent). Mirrors sgd_apply in xdp/optim.h exactly."""
     if count is not None and count < len(lanes):
         head = BlockState(state.w[:count].copy(), state.m[:count].copy(), state.steps)
         res, e = sgd_update(head, lanes[:count], offset, gexp, hyper, nesterov)

@@ -1,8 +1,8 @@
-"""The user-space aggregator's epoch state and JOIN handshake (as struct ar_job and join_epoch()
-in xdp/aggregator.c): who has joined, with which nonce, the live epoch, each rank's acknowledged
-head and the job's gate. Mixed into :class:`nicoffload.userspace.UserspaceAggregator`, which
-provides ``workers``, ``group``, ``stats``, ``_hdt``, ``_mask_all``, ``_status``, ``_send`` and
-``_to_ranks``."""
+"""The user-space aggregator's epoch state and JOIN handshake (as struct ar_job in xdp/agg_maps.h
+and join_epoch() in xdp/slots.h): who has joined, with which nonce, the live epoch, each rank's
+acknowledged head and the job's gate. Mixed into :class:`nicoffload.userspace.UserspaceAggregator`,
+which provides ``workers``, ``group``, ``stats``, ``_hdt``, ``_mask_all``, ``_status``, ``_send``
+and ``_to_ranks``."""
 from __future__ import annotations
 
 import secrets

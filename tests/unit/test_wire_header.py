@@ -1,8 +1,9 @@
 """The one place the record header's layout is checked on the Python side: every Python view of
 it (proto.FIELDS and HDR_STRUCT, the codec's numpy dtype, the scapy layer) against the C
 compiler's view of ``struct ar_hdr``, the struct the XDP program reads. The C side ties that
-struct to the shared AR_OFF_* constants with _Static_asserts (xdp/parse.h), checked whenever the
-program is compiled; here the host's C compiler lays the struct out from its own text."""
+struct to the shared AR_OFF_* constants with _Static_asserts (xdp/record.h), checked whenever the
+program or the AF_XDP engine is compiled; here the host's C compiler lays the struct out from its
+own text."""
 from __future__ import annotations
 
 import re
@@ -23,9 +24,9 @@ TYPES = "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned 
 def c_layout(tmp_path_factory) -> dict:
     """{"size": sizeof, field: (offset, size, signed)} of struct ar_hdr as cc lays it out."""
     cc = c_compiler()
-    text = (proto.xdp_dir() / "parse.h").read_text()
+    text = (proto.xdp_dir() / "record.h").read_text()
     m = re.search(r"^struct ar_hdr \{\n(.*?)^\} __attribute__\(\(packed\)\);", text, re.S | re.M)
-    assert m, "xdp/parse.h: struct ar_hdr not found"
+    assert m, "xdp/record.h: struct ar_hdr not found"
     names = re.findall(r"^\s+\w+ (\w+);", m.group(1), re.M)
     prints = "\n".join(
         f'    printf("{n} %zu %zu %d\\n", offsetof(struct ar_hdr, {n}), sizeof(h.{n}), '

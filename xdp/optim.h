@@ -1,0 +1,317 @@
+/* The optimizer offload of the XDP aggregator (OptimusNIC's idea): SGD and AdamW in fixed point on
+ * a completed round of an optimizer job, in the kernel. The round's set holds the SUM64 lanes of
+ * the ranks' pre-averaged gradients; sgd_apply() runs the job's update over the block's
+ * parameters and momentum (ar_opt, entry = pool slot) with bpf_loop (callback ar_sgd, AdamW's
+ * phase in adamw_chunk) and leaves the updated parameters as the round's int32 result lanes.
+ * nicoffload/optim/ holds the models this arithmetic follows bit for bit (docs/optimizer.md).
+ *
+ *   mulfrac .. bit_length   branch-free fixed-point helpers (no conditional moves in BPF)
+ *   isqrt64, pow_fixed      integer square root and powers, once per block
+ *   adamw_constants         AdamW's per-step constants (bias corrections, step size)
+ *   adamw_chunk, ar_sgd     the per-element update (bpf_loop callback)
+ *   sgd_apply               runs it on a round (AR_OPT_SLOTS > 1: an aggregator with optimizer state)
+ */
+#ifndef NICOFFLOAD_OPTIM_H
+#define NICOFFLOAD_OPTIM_H
+
+#include "agg_maps.h"
+
+
+/* floor(x * c / 2^AR_OPT_FRAC) for |x| < 2^62 and 0 <= c <= 2^AR_OPT_FRAC, exactly (no 128-bit
+ * product: x = xh * 2^32 + xl with 0 <= xl < 2^32). */
+static __always_inline s64 mulfrac(s64 x, u64 c)
+{
+    s64 xh = x >> 32;
+    u64 xl = (u64)x & 0xffffffffULL;
+    return xh * (s64)c + (s64)((xl * c) >> 32);
+}
+
+/* Branch-free helpers for values below 2^63 (BPF has no conditional moves: a branch per element
+ * would multiply the paths the verifier walks). The empty asm hides the sign mask from clang,
+ * which would otherwise see through it and emit a compare and branch. */
+#define opaque(x) asm volatile("" : "+r"(x))
+static __always_inline u64 signmask(s64 x) { opaque(x); return (u64)(x >> 63); }
+static __always_inline u64 nonzero63(u64 v) { s64 n = -(s64)v; opaque(n); return (u64)n >> 63; }
+static __always_inline u64 min63(u64 a, u64 b) { u64 d = a - b; return b + (d & signmask((s64)d)); }
+static __always_inline u64 max63(u64 a, u64 b) { u64 d = a - b; return a - (d & signmask((s64)d)); }
+static __always_inline s64 relu(s64 x) { return x & ~(s64)signmask(x); }
+/* Bits needed to hold v (0 for 0), any u64: each test sees a value below 2^32 */
+static __always_inline u64 bit_length(u64 v)
+{
+    u64 n = 0, sh;
+    sh = nonzero63(v >> 32) << 5; v >>= sh; n += sh;
+    sh = nonzero63(v >> 16) << 4; v >>= sh; n += sh;
+    sh = nonzero63(v >> 8) << 3; v >>= sh; n += sh;
+    sh = nonzero63(v >> 4) << 2; v >>= sh; n += sh;
+    sh = nonzero63(v >> 2) << 1; v >>= sh; n += sh;
+    sh = nonzero63(v >> 1); v >>= sh; n += sh;
+    return n + v;
+}
+
+/* An update in progress: what the per-element callback needs. A per-CPU scratch value, not the
+ * callback's context: bcc rewrites an exported function's parameters, and reading r2 by asm is
+ * not reliable in a callback whose compiler uses r2 first. An XDP program runs to the end on its
+ * CPU, so one update at a time uses the scratch. */
+struct sgd_scratch {
+    u32 slot, set;             /* the round's pool slot (ar_slots, ar_opt) and set */
+    u32 lsh, rsh, cnt, out, phase, pad;
+    s64 offset, half;          /* ranks * bias; rounding of the gradient's right shift */
+    u64 mu, damp, wd, lr, mu_n;
+    s64 nest;                  /* all ones: Nesterov */
+    u64 any;                   /* the OR of |w|: its bit length is that of max |w| */
+    /* AdamW (ar_adamw): per block and step */
+    u64 b1, b2, omb1, omb2;    /* beta1, beta2, 1 - beta1, 1 - beta2 (AR_OPT_FRAC) */
+    u64 eps;                   /* AR_ADAM_EPS_FRAC fractional bits (c->lr too, for AdamW) */
+    u64 alpha;                 /* lr * sqrt(bc2) / bc1 = alpha * 2^-(AR_OPT_FRAC + ashift) */
+    u64 epsd;                  /* eps * sqrt(bc2), AR_ADAM_FRAC fractional bits (>= 1) */
+    u64 lrwd;                  /* lr * weight_decay (AR_OPT_FRAC) */
+    s64 neg;                   /* all ones: maximize */
+    u64 ams;                   /* all ones: amsgrad */
+    u32 ashift, adam;          /* adam: phase 0 is AdamW's (ar_sgd dispatches to adamw_chunk) */
+};
+BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
+/* elements per callback: the lookups and the call are paid once per chunk */
+#define SGD_CHUNK 8
+#define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
+
+/* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
+ * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */
+#define ISQRT_DIGIT(t, r, bit) do {                    \
+        u64 c_ = (r) + (bit);                          \
+        u64 ge_ = ~signmask((s64)((t) - c_));          \
+        (t) -= c_ & ge_;                               \
+        (r) = ((r) >> 1) + ((bit) & ge_);              \
+    } while (0)
+
+/* floor(sqrt(t)) for t <= 2^62 (32 result bits; a loop: once per block) */
+static __always_inline u64 isqrt64(u64 t)
+{
+    u64 r = 0, bit = 1ULL << 62;
+#pragma nounroll
+    for (int i = 0; i < 32; i++) {
+        ISQRT_DIGIT(t, r, bit);
+        bit >>= 2;
+    }
+    return r;
+}
+
+#define ADAM_CHUNK 2
+#define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)
+#define ADAM_QMAX (1ULL << 52)
+
+/* b^t with AR_OPT_FRAC fractional bits, by squaring, floored after each product */
+static __always_inline u64 pow_fixed(u64 b, u32 t)
+{
+    u64 r = 1ULL << AR_OPT_FRAC;
+#pragma nounroll
+    for (int i = 0; i < 32; i++) {
+        u64 on = t & 1;
+        opaque(on);
+        on = -on;
+        r = (((r * b) >> 32) & on) | (r & ~on);
+        b = (b * b) >> 32;
+        t >>= 1;
+    }
+    return r;
+}
+
+/* The per-block constants of AdamW's update number t (1-based), from the hyperparameters that
+ * sgd_apply copied into the scratch (run by the first chunk's callback: its own stack). */
+static __always_inline void adamw_constants(struct sgd_scratch *c, u32 t)
+{
+    u64 one = 1ULL << AR_OPT_FRAC;
+    u64 bc1 = one - pow_fixed(c->b1, t);
+    u64 bc2 = one - pow_fixed(c->b2, t);
+    u64 sq = isqrt64(bc2 << 30) << 1;            /* sqrt(bc2), AR_OPT_FRAC fractional bits */
+    u64 x = (u64)mulfrac((s64)c->lr, sq);        /* lr * sqrt(bc2), 62 fractional bits */
+    u64 a62 = (1ULL << 62) - 1;
+    if (bc1) {
+        u64 hi = x / bc1;
+        if (hi < (1ULL << 30)) {
+            u64 lo = ((x % bc1) << 32) / bc1;
+            u64 v = (hi << 32) + lo;
+            a62 = v < a62 ? v : a62;
+        }
+    }
+    u32 r = (u32)relu((s64)bit_length(a62) - 32);
+    c->alpha = a62 >> (r & 63);
+    c->ashift = 30 - r;
+    u64 epsd = (u64)mulfrac((s64)c->eps, sq) >> (AR_ADAM_EPS_FRAC - AR_ADAM_FRAC);
+    c->epsd = epsd ? epsd : 1;
+    c->lrwd = (u64)mulfrac((s64)c->lr, c->wd) >> (AR_ADAM_EPS_FRAC - AR_OPT_FRAC);
+}
+
+/* AdamW on elements [i * ADAM_CHUNK, (i + 1) * ADAM_CHUNK) of a completed round,
+ * as torch.optim.AdamW (nicoffload/optim/adamw.py is the model, bit for bit, and derives each
+ * step): decoupled weight decay, m = b1 m + (1 - b1) g, s = sqrt(b2 s^2 + (1 - b2) g^2) on
+ * operands normalised to 31 bits, w -= alpha * m / (s + eps') with the quotient normalised to
+ * 31 significant bits. Phase 0 of ar_sgd for an AdamW job (one bpf_loop callback for both: the
+ * loader links a function's callback references to one next function); its phase 1 writes the
+ * result lanes as for SGD. */
+static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_slot *slot, struct ar_opt *o)
+{
+    if (i >= ADAM_CHUNKS)
+        return 1;
+    if (i == 0)
+        adamw_constants(c, o->steps + 1);
+    u32 *lane = (u32 *)slot->set[c->set & 1].acc;
+    u64 any = 0;
+    u64 t[ADAM_CHUNK], nsh[ADAM_CHUNK], r[ADAM_CHUNK];
+    u64 k0 = i * ADAM_CHUNK;
+    if (k0 + ADAM_CHUNK > AR_ELEMS)
+        return 1;
+    /* the moments' recurrences up to the square root's operand */
+#pragma unroll
+    for (int j = 0; j < ADAM_CHUNK; j++) {
+        u64 k = k0 + j;
+        s64 live = ((s64)k - (s64)c->cnt) >> 63;
+        s64 q = (s64)lane[k] - c->offset;
+        s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
+        g = (g ^ c->neg) - c->neg;
+        s64 w = o->w[k];
+        o->w[k] = w - mulfrac(w, c->lrwd);
+        o->m[k] = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
+        u64 ag = (u64)((g ^ (g >> 63)) - (g >> 63));
+        u64 sv = (u64)o->s[k];
+        nsh[j] = (u64)relu((s64)bit_length(max63(sv, ag)) - 31);
+        u64 s1 = sv >> nsh[j], g1 = ag >> nsh[j];
+        t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
+        r[j] = 0;
+    }
+    /* the square roots, interleaved: ADAM_CHUNK independent dependency chains */
+    u64 bit = 1ULL << 60;
+#pragma unroll
+    for (int n = 0; n < 31; n++) {
+#pragma unroll
+        for (int j = 0; j < ADAM_CHUNK; j++)
+            ISQRT_DIGIT(t[j], r[j], bit);
+        bit >>= 2;
+    }
+    /* the step */
+#pragma unroll
+    for (int j = 0; j < ADAM_CHUNK; j++) {
+        u64 k = k0 + j;
+        s64 m = o->m[k];
+        s64 w = o->w[k];
+        u64 sv = r[j] << nsh[j];
+        o->s[k] = (s64)sv;
+        u64 smax = (u64)o->smax[k];
+        smax = (max63(sv, smax) & c->ams) | (smax & ~c->ams);
+        o->smax[k] = (s64)smax;
+        u64 d = ((smax & c->ams) | (sv & ~c->ams)) + c->epsd;
+        u64 am = (u64)((m ^ (m >> 63)) - (m >> 63));
+        u64 L = 62 - bit_length(am);
+        u64 sd = (u64)relu((s64)bit_length(d) - 31);
+        u64 Q = (am << L) / (d >> sd);
+        s64 kk = (s64)(L + sd) - 32;
+        u64 kpos = (u64)relu(kk), kneg = (u64)relu(-kk);
+        u64 qa = min63(Q >> kpos, ADAM_QMAX >> kneg) << kneg;
+        s64 sgn = m >> 63;
+        s64 qs = ((s64)qa ^ sgn) - sgn;
+        w -= mulfrac(qs, c->alpha) >> (c->ashift & 63);
+        o->w[k] = w;
+        any |= (u64)((w ^ (w >> 63)) - (w >> 63));
+    }
+    c->any |= any;
+    return 0;
+}
+
+/* bpf_loop callback: element k of an update (phase 0: the SGD step; phase 1: the result lane).
+ * The round of block o is complete: its set's acc holds the SUM64 lanes of the ranks'
+ * pre-averaged gradients, each rank's lane offset by bias and scaled by 2^-exp (the round's
+ * exponent). SGD as torch.optim.SGD does it (weight decay, momentum with dampening, Nesterov;
+ * the first update sets the momentum to the gradient) in fixed point with AR_OPT_FRAC
+ * fractional bits, on the round's count elements (the padding of a partial block stays 0
+ * whatever its lanes); then the updated parameters as int32 lanes with one exponent for the
+ * block (value = lane * 2^exp). SGD_CHUNK elements per call; branch-free per element. */
+long ar_sgd(u64 i)
+{
+    u32 zero = 0;
+    struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
+    if (!c || i >= ADAM_CHUNKS)
+        return 1;
+    u32 idx = c->slot;
+    struct ar_slot *slot = ar_slots.lookup(&idx);
+    struct ar_opt *o = ar_opt.lookup(&idx);
+    if (!slot || !o)
+        return 1;
+    if (c->adam && !c->phase)
+        return adamw_chunk(i, c, slot, o);
+    if (i >= SGD_CHUNKS)
+        return 1;
+    u32 *lane = (u32 *)slot->set[c->set & 1].acc;
+    u64 any = 0;
+#pragma unroll
+    for (int j = 0; j < SGD_CHUNK; j++) {
+        u64 k = i * SGD_CHUNK + j;
+        if (k >= AR_ELEMS)
+            break;
+        if (c->phase) {
+            ((s32 *)lane)[k] = (s32)(o->w[k] >> (c->out & 63));
+            continue;
+        }
+        s64 live = ((s64)k - (s64)c->cnt) >> 63;
+        s64 q = (s64)lane[k] - c->offset;
+        s64 g = (((q << (c->lsh & 63)) + c->half) >> (c->rsh & 63)) & live;
+        s64 w = o->w[k];
+        g += mulfrac(w, c->wd);
+        s64 m = mulfrac(o->m[k], c->mu) + g - mulfrac(g, c->damp);
+        o->m[k] = m;
+        s64 d = ((g + mulfrac(m, c->mu_n)) & c->nest) | (m & ~c->nest);
+        w -= mulfrac(d, c->lr);
+        o->w[k] = w;
+        any |= (u64)((w ^ (w >> 63)) - (w >> 63));
+    }
+    c->any |= any;
+    return 0;
+}
+
+#if AR_OPT_SLOTS > 1
+/* Apply the job's optimizer to the completed round in set `set` of pool slot idx (its state
+ * SET_UPDATING, so nothing else reads or writes the acc meanwhile; no lock held: bpf_loop is a
+ * helper). Returns the result's exponent, wire order, or 0xffff if the scratch is missing. */
+static __always_inline u32 sgd_apply(struct ar_job *job, struct ar_hyper *hp, struct ar_opt *o, struct ar_set *s,
+                                     u32 idx, u32 set)
+{
+    u32 zero = 0;
+    struct sgd_scratch *c = ar_sgd_scratch.lookup(&zero);
+    if (!c)
+        return 0xffff;
+    s32 gexp = (s16)bpf_ntohs(s->exp);           /* gradient value = lane sum * 2^-gexp */
+    /* to AR_OPT_FRAC fractional bits (AdamW: AR_ADAM_FRAC) */
+    s32 sh = (hp->opt == AR_OPT_ADAMW ? AR_ADAM_FRAC : AR_OPT_FRAC) - gexp;
+    u32 first = o->steps == 0;
+    c->slot = idx;
+    c->set = set;
+    c->offset = (s64)job->workers * (s64)hp->bias;
+    c->mu = first ? 0 : hp->momentum;            /* the first update: momentum = gradient */
+    c->damp = first ? 0 : hp->dampening;
+    c->wd = hp->weight_decay;
+    c->lr = hp->lr;
+    c->mu_n = hp->momentum;
+    c->nest = -(s64)(hp->flags & AR_OPT_NESTEROV);
+    c->lsh = sh > 0 ? sh : 0;
+    c->rsh = sh < 0 ? -sh : 0;
+    c->half = c->rsh ? (1LL << ((c->rsh - 1) & 63)) : 0;
+    c->cnt = s->count;
+    c->any = 0;
+    c->phase = 0;
+    c->adam = hp->opt == AR_OPT_ADAMW;
+    c->b1 = hp->beta1;
+    c->b2 = hp->beta2;
+    c->omb1 = hp->omb1;
+    c->omb2 = hp->omb2;
+    c->eps = hp->eps;
+    c->neg = (hp->flags & AR_OPT_MAXIMIZE) ? -1 : 0;
+    c->ams = (hp->flags & AR_OPT_AMSGRAD) ? ~0ULL : 0;
+    bpf_loop(c->adam ? ADAM_CHUNKS : SGD_CHUNKS, ar_sgd, 0, 0);
+    o->steps += 1;
+    u32 bits = bit_length(c->any);
+    c->out = bits > 31 ? bits - 31 : 0;          /* |lane| < 2^31 */
+    c->phase = 1;
+    bpf_loop(SGD_CHUNKS, ar_sgd, 0, 0);
+    return bpf_htons((u16)(s16)((s32)c->out - AR_OPT_FRAC));
+}
+#endif
+
+#endif
