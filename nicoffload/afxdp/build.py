@@ -17,6 +17,10 @@ from pathlib import Path
 from nicoffload.errors import SetupError
 from nicoffload.wire.proto import xdp_dir
 
+#: engine counters (enum AFX_E_* in engine.c), in the library's order: checked when it loads
+ENGINE_STATS = ["rx_frames", "rx_descs", "tx_frames", "tx_kicks", "tx_wait", "polls", "batches", "not_ours",
+                "too_big", "spins", "tx_sends"]
+
 SOURCE = Path(__file__).with_name("engine.c")
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
           "-Wno-missing-field-initializers"]
@@ -94,12 +98,11 @@ def load() -> ctypes.CDLL:
             f = getattr(lib, name)
             f.argtypes, f.restype = args, res
         # the counters' names live in Python, their slots in C: they must agree
-        from nicoffload.afxdp.engine import ENGINE_STATS
         from nicoffload.wire.proto import STATS
 
         if lib.afx_stat_count() != len(STATS) or lib.afx_engine_stat_count() != len(ENGINE_STATS):
             raise SetupError(f"the AF_XDP engine counts {lib.afx_stat_count()} protocol and "
                              f"{lib.afx_engine_stat_count()} engine counters, nicoffload names {len(STATS)} and "
-                             f"{len(ENGINE_STATS)}: engine.c and nicoffload/afxdp/engine.py disagree")
+                             f"{len(ENGINE_STATS)}: engine.c and nicoffload/afxdp/build.py disagree")
         _lib = lib
         return lib

@@ -19,15 +19,13 @@ from nicoffload.jobspec import DEFAULT
 from nicoffload.wire import proto
 
 from . import build
+from .build import ENGINE_STATS
 
 #: XDP_* bind flags (linux/if_xdp.h) and XDP_FLAGS_* attach modes (linux/if_link.h)
 XDP_COPY = 1 << 1
 XDP_ZEROCOPY = 1 << 2
 XDP_USE_SG = 1 << 4
 XDP_FLAGS = {"generic": 1 << 1, "native": 1 << 2}
-#: engine counters (enum AFX_E_* in engine.c)
-ENGINE_STATS = ["rx_frames", "rx_descs", "tx_frames", "tx_kicks", "tx_wait", "polls", "batches", "not_ours",
-                "too_big", "spins", "tx_sends"]
 #: how results leave: ``xsk`` (frames built by the engine on the AF_XDP tx ring) or ``socket`` (a
 #: UDP socket, a batch of records per UDP_SEGMENT send); ``auto``: socket in copy mode, where the
 #: tx ring is no faster than a socket and cannot ask for segmentation (every record would be its

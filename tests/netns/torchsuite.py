@@ -67,6 +67,8 @@ def make_case(backend: str):
         def _run(cls, rank, test_name, file_name, pipe, **kwargs):
             spaces = os.environ["TORCHSUITE_NETNS"].split(",")
             _setns(f"/run/netns/{spaces[rank]}")
+            # gloo binds the interface that leaves the namespace (its host name resolves to lo)
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("TORCHSUITE_IFACE", "eth0")
             if backend == "nicoffload":
                 import nicoffload.torch  # noqa: F401  (registers the backend)
             dt.BACKEND = backend
@@ -84,7 +86,13 @@ def make_case(backend: str):
                 self.assertEqual(tensor, want, msg=f"all_reduce {op} from src {src}: {tensor.flatten()[:4]} "
                                                     f"!= {want.flatten()[:4]}")
 
+    Suite.__qualname__ = "Suite"
     return Suite
+
+
+# the spawned ranks import this module again and find the class here by name
+if os.environ.get("TORCHSUITE_BACKEND"):
+    Suite = make_case(os.environ["TORCHSUITE_BACKEND"])
 
 
 def main() -> int:
@@ -92,17 +100,17 @@ def main() -> int:
     p.add_argument("--backend", default="nicoffload")
     p.add_argument("--netns", required=True, help="one namespace per rank, comma-separated (repeat: ranks share it)")
     p.add_argument("--select", default="core", help="core, ci, or test names, comma-separated")
+    p.add_argument("--iface", default="eth0", help="each namespace's interface towards the others")
     a = p.parse_args()
     spaces = a.netns.split(",")
     names = CORE if a.select == "core" else CI if a.select == "ci" else a.select.split(",")
-    os.environ.update(TORCHSUITE_NETNS=a.netns, WORLD_SIZE=str(len(spaces)))
+    os.environ.update(TORCHSUITE_NETNS=a.netns, TORCHSUITE_IFACE=a.iface, WORLD_SIZE=str(len(spaces)))
     with tempfile.TemporaryDirectory(prefix="torchsuite-") as tmp:
         os.makedirs(os.path.join(tmp, "barrier"))
         os.environ["TEMP_DIR"] = tmp
         os.environ.setdefault("INIT_METHOD", "file://" + os.path.join(tmp, "init"))
-        case = make_case(a.backend)
-        globals()["Suite"] = case  # the spawned ranks find it by name in this module
-        case.__module__ = __name__
+        os.environ["TORCHSUITE_BACKEND"] = a.backend
+        case = globals()["Suite"] = make_case(a.backend)
         failed = 0
         for name in names:
             result = unittest.TestResult()
