@@ -36,8 +36,7 @@ from typing import ClassVar
 import numpy as np
 
 from nicoffload import collective, optim
-from nicoffload.datapath import encode as enc
-from nicoffload.datapath import kernels, pump
+from nicoffload.datapath import encode as enc, kernels, pump
 from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
 from nicoffload.errors import InputError, RefusedError
