@@ -68,6 +68,19 @@ class TimeoutError_(NicoffloadError):
     exit_code = 9
 
 
+class AggregatorLost(NicoffloadError):
+    """The aggregator is gone for this job (silent, reloaded, or no longer holding the job):
+    not a rank's fault, so a group with a fallback path goes on without it (failover)."""
+
+
+class SilentAggregator(AggregatorLost, TimeoutError_):
+    """The aggregator answered nothing for a while, asked again and again."""
+
+
+class AggregatorReset(AggregatorLost, ProtocolError):
+    """The aggregator no longer runs this run's epoch of the job (reloaded, or the job re-made)."""
+
+
 class InputError(NicoffloadError):
     """Bad user input (files, shapes, dtypes, NaN)."""
 

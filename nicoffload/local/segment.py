@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.errors import InputError, NicoffloadError, SetupError, TimeoutError_
+from nicoffload.errors import (AggregatorLost, AggregatorReset, InputError, NicoffloadError, SetupError,
+                               SilentAggregator, TimeoutError_)
 from nicoffload.local import futex
 
 SHM = Path("/dev/shm")
@@ -40,6 +41,8 @@ PID_CHECK_S = 0.2
 MSG = 512
 #: the counter of a rank that failed: past every barrier, so that every waiter wakes and reads why
 FAILED = 1 << 62
+#: the errors that mean the aggregator is lost, by the class name a failed rank writes
+_LOST = {c.__name__ for c in (AggregatorLost, AggregatorReset, SilentAggregator)}
 
 
 def alive(pid: int) -> bool:
@@ -219,8 +222,10 @@ class HostGroup:
     def _failed(self, j: int) -> None:
         if self._err[j]:
             why = self._root = bytes(self._msg[j]).rstrip(b"\0").decode(errors="replace")
-            self.error = NicoffloadError(f"rank {self.ranks[self.me]}: local rank {j} of this host (rank "
-                                         f"{self.ranks[j]}) failed this call: {why}")
+            # the aggregator lost by a local rank's lane is lost for this rank too (failover)
+            cls = AggregatorLost if why.split(":")[0] in _LOST else NicoffloadError
+            self.error = cls(f"rank {self.ranks[self.me]}: local rank {j} of this host (rank "
+                             f"{self.ranks[j]}) failed this call: {why}")
             raise self.error
 
     def _wait_for(self, j: int, target: int) -> None:

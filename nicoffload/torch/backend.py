@@ -128,6 +128,15 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
+    def stats(self) -> dict:
+        """The group's path and what its failover did (calls, failovers, rejoins, the cause)."""
+        f = self.comm
+        d = {"path": self.path, "offloaded_calls": getattr(f, "calls", 0)}
+        if hasattr(f, "failovers"):
+            d |= {"failovers": f.failovers, "rejoins": f.rejoins, "on_fallback": f.on_fallback, "cause": f.cause,
+                  "fallback_s": f.fallback_s, "recovered_at": f.recovered_at}
+        return d
+
     # --- running calls ------------------------------------------------------------------------
     def _submit(self, what: str, fn, result, opts=None) -> Work:
         """Queue ``fn()`` (which does the call in place); the work's future gets ``result``. A

@@ -17,6 +17,11 @@
                                           auto (the default) sums bfloat16/float16 tensors in 16-bit
                                           lanes and float32/float64 in 32-bit ones; 16 or 32: every
                                           float tensor
+    NICOFFLOAD_FAILOVER=SECONDS           the aggregator silent this long in a call: the group
+                                          finishes it and the following ones through gloo, in
+                                          the aggregator's fixed point (default 3; 0: never)
+    NICOFFLOAD_REJOIN=SECONDS             on that fallback, rank 0 asks the service for a job
+                                          again this often, and the group goes back (default 30)
     NICOFFLOAD_REQUIRE_OFFLOAD=1          a group that would take the gloo path fails at
                                           init_process_group instead (default 0: a warning)
     NICOFFLOAD_NONFINITE=refuse|nan       a NaN or an Inf in a rank's float tensor: refuse the call on
@@ -50,6 +55,8 @@ class BackendConfig:
     lanes: str = "auto"
     nonfinite: str = "refuse"
     require_offload: bool = False
+    failover: float = 3.0    # seconds of the aggregator's silence before the group takes the fallback (0: never)
+    rejoin: float = 30.0     # seconds between rank 0's requests for a job again, on the fallback
 
     @classmethod
     def from_env(cls, env=None) -> "BackendConfig":
@@ -72,7 +79,9 @@ class BackendConfig:
                    timeout=_seconds(env, "NICOFFLOAD_TIMEOUT"),
                    liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
                    lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes, nonfinite=nonfinite,
-                   require_offload=_flag(env, "NICOFFLOAD_REQUIRE_OFFLOAD"))
+                   require_offload=_flag(env, "NICOFFLOAD_REQUIRE_OFFLOAD"),
+                   failover=_seconds(env, "NICOFFLOAD_FAILOVER", zero_ok=True) if env.get("NICOFFLOAD_FAILOVER")
+                   else 3.0, rejoin=_seconds(env, "NICOFFLOAD_REJOIN") or 30.0)
 
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""

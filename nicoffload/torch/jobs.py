@@ -40,6 +40,8 @@ class ServiceJobs:
         self.urls = [u.strip() for u in (config.service or "").split(",") if u.strip()]
         self.held: list[tuple[ServiceClient, JobGrant]] = []
         self._optimizer_jobs = 0
+        self._request: tuple[list[str], int] = (list(addresses), 1)
+        self._lost: set[int] = set()  # jobs the service no longer had (renewing them stops)
 
     # --- what rank 0 asks for, every rank gets -------------------------------------------------
     def _clients(self) -> list[ServiceClient]:
@@ -56,33 +58,45 @@ class ServiceJobs:
         if not self.urls:
             raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
                              "http://HOST:PORT (and NICOFFLOAD_TOKEN_FILE), or NICOFFLOAD_MODE=ring")
-        workers = list(self.addresses if workers is None else workers)
-        owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})"
+        self._request = (list(self.addresses if workers is None else workers), lanes)
         made: list[ServiceClient] = []
 
         def make() -> dict:
-            clients = self._clients()  # rank 0 reads the token here: its failure reaches every rank
-            made.extend(clients)
-            req = JobRequest(world=len(workers), workers=workers, lease_s=self.config.lease_s, owner=owner,
-                             lanes=lanes)
-            got: list[JobGrant] = []
+            made.extend(self._clients())  # rank 0 reads the token here: its failure reaches every rank
             try:
-                for c in clients:
-                    got.append(c.create_job(req))
-            except BaseException as e:
-                for c, g in zip(clients, got):
-                    self.remove(c, g.job)
-                if isinstance(e, CapacityError) and self.group_id != "0":
+                return {"grants": self.request(made)}
+            except CapacityError as e:
+                if self.group_id != "0":
                     return {"gloo": str(e).splitlines()[0]}  # a subgroup works on, through gloo
                 raise
-            return {"grants": [g.to_json() for g in got]}
 
         shared = self.rdv.share("job", make)
         if "gloo" in shared:
             return shared["gloo"]
-        clients = made if self.rank == 0 else self._clients()
-        self.held = list(zip(clients, [JobGrant.from_json(g) for g in shared["grants"]]))
+        self.adopt(shared["grants"], made if self.rank == 0 else self._clients())
         return None
+
+    def request(self, clients: list[ServiceClient] | None = None, failovers: int = 0) -> list[dict]:
+        """Rank 0: the group's job (as ``ask`` asked for it) at every service, all or none."""
+        clients = clients or [c for c, _g in self.held]
+        workers, lanes = self._request
+        owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})" + \
+            (f", after {failovers} failover(s)" if failovers else "")
+        req = JobRequest(world=len(workers), workers=workers, lease_s=self.config.lease_s, owner=owner, lanes=lanes)
+        got: list[JobGrant] = []
+        try:
+            for c in clients:
+                got.append(c.create_job(req))
+        except BaseException:
+            for c, g in zip(clients, got):
+                self.remove(c, g.job)
+            raise
+        return [g.to_json() for g in got]
+
+    def adopt(self, grants: list[dict], clients: list[ServiceClient] | None = None) -> None:
+        """The group's jobs from now on: ``grants`` (one per service)."""
+        clients = clients or [c for c, _g in self.held]
+        self.held = list(zip(clients, [JobGrant.from_json(g) for g in grants]))
 
     @property
     def grant(self) -> JobGrant | None:
@@ -100,7 +114,15 @@ class ServiceJobs:
         grants = [g.every_lane()[lane] for _c, g in self.held]
         return communicator(rank, world, mode="aggregator", aggregator=",".join(g.aggregator for g in grants),
                             specs=[g.spec(timeout, shard=k).replace(sparse=False) for k, g in enumerate(grants)],
-                            local_ip=local_ip, silence=min(SILENCE, timeout))
+                            local_ip=local_ip, **self.watch(timeout))
+
+    def watch(self, timeout: float) -> dict:
+        """How the communicators watch their aggregator: silent for NICOFFLOAD_FAILOVER seconds
+        means gone (failover), and a call returns once every rank holds its results; without
+        failover, silent for SILENCE seconds."""
+        if self.config.failover:
+            return {"silence": min(self.config.failover, timeout), "confirm": True}
+        return {"silence": min(SILENCE, timeout)}
 
     def communicator(self, local_ip: str, timeout: float) -> Collective:
         """This rank's communicator of the group's jobs (one job: a Communicator; one at each of
@@ -111,7 +133,7 @@ class ServiceJobs:
             return communicator(self.rank, self.size, mode="aggregator",
                                 aggregator=",".join(g.aggregator for g in grants),
                                 specs=[g.spec(timeout, shard=k) for k, g in enumerate(grants)],
-                                local_ip=local_ip, silence=min(SILENCE, timeout))
+                                local_ip=local_ip, **self.watch(timeout))
         except BaseException:
             if self.rank == 0:
                 self.remove_all()
@@ -151,14 +173,20 @@ class ServiceJobs:
         warned = False
         while not stop.wait(every):
             for c, g in list(self.held):
+                if g.job in self._lost:
+                    continue
                 try:
                     c.renew(g.job)
                     warned = False
                 except NotFoundError:
-                    on_lost(NicoffloadError(
-                        f"the service at {c.url} no longer has job {g.job} (its lease expired, an operator removed "
-                        f"it, or the service was restarted without it)"))
-                    return
+                    lost = (f"the service at {c.url} no longer has job {g.job} (its lease expired, an operator "
+                            f"removed it, or the service was restarted without it)")
+                    if not self.config.failover:
+                        on_lost(NicoffloadError(lost))
+                        return
+                    if g.job not in self._lost:  # the failover takes the group on at its next call
+                        self._lost.add(g.job)
+                        log.warning("%s; the group fails over to its fallback path", lost)
                 except NicoffloadError as e:
                     if not warned:
                         log.warning("renewing job %d's lease at %s failed (%s); the data path does not need the "

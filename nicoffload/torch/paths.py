@@ -4,15 +4,18 @@ the gloo path (said once per group at warning level; an error with NICOFFLOAD_RE
 A mixin of :class:`~nicoffload.torch.backend.ProcessGroupNicoffload` (its set-up)."""
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
 
 from nicoffload.communicators import communicator
-from nicoffload.errors import SetupError
+from nicoffload.errors import NicoffloadError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.local.host import HostCommunicator
 from nicoffload.local.segment import HostGroup
+from nicoffload.torch.failover import Failover
+from nicoffload.torch.fixedgloo import FixedGloo
 from nicoffload.torch.placement import Placement, placement
 
 log = logging.getLogger("nicoffload.torch")
@@ -56,7 +59,8 @@ class GroupPaths:
         if why is not None:
             return f"the service has no room for its job ({why})"
         self._renew()
-        self.comm = self.jobs.communicator(self.local_ip, self.comm_timeout)
+        self.comm = self._failover(lambda: self.jobs.communicator(self.local_ip, self.comm_timeout), self._size,
+                                   self.jobs.grant.elems)
         self.path = "aggregator"
         return ""
 
@@ -78,23 +82,64 @@ class GroupPaths:
                 return f"the service has no room for its lanes ({why})"
             self._renew()
             elems = self.jobs.grant.elems
-        host = HostGroup(f"nicoffload-{token}-g{self.group_id}-h{h}", me, list(plan.hosts[h]), self.comm_timeout)
-        lane = None
-        try:
-            if H > 1 and me < L and mode == "ring":
-                spec = DEFAULT.replace(mode="ring", timeout=self.comm_timeout)
-                lane = communicator(h, H, mode="ring", peers=list(plan.ips), spec=spec)
-            elif H > 1 and me < L:
-                lane = self.jobs.lane_communicator(me, h, H, self.local_ip, self.comm_timeout)
-            self.comm = HostCommunicator(self._rank, self._size, host, H, h, plan.kmax, L, elems=elems, lane=lane)
-        except BaseException:
-            if lane is not None:
-                lane.close()
-            host.close()
-            raise
+        built = [0]
+
+        def build() -> HostCommunicator:  # again on rejoining: segments and lanes of their own
+            name = f"nicoffload-{token}-g{self.group_id}-h{h}" + (f"-r{built[0]}" if built[0] else "")
+            built[0] += 1
+            host = HostGroup(name, me, list(plan.hosts[h]), self.comm_timeout)
+            lane = None
+            try:
+                if H > 1 and me < L and mode == "ring":
+                    spec = DEFAULT.replace(mode="ring", timeout=self.comm_timeout)
+                    lane = communicator(h, H, mode="ring", peers=list(plan.ips), spec=spec)
+                elif H > 1 and me < L:
+                    lane = self.jobs.lane_communicator(me, h, H, self.local_ip, self.comm_timeout)
+                return HostCommunicator(self._rank, self._size, host, H, h, plan.kmax, L, elems=elems, lane=lane)
+            except BaseException:
+                if lane is not None:
+                    lane.close()
+                host.close()
+                raise
+
+        self.comm = self._failover(build, H * plan.kmax, elems) if H > 1 and mode == "aggregator" else build()
         across = f" + {mode} across hosts" if H > 1 else ""
         self.path = f"shared memory{across} ({plan.describe()}, {L} lane(s))"
         return ""
+
+    def _failover(self, build, W: int, elems: int):
+        """``build()``'s communicator, with a way out when its aggregator is lost (the failover,
+        NICOFFLOAD_FAILOVER seconds of silence; 0: none): the group's gloo group summing the same
+        fixed point, and back on a job rank 0 gets again (every NICOFFLOAD_REJOIN seconds)."""
+        comm = build()
+        if not self.config.failover:
+            return comm
+
+        def again(grants: str):
+            self.jobs.adopt(json.loads(grants))
+            return build()
+
+        f = Failover(comm, FixedGloo(self.gloo.group, self._rank, self._size, W, elems), self.rdv, self.group_id,
+                     elems, make_primary=again, wait_s=max(30.0, self.comm_timeout))
+        if self._rank == 0:
+            threading.Thread(target=self._rejoin_forever, args=(f,), name=f"nicoffload-rejoin-{self.group_id}",
+                             daemon=True).start()
+        return f
+
+    def _rejoin_forever(self, f) -> None:
+        """Rank 0, while the group is on the fallback: ask the services for its job again every
+        NICOFFLOAD_REJOIN seconds; a job granted is published for every rank to take."""
+        while not self._stop.wait(self.config.rejoin):
+            if not f.on_fallback or f.rejoin_ready > f.generation:
+                continue
+            try:
+                self.jobs.remove_all()  # the jobs that were lost, where the service still has them
+                grants = self.jobs.request(failovers=f.failovers)
+            except NicoffloadError as e:
+                log.info("group %s: no job again yet (%s); still on the fallback", self.group_id,
+                         str(e).splitlines()[0])
+                continue
+            f.publish_rejoin(json.dumps(grants))
 
     def _renew(self) -> None:
         """Rank 0 renews the jobs' leases from now on (a slow set-up must not let them run out)."""

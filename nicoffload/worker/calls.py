@@ -2,10 +2,20 @@
 (:class:`CallStats`), and the memory the communicator reuses across calls (:class:`Buffers`)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+from nicoffload.datapath import kernels, pump
+from nicoffload.worker.records import ack_column, flags_column
+
+if TYPE_CHECKING:
+    from nicoffload.worker.stream import RoundStream
+
+#: the outputs a stream does not write (decode_results takes all three kinds)
+_NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32), np.empty(0, np.float64)
 
 
 @dataclass
@@ -97,3 +107,41 @@ class Buffers:
             self._views.clear()
         v = self._views[(name, n)] = a[:n]
         return v
+
+class RunState:
+    """The state of one :meth:`RoundStream.run`: the rounds, where this rank's records are, which
+    rounds have their results, the window's head and edge."""
+
+    def __init__(self, s: RoundStream, base: int, r: Rounds):
+        rec, K = s._rec, len(r.blocks)
+        self.r, self.base, self.K = r, base, K
+        mine = r.mine
+        self.cap = cap = len(r.send) // rec if r.encode is not None else len(mine)  # records the buffer holds
+        if r.encode is not None and cap < len(mine) and cap < s.window + s.ENCODE_CHUNK:
+            raise ValueError(f"a send ring of {cap} records cannot hold a window of {s.window}")
+        self.dest = (s.aggregator, s.port)
+        self.done = s._buf.get("done", K, np.uint8)
+        self.sent_at = s._buf.get("sent_at", K, np.float64)
+        self.status = s._buf.get("status", K, np.int64)
+        self.newly = s._buf.get("newly", K, np.int64)
+        self.pos = s._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
+        kernels.reset_rounds(self.done, self.status, self.pos, mine)
+        recs = r.send[:min(cap, len(mine)) * rec].reshape(-1, rec)
+        self.ack_col, self.flags_col = ack_column(recs), flags_column(recs)
+        self.out_i = r.res.view(np.int32) if r.kind == pump.KIND_INT32 else \
+            r.meta_out if r.meta_out is not None else _NONE_I32
+        self.out_f32 = r.res if r.res.dtype == np.float32 else _NONE_F32
+        self.out_f64 = r.res if r.res.dtype == np.float64 else _NONE_F64
+        self.dense = len(mine) == K
+        self.rx_args = s._t.recv_args()
+        self.stash = (s._stash, s._stash_round)
+        self.bias = s._bias16 if r.kind in (pump.KIND_HALF32, pump.KIND_HALF64) else s._bias
+        self.ndone = pump.replay_stash(*self.stash, rec, s.elems, s.job, s._epoch, s.rank, base, K, s.slots, r.blocks,
+                                       r.shifts, self.bias, r.kind, self.out_i, self.out_f32, self.out_f64, self.done,
+                                       self.status, self.newly, s._stash_lens, s._stash_segs, s._gate)
+        self.head = pump.advance(self.done, 0, K)  # lowest round without a result (the stash may have some)
+        self.hi = 0        # rounds [0, hi) have entered the window
+        self.j_sent = 0    # this rank's records [0, j_sent) have been sent
+        self.j_enc = 0 if r.encode is not None else len(mine)  # ... and [0, j_enc) are written
+        s._timer.start(time.monotonic())
+        self.heard_at = time.monotonic()

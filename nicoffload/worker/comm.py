@@ -35,14 +35,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from nicoffload import collective, optim
+from nicoffload import collective
 from nicoffload.datapath import encode as enc, kernels, pump
 from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
-from nicoffload.errors import InputError, RefusedError
+from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto, quant
 from nicoffload.worker.extremes import extreme
+from nicoffload.worker.optstep import optimizer_step
 from nicoffload.worker.speculation import SPECULATE_BLOCKS, Guesses, speculative_run
 from nicoffload.worker.calls import Buffers, CallStats, Rounds
 from nicoffload.worker.stream import RoundStream
@@ -92,6 +93,9 @@ class Communicator:
     # call of their size had, beside this call's exponent round: one round trip where those hold.
     # Every rank of a job must use the same setting.
     speculate: bool = True
+    # return from a call only once every rank holds its results (the job's gate: one more round
+    # trip per call): what failover needs, so that no rank ever needs another's returned result
+    confirm: bool = False
     capabilities: ClassVar[collective.Capabilities] = collective.AGGREGATOR
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
@@ -123,6 +127,7 @@ class Communicator:
                               silence=self.silence, delivery=self.delivery)
         self._rec = self._s.record_size
         self._guesses = Guesses()  # the last call of each size's metadata (speculation)
+        self._cut = None  # the data rounds of the call in flight (final_blocks)
 
     def close(self) -> None:
         self._s.close()
@@ -184,10 +189,14 @@ class Communicator:
 
     @contextlib.contextmanager
     def _call(self):
-        """One call's statistics: ``last`` while it runs, added to ``stats`` when it returns."""
+        """One call's statistics: ``last`` while it runs, added to ``stats`` when it returns;
+        with ``confirm``, it returns only once every rank holds its results (the job's gate)."""
         st = self.last = self._s.last = CallStats()
         t0, sys0, foreign0 = time.perf_counter(), self._s.syscalls, self._s.foreign
+        self._cut = None
         yield st
+        if self.confirm:
+            self._s.confirm(self._s.next_round)
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
         st.foreign = self._s.foreign - foreign0
@@ -266,6 +275,7 @@ class Communicator:
         if not K:
             return
         base = self._s.reserve(K)
+        self._cut = (blocks, c.blocks)  # from here on, a block's output is final once its round is done
         send = self._s.send_buffer(len(mine))
         tmpl = self._s.template(proto.TYPE_CONTRIB)
         single = c.x.dtype == np.float32
@@ -293,6 +303,20 @@ class Communicator:
         self._s.run(base, Rounds(blocks, masks, mine, shifts, send, kind, c.res, encode))
         st.results += K
 
+    def final_blocks(self) -> np.ndarray | None:
+        """After a sum that failed: which blocks of its output hold their final result (those
+        zero on every rank included), the others still its input (in-place calls). None when
+        the call failed before any output was written (its output is untouched)."""
+        if self._cut is None:
+            return None
+        blocks, nb = self._cut
+        run = self._s.last_run
+        have = np.ones(nb, bool)
+        have[blocks] = False
+        if run is not None and run.K == len(blocks):
+            have[blocks[run.done[:run.K] != 0]] = True
+        return have
+
     def abort(self, error: BaseException) -> None:
         """Make the call in flight (from any thread) and every later one raise ``error`` (within
         about half a second: the stream looks at it whenever it waits)."""
@@ -303,55 +327,7 @@ class Communicator:
         gradients (pre-averaged: divided by the world size, as DDP does) and return the updated
         parameters (float32/float64, the gradients' shape). Every rank calls it with gradients of
         the job's parameter count; the job's slots are its share (optim.share)."""
-        g, out = call_arrays(grads, out, DTYPES[1:], "optimizer steps take float32 or float64 gradients",
-                             "the gradients'")
-        E, n = self.elems, g.size
-        nb = -(-n // E)
-        if self.slots != optim.share(n, E):
-            raise InputError(f"rank {self.rank}: {n} gradients need a job of {optim.share(n, E)} slots "
-                             f"(optim.share), this communicator has {self.slots}: register the job with --params {n}")
-        with self._call() as st:
-            self._step(g, out, nb)
-            st.results = nb
-        return out
-
-    def _step(self, g: np.ndarray, out: np.ndarray, nb: int) -> None:
-        E = self.elems
-        flat, res = g.reshape(-1), out.reshape(-1)
-        exps = self._buf.get("exps", nb, np.int32)
-        bad = block_exponents(flat, E, exps, self.rank)
-        # a gradient out of range (or a NaN, an Inf) refuses the step on every rank, after the
-        # metadata round: the others must not wait for data this rank will not send
-        over = (exps > optim.RANGE) & (exps < quant.REFUSE_EXP)
-        top = int(exps[over].max()) if over.any() else quant.ZERO_EXP
-        exps[over] = quant.refusal_code(quant.REFUSE_RANGE, self.rank)
-        self.join()
-        gexp, _ = self._meta(exps, None)
-        if nb and int(gexp.max()) >= quant.REFUSE_EXP:
-            # a step takes every slot of the job in turn (metadata, then data): the refused
-            # step's data rounds are skipped, so that the next step's rounds land on their slots
-            self._s.reserve(nb)
-            if bad < 0 and top > optim.RANGE:
-                b = int(np.flatnonzero(over)[0])
-                span = (b * E, min((b + 1) * E, flat.size))
-                raise RefusedError(f"rank {self.rank}: a gradient reaches 2^{top - 1} (elements {span[0]}..{span[1] - 1}"
-                                   f"); the optimizer takes |g| < 2^{optim.RANGE} (every rank refuses this step)",
-                                   self.rank, kind="range", span=span, more=int(over.sum()) - 1)
-            refuse_together(gexp, self.rank, flat, bad, E)
-        blocks = np.arange(nb, dtype=np.int64)
-        masks = np.full(nb, np.int64(self._all), dtype=np.int64)
-        shifts = optim.step_shifts(gexp, self.world).astype(np.int32)
-        base = self._s.reserve(nb)
-        send = self._s.send_buffer(nb)
-        tmpl = self._s.template(proto.TYPE_CONTRIB)
-        single = g.dtype == np.float32
-
-        def encode(j0: int, j1: int, at: int) -> None:
-            enc.encode_float(send, self._rec, E, tmpl, flat, blocks[j0:j1], base, self.slots, blocks, masks,
-                                 shifts, self._s.bias, single, at, proto.OP_SGD)
-
-        kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
-        self._s.run(base, Rounds(blocks, masks, blocks, shifts, send, kind, res, encode))
+        return optimizer_step(self, grads, out)
 
     def barrier(self) -> None:
         """Returns once every rank has called it (one metadata round of one record)."""

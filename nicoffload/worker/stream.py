@@ -19,18 +19,19 @@ import time
 import numpy as np
 
 from nicoffload.datapath import encode as enc
-from nicoffload.datapath import kernels, pump
+from nicoffload.datapath import pump
 from nicoffload.datapath.transport import Transport, faulted_in
-from nicoffload.errors import MismatchError, ProtocolError, TimeoutError_
+from nicoffload.errors import AggregatorReset, MismatchError, ProtocolError, SilentAggregator, TimeoutError_
 from nicoffload.wire import proto, quant
 from nicoffload.worker.join import join_job
-from nicoffload.worker.calls import Buffers, CallStats, Rounds, ring_spans
-from nicoffload.worker.records import RankRecords, ack_column, flags_column
+from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
+from nicoffload.worker.records import RankRecords
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
 
 
 #: the outputs a stream does not write (decode_results takes all three kinds)
 _NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32), np.empty(0, np.float64)
+_NONE_U8 = np.zeros(1, np.uint8)
 
 
 #: this many results taken only as answers, none as a first delivery: the group's frames do not
@@ -90,6 +91,7 @@ class RoundStream:
         self.nonce = (time.time_ns() & ~0xFFFF) | int.from_bytes(os.urandom(2), "little") | 1
         # set from another thread (abort): the call in flight and every later one raise it
         self._abort: BaseException | None = None
+        self.last_run: RunState | None = None  # the last run's state (a failed call's completed rounds)
         enc.warm_up(elems)
         pump.warm_up(elems)
         self._warm_pumps()
@@ -145,6 +147,11 @@ class RoundStream:
     def template(self, type_: int, flags: int = 0) -> np.ndarray:
         return self._records.template(type_, flags, self._epoch)
 
+    @property
+    def next_round(self) -> int:
+        """The epoch's next round (unwrapped): every round before it has been reserved."""
+        return self._round
+
     def reserve(self, k: int) -> int:
         """The next ``k`` rounds of the epoch; returns the first."""
         base = self._round
@@ -167,7 +174,7 @@ class RoundStream:
 
     def _check_silence(self, heard_at: float, doing: str) -> None:
         if self.silence is not None and time.monotonic() - heard_at > self.silence:
-            raise TimeoutError_(
+            raise SilentAggregator(
                 f"rank {self.rank}: {doing} job {self.job}: the aggregator {self.aggregator}:{self.port} has not "
                 f"answered anything for {self.silence:g}s while asked again and again: it is gone (unloaded, its "
                 f"host down, or the network between cut)")
@@ -185,7 +192,7 @@ class RoundStream:
         """Run rounds base .. base + len(r.blocks) - 1 through the slot pool (:class:`Rounds`
         says what each is): send this rank's records inside the window, collect every round's
         result, recover losses; return when every round has its result."""
-        x = _Run(self, base, r)
+        x = self.last_run = RunState(self, base, r)
         st, K = self.last, x.K
         while x.ndone < K:
             st.loops += 1
@@ -210,7 +217,45 @@ class RoundStream:
             self._t.wait(self._timer.wait(x.head, x.hi, x.sent_at, now))
         st.rounds += K
 
-    def _fill_window(self, x: "_Run") -> None:
+    #: the first wait for the gate's answer in :meth:`confirm`; it doubles up to the rto (seconds)
+    CONFIRM_POLL = 0.0002
+
+    def confirm(self, end_abs: int) -> None:
+        """Return once the job's gate reaches ``end_abs``: every rank holds every result before
+        it (a failover then never needs a result a rank has already handed back). Asks the
+        aggregator for the gate, quickly at first (the last rank to finish is usually a few
+        hundred microseconds behind), then every rto; silence, abort and the timeout apply."""
+        if self._gate[0] >= end_abs:
+            return
+        dest, every = (self.aggregator, self.port), self.CONFIRM_POLL
+        start = heard_at = time.monotonic()
+        rx, one = self._t.recv_args(), np.zeros(1, np.int64)
+        while self._gate[0] < end_abs:
+            self._t.send_one(self._records.ack(self._epoch, end_abs, ask=True), dest)
+            self._acked = max(self._acked, end_abs)
+            self.last.acks += 1
+            until = time.monotonic() + every
+            while self._gate[0] < end_abs:
+                foreign0 = self._t.foreign
+                n, _new, _event = pump.pump_recv(*rx, self._rec, self.elems, self.job, self._epoch, self.rank,
+                                                 end_abs, 0, self.slots, one, _NONE_I32, self._bias,
+                                                 pump.KIND_INT32, _NONE_I32, _NONE_F32, _NONE_F64, _NONE_U8, one,
+                                                 one, self._stash, self._stash_round, self._gate)
+                now = time.monotonic()
+                if n > self._t.foreign - foreign0:
+                    heard_at = now
+                elif now >= until:
+                    break
+                elif not n:
+                    self._t.wait(until - now)
+            self._check_abort()
+            self._check_silence(heard_at, "confirming a call of")
+            if time.monotonic() - start > self.timeout:
+                raise TimeoutError_(f"rank {self.rank}: job {self.job}: the gate did not reach round {end_abs} "
+                                    f"within {self.timeout:g}s: a rank has not acknowledged this call's results")
+            every = min(2 * every, self.rto)
+
+    def _fill_window(self, x: RunState) -> None:
         """Send this rank's records of the rounds that may enter the window: S rounds past the
         head, and never a round whose set still holds a result some rank has not acknowledged
         (the aggregator would drop it as early)."""
@@ -233,9 +278,9 @@ class RoundStream:
         x.sent_at[x.hi:lim] = time.monotonic()
         x.hi = lim
 
-    def _on_event(self, event: int, x: "_Run") -> None:
+    def _on_event(self, event: int, x: RunState) -> None:
         if event == pump.EV_STALE_EPOCH:
-            raise ProtocolError(
+            raise AggregatorReset(
                 f"rank {self.rank}: the aggregator no longer runs epoch {self._epoch} of job {self.job}: "
                 f"another run of the job has started (a rank joined again, e.g. a restarted worker) or "
                 f"the aggregator was reloaded; this run's results are gone")
@@ -249,7 +294,7 @@ class RoundStream:
                 f"rounds are out of step, build new communicators"))
             self._check_abort()
 
-    def _on_results(self, x: "_Run", new: int, now: float) -> None:
+    def _on_results(self, x: RunState, new: int, now: float) -> None:
         """``new`` rounds got their results: move the head, acknowledge, retransmit early what
         a gap of GAP results says is lost."""
         x.ndone += new
@@ -262,7 +307,7 @@ class RoundStream:
         if x.head < x.hi:
             self._resend(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now))
 
-    def _on_idle(self, x: "_Run", now: float) -> bool:
+    def _on_idle(self, x: RunState, now: float) -> bool:
         """No progress: fail on timeout or silence, ask for the gate, retransmit what timed out.
         True if it sent something (look again at once)."""
         self._check_abort()
@@ -283,7 +328,7 @@ class RoundStream:
             return True
         return False
 
-    def _resend(self, x: "_Run", rounds: np.ndarray) -> None:
+    def _resend(self, x: RunState, rounds: np.ndarray) -> None:
         """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the
         Tx spot if the round is complete) and pull the others' results."""
         if not len(rounds):
@@ -324,42 +369,3 @@ class RoundStream:
             f"rank {self.rank}: allreduce timed out after {self.timeout:g}s: the {where} did not answer "
             f"({len(pending)} round(s) outstanding); is the aggregator loaded and the job configured "
             f"for {self.world} workers?")
-
-
-class _Run:
-    """The state of one :meth:`RoundStream.run`: the rounds, where this rank's records are, which
-    rounds have their results, the window's head and edge."""
-
-    def __init__(self, s: RoundStream, base: int, r: Rounds):
-        rec, K = s._rec, len(r.blocks)
-        self.r, self.base, self.K = r, base, K
-        mine = r.mine
-        self.cap = cap = len(r.send) // rec if r.encode is not None else len(mine)  # records the buffer holds
-        if r.encode is not None and cap < len(mine) and cap < s.window + s.ENCODE_CHUNK:
-            raise ValueError(f"a send ring of {cap} records cannot hold a window of {s.window}")
-        self.dest = (s.aggregator, s.port)
-        self.done = s._buf.get("done", K, np.uint8)
-        self.sent_at = s._buf.get("sent_at", K, np.float64)
-        self.status = s._buf.get("status", K, np.int64)
-        self.newly = s._buf.get("newly", K, np.int64)
-        self.pos = s._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
-        kernels.reset_rounds(self.done, self.status, self.pos, mine)
-        recs = r.send[:min(cap, len(mine)) * rec].reshape(-1, rec)
-        self.ack_col, self.flags_col = ack_column(recs), flags_column(recs)
-        self.out_i = r.res.view(np.int32) if r.kind == pump.KIND_INT32 else \
-            r.meta_out if r.meta_out is not None else _NONE_I32
-        self.out_f32 = r.res if r.res.dtype == np.float32 else _NONE_F32
-        self.out_f64 = r.res if r.res.dtype == np.float64 else _NONE_F64
-        self.dense = len(mine) == K
-        self.rx_args = s._t.recv_args()
-        self.stash = (s._stash, s._stash_round)
-        self.bias = s._bias16 if r.kind in (pump.KIND_HALF32, pump.KIND_HALF64) else s._bias
-        self.ndone = pump.replay_stash(*self.stash, rec, s.elems, s.job, s._epoch, s.rank, base, K, s.slots, r.blocks,
-                                       r.shifts, self.bias, r.kind, self.out_i, self.out_f32, self.out_f64, self.done,
-                                       self.status, self.newly, s._stash_lens, s._stash_segs, s._gate)
-        self.head = pump.advance(self.done, 0, K)  # lowest round without a result (the stash may have some)
-        self.hi = 0        # rounds [0, hi) have entered the window
-        self.j_sent = 0    # this rank's records [0, j_sent) have been sent
-        self.j_enc = 0 if r.encode is not None else len(mine)  # ... and [0, j_enc) are written
-        s._timer.start(time.monotonic())
-        self.heard_at = time.monotonic()

@@ -37,6 +37,8 @@ def train(wrap, rank: int, steps: int, die: tuple[int, int] | None = None):
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     t0 = time.perf_counter()
     for s, (x, y) in enumerate(batches(rank, steps)):
+        if rank == 0 and os.environ.get("TORCHRUN_JOB_PROGRESS"):  # the test acts at a step it picks
+            Path(REPORT["out"], "progress").write_text(str(s))
         if die and die == (rank, s):  # a rank dies mid-training: no clean-up, no goodbye
             (Path(REPORT["out"]) / f"died{rank}").write_text(str(time.time()))
             os._exit(3)
@@ -182,7 +184,8 @@ def main() -> None:
                 from torch.nn.parallel import DistributedDataParallel as DDP
 
                 m, loss, step = train(lambda m: DDP(m), rank, a.steps, die=(a.die_rank, a.die_at))
-                report |= {"loss": loss, "step_s": step}
+                report |= {"loss": loss, "step_s": step, "stats": dist.distributed_c10d._get_default_group().stats()}
+                (out / f"params{rank}.bin").write_bytes(b"".join(p.detach().numpy().tobytes() for p in m.parameters()))
         dist.destroy_process_group()
         if "collectives" in phases:  # the group made again in the same process: a job of its own
             dist.init_process_group("nicoffload")

@@ -1,0 +1,232 @@
+"""Failover: a group goes on when its aggregator goes away, bit for bit.
+
+When the aggregator falls silent in a call (no answer to retransmissions for
+``NICOFFLOAD_FAILOVER`` seconds), or no longer runs the job's epoch (reloaded, the job removed
+and made again), every rank of the group finishes that call, and the following ones, on the
+fallback path: the group's internal gloo group summing the aggregator's own fixed-point integers
+(:class:`~nicoffload.torch.fixedgloo.FixedGloo`), so the results are the bits the aggregator
+would have returned. While on the fallback, rank 0 asks the service again every
+``NICOFFLOAD_REJOIN`` seconds; a job granted, every rank goes back to the aggregator at the
+same call (a one-integer gloo MAX at every fallback call says when).
+
+The call that was cut. With failover on, a rank returns from a call only once the job's gate
+says every rank holds every result of it (``Communicator.confirm``): so either every rank is
+still in the call, or every rank holds all of its results. Each rank says in the rendezvous
+store which blocks of its output are final (``final_blocks``; an in-place call's other blocks
+still hold its input), or that it has already returned from the call. Then every rank takes
+each block from the lowest rank that has it, and sums the blocks nobody has through the
+fallback, from the inputs still there: every rank ends with the same bits.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nicoffload.collective import Collective
+from nicoffload.errors import AggregatorLost, TimeoutError_
+from nicoffload.torch.fixedgloo import FixedGloo
+from nicoffload.torch.rendezvous import Rendezvous
+from nicoffload.wire import quant
+
+log = logging.getLogger("nicoffload.torch")
+
+
+def _pack(have: np.ndarray | None) -> str:
+    return "none" if have is None else base64.b64encode(np.packbits(have).tobytes()).decode()
+
+
+def _unpack(text: str, nb: int) -> np.ndarray:
+    if text == "none":
+        return np.zeros(nb, bool)
+    return np.unpackbits(np.frombuffer(base64.b64decode(text), np.uint8))[:nb].astype(bool)
+
+
+class Failover:
+    """The group's communicator with a way out: ``primary`` until it is lost, ``fallback``
+    after. ``make_primary(grant_json)`` builds a new primary from a job granted again (rank 0's
+    ``rejoin`` thread publishes it); ``elems``: the blocks of the primary's fixed point."""
+
+    def __init__(self, primary: Collective, fallback: FixedGloo, rdv: Rendezvous, group: str, elems: int,
+                 make_primary=None, wait_s: float = 60.0):
+        self.primary, self.fallback, self.rdv, self.group, self.elems = primary, fallback, rdv, group, elems
+        self.make_primary, self.wait_s = make_primary, wait_s
+        self.rank, self.world = rdv.rank, rdv.size
+        self.calls = 0               # offloaded calls so far (every rank numbers them alike)
+        self.on_fallback = False
+        self.failovers = 0           # times this group went to the fallback
+        self.rejoins = 0             # ... and back to an aggregator
+        self.cause = ""              # why, the last time
+        self.fallback_s = 0.0        # seconds of calls on the fallback
+        self.recovered_at = 0.0      # when the last cut call was done (time.time())
+        self.rejoin_ready = 0        # rank 0: the generation of a grant published for rejoining
+        self._gen = 0                # the generation this rank runs
+
+    @property
+    def generation(self) -> int:
+        """How many times the group took a job again (every rank alike)."""
+        return self._gen
+
+    @property
+    def capabilities(self):
+        return self.primary.capabilities
+
+    @property
+    def last(self):
+        return getattr(self.fallback if self.on_fallback else self.primary, "last", None)
+
+    # --- the Collective API ---------------------------------------------------------------------
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
+                  lanes: int | None = None) -> np.ndarray:
+        n = self.calls
+        self.calls += 1
+        if self.on_fallback:
+            self._maybe_rejoin()
+        if self.on_fallback:
+            t = time.perf_counter()
+            try:
+                return self.fallback.allreduce(array, out=out, op=op, lanes=lanes)
+            finally:
+                self.fallback_s += time.perf_counter() - t
+        if out is None:
+            out = np.empty_like(array)
+        try:
+            return self.primary.allreduce(array, out=out, op=op, lanes=lanes)
+        except AggregatorLost as e:
+            return self._cut(n, e, array, out, op, lanes)
+
+    def barrier(self) -> None:
+        self.allreduce(np.zeros(1, np.int32))
+
+    def abort(self, error: BaseException) -> None:
+        self.primary.abort(error)
+
+    def close(self) -> None:
+        self.primary.close()
+        self.fallback.close()
+
+    def __enter__(self) -> "Failover":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the call that was cut ------------------------------------------------------------------
+    def _cut(self, n: int, e: AggregatorLost, array: np.ndarray, out: np.ndarray, op: str,
+             lanes: int | None) -> np.ndarray:
+        store, key = self.rdv.store, self.rdv.key
+        first = self._first_cut(n)
+        for v in range(first, n):  # calls this rank returned from: every rank holds their results
+            store.set(key(f"failover/{v}/done"), "1")
+        final = getattr(self.primary, "final_blocks", lambda: None)()
+        E = quant.block_elems(self.elems, 16 if lanes == 16 else 32) if op == "sum" else self.elems
+        nb = -(-array.size // E)
+        store.set(key(f"failover/{n}/have/{self.rank}"), _pack(final))
+        self.on_fallback, self.cause = True, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        self.failovers += 1
+        log.warning("group %s, rank %d: the aggregator is lost in call %d (%s); this call and the following ones "
+                    "take the fallback path (gloo summing the aggregator's fixed point, the same bits)",
+                    self.group, self.rank, n, self.cause)
+        haves = self._haves(n, nb)
+        t = time.perf_counter()
+        try:
+            if haves is not None:
+                self._recover(array, out, op, lanes, E, nb, haves)
+        finally:
+            self.fallback_s += time.perf_counter() - t
+        self.recovered_at = time.time()  # the cut call's result in hand (wall clock, for the logs and tests)
+        return out
+
+    def _first_cut(self, n: int) -> int:
+        """The first call any rank lost (the store keeps the lowest): this rank's ``n`` or lower."""
+        store, key = self.rdv.store, self.rdv.key(f"failover/at/{self._gen}")
+        cur = ""
+        while True:
+            got = store.compare_set(key, cur, str(n)).decode()
+            if int(got) <= n:
+                return int(got)
+            cur = got
+
+    def _haves(self, n: int, nb: int) -> list[np.ndarray] | None:
+        """Every rank's final blocks of call ``n``, or None when a rank has returned from it (so
+        every rank holds all of its results)."""
+        store, key = self.rdv.store, self.rdv.key
+        keys = [key(f"failover/{n}/have/{r}") for r in range(self.world)]
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            if store.check([key(f"failover/{n}/done")]):
+                return None
+            if store.check(keys):
+                return [_unpack(store.get(k).decode(), nb) for k in keys]
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise TimeoutError_(f"rank {self.rank}: failover of call {n}: rank(s) {missing} did not say within "
+                                    f"{self.wait_s:g}s what they hold of it (their aggregator calls still wait?)")
+            time.sleep(0.01)
+
+    def _recover(self, array, out, op, lanes, E: int, nb: int, haves: list[np.ndarray]) -> None:
+        """Every block from the lowest rank that holds it; the others summed by the fallback."""
+        flat, res = array.reshape(-1), out.reshape(-1)
+        owner = np.full(nb, self.world, np.int64)
+        for r in range(self.world - 1, -1, -1):
+            owner[haves[r]] = r
+        owned, lost = np.flatnonzero(owner < self.world), np.flatnonzero(owner == self.world)
+        if len(owned):  # the owner's bits, everyone else's zeros: an int32 SUM is a broadcast
+            idx = _elements(owned, E, flat.size)
+            words = res.view(np.int32) if res.dtype.itemsize == 4 else res.view(np.int64).view(np.int32)
+            per = res.dtype.itemsize // 4
+            mine = np.zeros(len(idx) * per, np.int32)
+            sel = np.flatnonzero(owner[owned] == self.rank)
+            if len(sel):
+                own_idx = _elements(owned[sel], E, flat.size)
+                pos = np.searchsorted(idx, own_idx)
+                mine.reshape(-1, per)[pos] = words.reshape(-1, per)[own_idx]
+            self.fallback._gloo(mine, dist.ReduceOp.SUM)
+            words.reshape(-1, per)[idx] = mine.reshape(-1, per)
+        if len(lost):  # nobody has them: every rank's input is still there, summed anew
+            idx = _elements(lost, E, flat.size)
+            part = np.ascontiguousarray(flat[idx])
+            self.fallback.allreduce(part, out=part, op=op, lanes=lanes)
+            res[idx] = part
+
+    # --- back to an aggregator ------------------------------------------------------------------
+    def publish_rejoin(self, grant_json: str) -> None:
+        """Rank 0: a job granted again; the group takes it at the next call all ranks agree on."""
+        gen = self._gen + 1
+        self.rdv.store.set(self.rdv.key(f"failover/rejoin/{gen}"), grant_json)
+        self.rejoin_ready = gen
+
+    def _maybe_rejoin(self) -> None:
+        if self.make_primary is None:
+            return
+        t = torch.tensor([self.rejoin_ready if self.rank == 0 else 0], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.fallback.pg.allreduce([t], opts).wait()
+        gen = int(t[0])
+        if gen <= self._gen:
+            return
+        grant = self.rdv.store.get(self.rdv.key(f"failover/rejoin/{gen}")).decode()
+        try:
+            new = self.make_primary(grant)
+        except Exception as e:  # every rank stays on the fallback; rank 0 asks again later
+            log.warning("group %s, rank %d: rejoining the aggregator failed (%s); staying on the fallback",
+                        self.group, self.rank, str(e).splitlines()[0])
+            self._gen = gen
+            return
+        old, self.primary = self.primary, new
+        old.close()
+        self._gen, self.on_fallback = gen, False
+        self.rejoins += 1
+        log.warning("group %s, rank %d: back on the aggregator (job granted again) from call %d", self.group,
+                    self.rank, self.calls - 1)
+
+
+def _elements(blocks: np.ndarray, E: int, n: int) -> np.ndarray:
+    """The flat indices of the elements of ``blocks`` (E elements each; the last may be short)."""
+    idx = (blocks[:, None] * E + np.arange(E)[None, :]).reshape(-1)
+    return idx[idx < n]

@@ -1,0 +1,79 @@
+"""Training survives its aggregator (issue 32): a torchrun DDP job of three ranks whose
+aggregator's program is detached, whose aggregator's link is cut, or whose job the service
+removes, at a step the test picks, finishes on the fallback path, and its parameters are the
+bits of a run without the failure; after a removal the group goes back to a job granted again."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+
+import pytest
+
+from nicoffload.lab.launcher import Launch
+from nicoffload.lab.train.torchrun import torchrun_specs, wait_for
+from tests.netns.test_torch_backend import JOB, client, service, with_service  # noqa: F401  (fixture)
+
+pytest.importorskip("torch")
+STEPS = 150
+
+
+def train(tb, svc, out, env: dict | None = None, act=None, at: int = 0, timeout: float = 240.0):
+    """The job's ``train`` phase; ``act()`` once rank 0 has reached step ``at``. Returns the
+    reports and every rank's parameters (bytes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    specs = torchrun_specs(tb, JOB, ["--out", str(out), "--phases", "train", "--steps", str(STEPS)],
+                           env={**svc.env(), "TORCHRUN_JOB_PROGRESS": "1", "NICOFFLOAD_FAILOVER": "2",
+                                **(env or {})})
+    with Launch(tb, specs) as launch:
+        if act is not None:
+            wait_for(lambda: (out / "progress").exists() and int((out / "progress").read_text() or 0) >= at, 120,
+                     f"rank 0 at step {at}")
+            act()
+        outcomes = launch.wait(time.monotonic() + timeout)
+    reports = {json.loads(f.read_text())["rank"]: json.loads(f.read_text()) for f in out.glob("rank*.json")}
+    assert sorted(reports) == [0, 1, 2], [o.describe() + o.stderr[-3000:] for o in outcomes]
+    assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
+    return reports, {r: (out / f"params{r}.bin").read_bytes() for r in range(3)}
+
+
+def agg_cmd(tb, *args: str) -> None:
+    subprocess.run(["ip", "-n", tb.agg.netns, *args], check=True, capture_output=True)
+
+
+def test_training_fails_over_bit_for_bit_and_rejoins(service, tmp_path):
+    tb, svc = service(3)
+    rng = random.Random(32)
+    ref, want = train(tb, svc, tmp_path / "ref")
+    assert all(d["stats"]["failovers"] == 0 for d in ref.values()), ref
+    assert len({want[r] for r in range(3)}) == 1  # every rank holds the same parameters
+
+    # the service removes the job: the group fails over, then takes the job it is granted again
+    c = client(svc)
+
+    def remove():
+        jobs = with_service(c, tb, lambda c: c.jobs())["jobs"]
+        with_service(c, tb, lambda c: c.remove_job(jobs[0]["job"]))
+
+    got, params = train(tb, svc, tmp_path / "removed", {"NICOFFLOAD_REJOIN": "1"}, remove, rng.randint(10, 40))
+    assert params == want, "the parameters differ from the run without a failover"
+    for d in got.values():
+        st = d["stats"]
+        assert st["failovers"] >= 1 and st["rejoins"] >= 1 and not st["on_fallback"], st
+
+    # the aggregator's link cut, then its program detached: every later call on the fallback,
+    # the cut call done within NICOFFLOAD_FAILOVER (2 s) and a few seconds of agreeing
+    for name, cut, mend in (("link", ("link", "set", "dev", tb.agg.iface, "down"),
+                             ("link", "set", "dev", tb.agg.iface, "up")),
+                            ("program", ("link", "set", "dev", tb.agg.iface, "xdpgeneric", "off"), None)):
+        acted = []
+        got, params = train(tb, svc, tmp_path / name, None,
+                            lambda: (agg_cmd(tb, *cut), acted.append(time.time())), rng.randint(10, 60))
+        if mend:
+            agg_cmd(tb, *mend)
+        assert params == want, f"{name}: the parameters differ from the run without a failover"
+        for d in got.values():
+            st = d["stats"]
+            assert st["failovers"] == 1 and st["on_fallback"] and "Silent" in st["cause"], (name, st)
+            assert st["recovered_at"] - acted[0] < 2 + 3, (name, st["recovered_at"] - acted[0])
