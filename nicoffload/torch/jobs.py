@@ -162,7 +162,8 @@ class ServiceJobs:
         self.held.append((client, grant))
         return Communicator.from_spec(self.rank, self.size, grant.aggregator,
                                       grant.spec(timeout).replace(sparse=False), local_ip=local_ip,
-                                      silence=min(SILENCE, timeout))
+                                      # no failover: its state lived in the aggregator (fails naming it)
+                                      silence=self.watch(timeout)["silence"])
 
     # --- leases and removal (rank 0) ------------------------------------------------------------
     def renew_forever(self, stop: threading.Event, on_lost) -> None:
