@@ -153,7 +153,7 @@ def bits(rank: int, world: int, out: Path) -> dict:
 def metrics(rank: int, world: int) -> dict:
     """Known calls on each path (NICOFFLOAD_METRICS_PORT set): 7 offloaded all-reduces of 1000
     float32, an int64 all-reduce (the gloo fallback), a broadcast (gloo), a barrier (offload);
-    then every rank's /metrics (its address, port P + local rank 0) and the service's, scraped
+    then every rank's /metrics (its address, port P + its local rank) and the service's, scraped
     while every rank is still up."""
     import urllib.request
 
@@ -168,7 +168,8 @@ def metrics(rank: int, world: int) -> dict:
     def get(url: str) -> str:
         return urllib.request.urlopen(url, timeout=10).read().decode()
 
-    out = {"rank_metrics": {str(r): get(f"http://{ip}:{port}/metrics") for r, ip in enumerate(pg.addresses)},
+    ips = pg.addresses  # rank r serves on P + its local rank: the ranks before it on its host
+    out = {"rank_metrics": {str(r): get(f"http://{ip}:{port + ips[:r].count(ip)}/metrics") for r, ip in enumerate(ips)},
            "job": pg.grant.job if pg.grant is not None else None}
     if rank == 0:
         out["service_metrics"] = get(os.environ["NICOFFLOAD_SERVICE"].split(",")[0] + "/metrics")
