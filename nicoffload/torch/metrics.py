@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from nicoffload.local.host import HostCommunicator
+from nicoffload.torch.routing import op_name
 from nicoffload.worker.metrics import RankMetrics, parse_port
 
 log = logging.getLogger("nicoffload.torch")
@@ -67,12 +69,17 @@ def process_metrics(addr: str, rank: int, env=None) -> RankMetrics | None:
         return _process
 
 
-def _nbytes(x) -> int:
+def _flat(x) -> list:
+    """The tensors of a call's argument (a tensor, or lists of them)."""
     if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
+        return [x]
     if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0
+        return [t for y in x for t in _flat(y)]
+    return []
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in _flat(x))
 
 
 class GroupMeter:
@@ -89,25 +96,24 @@ class GroupMeter:
         return (str(grant.job) if grant is not None else "none", self.group, self.rank)
 
     def path(self) -> str:
-        return "shared_memory" if type(self.pg.comm).__name__ == "HostCommunicator" else "offload"
+        return "shared_memory" if isinstance(self.pg.comm, HostCommunicator) else "offload"
 
     @contextlib.contextmanager
     def call(self, what: str, result):
         """An offloaded call: timed, with what the communicator counted meanwhile (its
         cumulative ``stats``, and a failed call's own ``last``, which ``stats`` leaves out)."""
         comm = self.pg.comm
-        before, last0, failed0 = _counts(getattr(comm, "stats", None)), getattr(comm, "last", None), \
-            self.pg.error is not None
+        before, last0, failed0 = _counts(comm.stats), comm.last, self.pg.error is not None
         delta = _Delta()
         with self.metrics.timed(self.labels, what, self.path(), _nbytes(result), delta):
             try:
                 yield
             except BaseException:
-                delta.set(_counts(getattr(comm, "stats", None)), before)
-                if not failed0 and getattr(comm, "last", None) is not last0:  # not refused for an earlier error
+                delta.set(_counts(comm.stats), before)
+                if not failed0 and comm.last is not last0:  # a call that ran, not one refused for an earlier error
                     delta.add(_counts(comm.last))
                 raise
-            delta.set(_counts(getattr(comm, "stats", None)), before)
+            delta.set(_counts(comm.stats), before)
 
     def gloo(self, name: str, args: tuple, fut) -> None:
         """A call through the gloo group, from its start on the queue until ``fut`` completes."""
@@ -130,8 +136,6 @@ class GroupMeter:
     def _why(self, args: tuple) -> str:
         """Why a reduction took the gloo path: the whole group does (group), the offload does not
         take its op (op) or its dtype (dtype), or its tensors' sizes (shape)."""
-        from nicoffload.torch.routing import op_name
-
         if self.pg.comm is None:
             return "group"
         opts = next((a for a in args if hasattr(a, "reduceOp")), None)
@@ -141,14 +145,6 @@ class GroupMeter:
         if any(self.pg.router.route(op, t.dtype) is None for t in _flat(args[0] if args else [])):
             return "dtype"
         return "shape"
-
-
-def _flat(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _flat(y)]
-    return []
 
 
 def _counts(st) -> tuple:

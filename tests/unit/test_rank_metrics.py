@@ -60,7 +60,8 @@ def test_a_communicator_serves_its_calls_and_stops_on_close(capsys):
      "aggregator_silent"),
     ("[nicoffload] Timed out in allreduce of nicoffload group 0: rank 0: rank 2 (10.0.0.3) is gone: its heartbeat "
      "stopped 3.1s ago", "rank_gone"),
-    ("rank 0: the rendezvous store is unreachable for 10s (x): rank 0's host or its torchrun agent is gone", "store_gone"),
+    ("rank 0: the rendezvous store is unreachable for 10s (x): rank 0's host or its torchrun agent is gone",
+     "store_gone"),
     ("[nicoffload] Timed out: allreduce did not complete within the 2s given to wait()", "wait"),
     ("something else", "other"),
 ])
