@@ -172,15 +172,16 @@ def kernel_checks(role: str | None, queues: int = 1) -> list[Check]:
     release = os.uname().release
     caps = cap_eff(_read("/proc/self/status") or "")
     aggregator = role != "worker"
+    may_load = has(caps, CAP_BPF) or has(caps, CAP_SYS_ADMIN)  # else the probes are not tried (None)
     out = [check_kernel(release, role), check_privileges(caps, os.geteuid(), role)]
     out += [check_jit(_read("/proc/sys/net/core/bpf_jit_enable")),
             check_bpffs(_read("/proc/mounts") or "", os.geteuid() == 0),
             check_btf(Path("/sys/kernel/btf/vmlinux").exists()),
-            check_probe("bpf_loop", probe.bpf_loop(), release, SINCE["bpf_loop"],
+            check_probe("bpf_loop", probe.bpf_loop() if may_load else None, release, SINCE["bpf_loop"],
                         "the aggregator walks a frame's records with it" if aggregator else
                         "the ring mode's program walks a frame's records with it (aggregator mode needs none)",
                         required=aggregator),
-            check_probe("xdp-frags", probe.xdp_frags(), release, SINCE["xdp_frags"],
+            check_probe("xdp-frags", probe.xdp_frags() if may_load else None, release, SINCE["xdp_frags"],
                         "multi-buffer XDP: native mode above a ~3.5 KB MTU (jumbo frames), the AF_XDP engine's "
                         "large frames", required=False)]
     if aggregator:

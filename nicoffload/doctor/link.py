@@ -29,7 +29,8 @@ class LinkFacts:
     name: str
     netns: str | None = None
     exists: bool = False
-    error: str = ""                  # why it could not be read (a missing interface or namespace)
+    error: str = ""                  # why it could not be read (a missing interface or namespace, no privilege)
+    missing: str = ""                # what does not exist: "interface" or "namespace" ("" if both do)
     index: int = 0
     kind: str = ""                   # IFLA_INFO_KIND (veth, dummy, bridge, ...); "" for a NIC
     driver: str = ""
@@ -146,6 +147,7 @@ def gather(name: str, netns: str | None = None) -> LinkFacts:
             if not f.exists:
                 where = f"namespace {netns}" if netns else "the root namespace"
                 f.error = f"no interface {name!r} in {where} (ip {'-n ' + netns + ' ' if netns else ''}link)"
+                f.missing = "interface"
                 return f
             _ethtool(f)
             f.xdp_features = xdp_features(f.index)
@@ -156,6 +158,8 @@ def gather(name: str, netns: str | None = None) -> LinkFacts:
                 f.igmp = parse_igmp(Path("/proc/thread-self/net/igmp").read_text(), name)
             except OSError:
                 f.igmp = None
-    except (NotFoundError, PrivilegeError) as e:
+    except NotFoundError as e:
+        f.exists, f.missing, f.error = False, "namespace", str(e)
+    except PrivilegeError as e:
         f.exists, f.error = False, str(e)
     return f

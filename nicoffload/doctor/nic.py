@@ -31,6 +31,10 @@ def _ip(f: LinkFacts, args: str) -> str:
 
 
 def check_interface(f: LinkFacts, role: str | None) -> Check:
+    if not f.exists and not f.missing:
+        return fail("interface", f.error or f"{f.name} could not be read", "run it as root (sudo)")
+    if f.missing == "namespace":
+        return fail("interface", f.error, "name a namespace that `ip netns list` lists (--netns NS), or none")
     if not f.exists:
         return fail("interface", f.error or f"no interface {f.name!r}",
                     f"name one that `{_ip(f, 'link')}` lists (--iface IF, --netns NS)")

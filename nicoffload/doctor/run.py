@@ -45,7 +45,7 @@ def diagnose(iface: str | None = None, netns: str | None = None, role: str | Non
                                                    f"{netns or 'the root namespace'}: the interface was not checked",
                                       "name the interface the job's traffic crosses: --iface IF")])
     else:
-        report.missing = not facts.exists
+        report.missing = bool(facts.missing)
         report.add("interface", nic_checks(facts, role, elems))
     report.add("host", host_checks(facts))
     return report

@@ -123,9 +123,15 @@ def test_bcc_headers_jit_btf_bpffs():
 
 # --- the interface's checks --------------------------------------------------------------------
 def test_a_missing_interface_is_one_fail():
-    f = LinkFacts("eth9", "ns1", error="no interface 'eth9' in namespace ns1 (ip -n ns1 link)")
+    f = LinkFacts("eth9", "ns1", error="no interface 'eth9' in namespace ns1 (ip -n ns1 link)",
+                  missing="interface")
     checks = nic.nic_checks(f, None, 256)
     assert [c.status for c in checks] == [FAIL] and "eth9" in checks[0].detail and "ip -n ns1 link" in checks[0].fix
+    denied = nic.nic_checks(LinkFacts("eth0", "ns1", error="entering network namespace 'ns1' needs root"), None, 256)
+    assert [c.status for c in denied] == [FAIL] and "root" in denied[0].fix
+    gone = nic.nic_checks(LinkFacts("eth0", "ns2", error="network namespace 'ns2' does not exist",
+                                    missing="namespace"), None, 256)
+    assert [c.status for c in gone] == [FAIL] and "ip netns list" in gone[0].fix
 
 
 def test_native_xdp_from_the_netdev_bits_or_the_driver_table():
