@@ -36,9 +36,10 @@ def live(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("rank-metrics")
     uid = uuid.uuid4().hex[:5]
-    tb = Testbed(Topology.star(f"t{uid}", 2)).up()
-    svc = None
+    tb = Testbed(Topology.star(f"t{uid}", 2))
+    svc, stopped = None, 0
     try:
+        tb.up()
         svc = ServiceProcess(tb, write_token(tmp / "tok")).start()
         out = tmp / "out"
         out.mkdir()
@@ -52,12 +53,16 @@ def live(tmp_path_factory):
         assert all(o.ok for o in outcomes), [o.describe() for o in outcomes]
         yield reports, "\n".join(o.stderr for o in outcomes), tb
     finally:
-        if svc is not None:
-            assert svc.stop() == 0, svc.log[-10:]
-        for ns, iface in aggregator.loaded(f"nco-t{uid}"):
-            aggregator.unload(ns, iface, missing_ok=True)
-        tb.down()
-        clean(f"t{uid}")
+        try:
+            stopped = svc.stop() if svc is not None else 0
+            for ns, iface in aggregator.loaded(f"nco-t{uid}"):
+                aggregator.unload(ns, iface, missing_ok=True)
+        finally:
+            try:
+                tb.down()
+            finally:
+                clean(f"t{uid}")
+    assert stopped == 0, svc.log[-10:]
 
 
 def samples(text: str) -> list:
