@@ -100,20 +100,18 @@ class GroupMeter:
 
     @contextlib.contextmanager
     def call(self, what: str, result):
-        """An offloaded call: timed, with what the communicator counted meanwhile (its
-        cumulative ``stats``, and a failed call's own ``last``, which ``stats`` leaves out)."""
+        """An offloaded call: timed, with what the communicator counted meanwhile (:meth:`_count`)."""
         comm = self.pg.comm
-        before, last0, failed0 = _counts(comm.stats), comm.last, self.pg.error is not None
+        before, last0 = _counts(getattr(comm, "stats", None)), getattr(comm, "last", None)
+        ran = self.pg.error is None  # else it is refused at once for the earlier error
         delta = _Delta()
         with self.metrics.timed(self.labels, what, self.path(), _nbytes(result), delta):
             try:
                 yield
             except BaseException:
-                delta.set(_counts(comm.stats), before)
-                if not failed0 and comm.last is not last0:  # a call that ran, not one refused for an earlier error
-                    delta.add(_counts(comm.last))
+                _count(delta, comm, before, last0, failed=ran)
                 raise
-            delta.set(_counts(comm.stats), before)
+            _count(delta, comm, before, last0, failed=False)
 
     def gloo(self, name: str, args: tuple, fut) -> None:
         """A call through the gloo group, from its start on the queue until ``fut`` completes."""
@@ -145,6 +143,19 @@ class GroupMeter:
         if any(self.pg.router.route(op, t.dtype) is None for t in _flat(args[0] if args else [])):
             return "dtype"
         return "shape"
+
+
+def _count(delta: "_Delta", comm, before: tuple, last0, failed: bool) -> None:
+    """What a call added to ``comm``'s counters: the growth of its cumulative ``stats`` (every
+    tensor of the call), plus a failed call's own ``last``, which ``stats`` leaves out; for a
+    communicator without ``stats``, its ``last`` call's (when there was one)."""
+    stats, last = getattr(comm, "stats", None), getattr(comm, "last", None)
+    if stats is not None:
+        delta.set(_counts(stats), before)
+        if failed and last is not last0:
+            delta.add(_counts(last))
+    elif last is not None and last is not last0:
+        delta.add(_counts(last))
 
 
 def _counts(st) -> tuple:

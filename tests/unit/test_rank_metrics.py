@@ -85,3 +85,65 @@ def test_the_backends_port_rule():
 
     assert port_for("9470", 0) == 9470 and port_for("9470", 3) == 9473 and port_for("auto", 3) == 0
     assert process_metrics("127.0.0.1", 0, env={}) is None  # unset: no server at all
+
+
+class _Stats:
+    def __init__(self, sent=0, retx=0, rto=0):
+        self.packets_sent, self.retransmissions, self.timeouts = sent, retx, rto
+
+
+def _group(comm, error=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(comm=comm, grant=SimpleNamespace(job=4), group_id="0", getRank=lambda: 1,
+                           getSize=lambda: 2, path="aggregator", error=error, router=None)
+
+
+def test_the_backends_meter_reads_what_each_kind_of_communicator_counts():
+    """A call of several tensors counts them all (the growth of ``stats``); a failed one adds its
+    own ``last`` (``stats`` leaves it out); a communicator without ``stats`` (a wrapper) its
+    ``last``; a call refused at once for an earlier error adds nothing; a gloo call is timed until
+    its future completes, and a reduction there is a fallback, by reason."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from nicoffload.torch.metrics import GroupMeter
+    from nicoffload.worker.metrics import RankMetrics
+
+    m = RankMetrics()
+    comm = SimpleNamespace(stats=_Stats(), last=_Stats())
+    meter = GroupMeter(m, _group(comm))
+    with meter.call("allreduce", [torch.zeros(10), torch.zeros(5)]):
+        comm.stats, comm.last = _Stats(sent=30, retx=2, rto=1), _Stats(sent=10)
+    with pytest.raises(TimeoutError_), meter.call("allreduce", [torch.zeros(10)]):
+        comm.last = _Stats(sent=4, retx=3)  # the failed call's: not in stats
+        raise TimeoutError_("rank 1: ... no contribution from rank(s) 0")
+    wrapped = SimpleNamespace(last=_Stats())  # no cumulative stats
+    meter2 = GroupMeter(m, _group(wrapped))
+    with meter2.call("barrier", []):
+        wrapped.last = _Stats(sent=1)
+    meter3 = GroupMeter(m, _group(SimpleNamespace(stats=_Stats(), last=_Stats(sent=99)), error=RuntimeError("x")))
+    with pytest.raises(RuntimeError), meter3.call("allreduce", []):
+        raise RuntimeError("x")  # refused at once: the earlier error's
+    text = m.text().decode()
+    me = {"job": "4", "group": "0", "rank": "1"}
+    assert value(text, "nicoffload_rank_calls_total", **me, collective="allreduce", path="offload") == 3
+    assert value(text, "nicoffload_rank_bytes_total", **me, collective="allreduce") == (15 + 10) * 4
+    assert value(text, "nicoffload_rank_records_sent_total", **me) == 30 + 4 + 1
+    assert value(text, "nicoffload_rank_retransmissions_total", **me) == 2 + 3
+    assert value(text, "nicoffload_rank_timeouts_total", **me, reason="ranks_silent") == 1
+    assert value(text, "nicoffload_rank_errors_total", **me, reason="RuntimeError") == 1
+
+    gloo = GroupMeter(m, _group(None))  # a group on the gloo path
+    fut = torch.futures.Future()
+    gloo.gloo("allreduce", ([torch.zeros(4, dtype=torch.int64)],), fut)
+    assert value(m.text().decode(), "nicoffload_rank_calls_total", path="fallback") == 0  # not done yet
+    fut.set_result(None)
+    b = torch.futures.Future()
+    gloo.gloo("broadcast", ([torch.zeros(3)],), b)
+    b.set_exception(RuntimeError("gloo"))
+    text = m.text().decode()
+    assert value(text, "nicoffload_rank_calls_total", **me, collective="allreduce", path="fallback") == 1
+    assert value(text, "nicoffload_rank_fallbacks_total", **me, collective="allreduce", reason="group") == 1
+    assert value(text, "nicoffload_rank_bytes_total", **me, collective="allreduce", path="fallback") == 32
+    assert value(text, "nicoffload_rank_errors_total", **me, collective="broadcast", reason="RuntimeError") == 1
