@@ -12,6 +12,7 @@ its own module exposing ``register(subparsers)``; they parse arguments and call 
     worker    ``worker``, ``allreduce``, ``demo``, ``aggregator-userspace``
     train     ``train-demo``: DDP with gloo against nicoffload, the optimizer offload
     bench     ``bench``: systems side by side, soak, tenants
+    doctor    ``doctor``: the read-only preflight of a host (kernel, BPF, NIC, limits)
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "nicoffload.cli.worker",
     "nicoffload.cli.train",
     "nicoffload.cli.bench",
+    "nicoffload.cli.doctor",
 ]
 
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  sudo nicoffload demo                      # the main job, on a namespace testbed\n"
         "  sudo nicoffload testbed up --workers 4     # N workers + an aggregator in namespaces\n"
         "  sudo nicoffload agg load --netns NS --iface IF --workers 4\n"
+        "  sudo nicoffload doctor --iface IF --role aggregator   # a host's preflight (read-only)\n"
         "  nicoffload <command> --help               # every command has examples",
     )
     p.add_argument("--version", action="version", version=f"nicoffload {__version__}")

@@ -83,6 +83,12 @@ class _Ifreq(ctypes.Structure):
 
 def iface_driver(ifname: str, ns: str | None) -> str:
     """The driver of an interface (ethtool's GDRVINFO), e.g. "veth"; "" if it does not say."""
+    return iface_drvinfo(ifname, ns)[0]
+
+
+def iface_drvinfo(ifname: str, ns: str | None) -> tuple[str, str]:
+    """(driver, bus_info) of an interface (ethtool's GDRVINFO, ``ethtool -i``), e.g. ("virtio_net",
+    "0000:00:03.0"); ("", "") if it does not say."""
     with enter_netns(ns):
         ifindex(ifname, ns)
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -92,8 +98,8 @@ def iface_driver(ifname: str, ns: str | None) -> str:
         try:
             fcntl.ioctl(s.fileno(), _SIOCETHTOOL, req)  # the kernel fills `info` through ifr_data
         except OSError:
-            return ""
-        return info.driver.decode(errors="replace")
+            return "", ""
+        return info.driver.decode(errors="replace"), info.bus_info.decode(errors="replace")
     finally:
         s.close()
 

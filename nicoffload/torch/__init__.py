@@ -15,6 +15,8 @@ torch.distributed backend ``"nicoffload"``:
                 the service, heartbeats, leaving
     liveness    the heartbeat watcher that fails the offload naming a rank that is gone
     config      the ``NICOFFLOAD_*`` environment
+    metrics     every rank's Prometheus metrics (``NICOFFLOAD_METRICS_PORT``): the server and
+                the hooks of the backend and the gloo path
     ddp         the DDP communication hook (:func:`~nicoffload.torch.ddp.register`) and
                 :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the
                 aggregator (also set up through the backend's service)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from nicoffload.collective import Collective
 from nicoffload.errors import NicoffloadError, RefusedError, TimeoutError_
 from nicoffload.local.host import HostCommunicator
+from nicoffload.torch import metrics as rank_metrics
 from nicoffload.torch.config import BackendConfig
 from nicoffload.torch.gloo import FALLBACK_CALLS, GlooPath, gloo_group
 from nicoffload.torch.jobs import ServiceJobs
@@ -147,7 +148,8 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
             return Work(fut, what)
 
         def run(f):
-            fn()
+            with rank_metrics.call(self, what, result):
+                fn()
             f.set_result(result)
 
         if opts is None or getattr(opts, "asyncOp", True) or not self._queue.run_here(run, fut):
@@ -352,8 +354,10 @@ def _at_exit(ref) -> None:
 def create(opts, backend_options=None) -> ProcessGroupNicoffload:
     """The backend's creator (``extended_api``): torch calls it for the default group and for
     every ``new_group`` this rank is in."""
-    return ProcessGroupNicoffload(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                                  group_id=str(opts.group_id))
+    pg = ProcessGroupNicoffload(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                                group_id=str(opts.group_id))
+    rank_metrics.attach(pg)  # NICOFFLOAD_METRICS_PORT: this rank's Prometheus metrics
+    return pg
 
 
 def register() -> None:

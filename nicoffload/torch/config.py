@@ -28,6 +28,9 @@
                                           every rank (RefusedError, the default), or give every rank
                                           a tensor of NaN, as a sum with gloo holds NaN or Inf (what
                                           AMP's GradScaler needs to skip an overflowing step)
+    NICOFFLOAD_METRICS_PORT=P|auto        every rank serves Prometheus text on P + LOCAL_RANK (auto:
+                                          any free port); NICOFFLOAD_METRICS_ADDR binds another
+                                          address (read by nicoffload.torch.metrics)
 """
 from __future__ import annotations
 

@@ -76,6 +76,10 @@ class Failover:
         return self.primary.capabilities
 
     @property
+    def stats(self):
+        return getattr(self.primary, "stats", None)
+
+    @property
     def last(self):
         return getattr(self.fallback if self.on_fallback else self.primary, "last", None)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nicoffload.errors import NicoffloadError
+from nicoffload.torch.metrics import gloo_call
 from nicoffload.torch.work import Work, WorkQueue, chain, fail, failed
 
 R = dist.ReduceOp
@@ -90,6 +91,7 @@ class GlooPath:
         fut: torch.futures.Future = torch.futures.Future()
 
         def run(f):
+            gloo_call(self, name, args, f)  # NICOFFLOAD_METRICS_PORT: counted and timed until f completes
             w = getattr(self.group, name)(*args, **kwargs)
             try:
                 g = w.get_future()

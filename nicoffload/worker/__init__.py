@@ -12,6 +12,8 @@
     records    the records a rank sends besides its data (JOIN, ACK, pulls) and JOIN answers
     shards     :class:`ShardedCommunicator`: one job spread over several aggregators
     hier       :class:`HierCommunicator`: jobs of more than 32 ranks, two levels of aggregator jobs
+    metrics    a rank's Prometheus metrics (``nicoffload_rank_*``) and their HTTP thread
+               (``Communicator(..., metrics_port=)``; the torch backend's are built on them)
 
 ``communicator(mode=...)``, the factory of every mode's communicator, lives one floor up
 (:mod:`nicoffload.communicators`); ``nicoffload.worker.communicator`` is that function, resolved

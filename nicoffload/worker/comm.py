@@ -46,6 +46,7 @@ from nicoffload.worker.extremes import extreme
 from nicoffload.worker.optstep import optimizer_step
 from nicoffload.worker.speculation import SPECULATE_BLOCKS, Guesses, speculative_run
 from nicoffload.worker.calls import Buffers, CallStats, Rounds
+from nicoffload.worker.metrics import comm_metrics
 from nicoffload.worker.stream import RoundStream
 
 __all__ = ["Communicator", "CallStats", "DTYPES"]
@@ -96,6 +97,7 @@ class Communicator:
     # return from a call only once every rank holds its results (the job's gate: one more round
     # trip per call): what failover needs, so that no rank ever needs another's returned result
     confirm: bool = False
+    metrics_port: int | str | None = None  # serve this rank's calls as Prometheus text (worker.metrics); "auto"
     capabilities: ClassVar[collective.Capabilities] = collective.AGGREGATOR
     stats: CallStats = field(default_factory=CallStats)
     last: CallStats = field(default_factory=CallStats)
@@ -128,9 +130,11 @@ class Communicator:
         self._rec = self._s.record_size
         self._guesses = Guesses()  # the last call of each size's metadata (speculation)
         self._cut = None  # the data rounds of the call in flight (final_blocks)
+        self.metrics = comm_metrics(self, self.metrics_port)  # a server of its own, or nothing
 
     def close(self) -> None:
         self._s.close()
+        self.metrics.close()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -172,14 +176,14 @@ class Communicator:
         if lanes is not None and lanes not in quant.LANES:
             raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         if op != "sum":
-            with self._call():
+            with self._call(f"allreduce_{op}", array):
                 return extreme(self, array, out, op)
         x, out = call_arrays(array, out)
         if lanes == 16 and x.dtype.kind != "f":
             raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
         if _refuse and x.dtype.kind != "f":
             raise InputError("only a call of floats can be refused (int32 has no metadata round)")
-        with self._call():
+        with self._call("allreduce", x):
             if x.size == 0:
                 return out
             half = x.dtype.kind == "f" and (lanes or self.lanes) == 16
@@ -188,15 +192,16 @@ class Communicator:
             return out
 
     @contextlib.contextmanager
-    def _call(self):
+    def _call(self, what: str = "allreduce", array=None):
         """One call's statistics: ``last`` while it runs, added to ``stats`` when it returns;
         with ``confirm``, it returns only once every rank holds its results (the job's gate)."""
         st = self.last = self._s.last = CallStats()
         t0, sys0, foreign0 = time.perf_counter(), self._s.syscalls, self._s.foreign
         self._cut = None
-        yield st
-        if self.confirm:
-            self._s.confirm(self._s.next_round)
+        with self.metrics.call(what, array, st):
+            yield st
+            if self.confirm:
+                self._s.confirm(self._s.next_round)
         st.seconds = time.perf_counter() - t0
         st.syscalls = self._s.syscalls - sys0
         st.foreign = self._s.foreign - foreign0

@@ -27,7 +27,7 @@ def optimizer_step(self: Communicator, grads: np.ndarray, out: np.ndarray | None
     if self.slots != optim.share(n, E):
         raise InputError(f"rank {self.rank}: {n} gradients need a job of {optim.share(n, E)} slots "
                          f"(optim.share), this communicator has {self.slots}: register the job with --params {n}")
-    with self._call() as st:
+    with self._call("step", g) as st:
         _step(self, g, out, nb)
         st.results = nb
     return out

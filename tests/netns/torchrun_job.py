@@ -5,6 +5,7 @@ Writes ``OUT/rank{R}.json``: one entry per check (name, ok, detail) and timings.
 
     torchrun ... torchrun_job.py --out DIR --phases collectives,ddp,fsdp,optimizer
     torchrun ... torchrun_job.py --out DIR --phases train --die-rank 2 --die-at 5   # a rank dies
+    NICOFFLOAD_METRICS_PORT=P torchrun ... torchrun_job.py --out DIR --phases metrics   # scrapes
 """
 from __future__ import annotations
 
@@ -151,6 +152,33 @@ def bits(rank: int, world: int, out: Path) -> dict:
     return {"path": repr(dist.distributed_c10d._get_default_group())}
 
 
+def metrics(rank: int, world: int) -> dict:
+    """Known calls on each path (NICOFFLOAD_METRICS_PORT set): 7 offloaded all-reduces of 1000
+    float32, an int64 all-reduce (the gloo fallback), a broadcast (gloo), a barrier (offload);
+    then every rank's /metrics (its address, port P + its local rank) and the service's, scraped
+    while every rank is still up."""
+    import urllib.request
+
+    for i in range(7):
+        dist.all_reduce(torch.full((1000,), float(rank + i)))
+    dist.all_reduce(torch.ones(10, dtype=torch.int64))
+    dist.broadcast(torch.zeros(10), 0)
+    dist.barrier()
+    port = int(os.environ["NICOFFLOAD_METRICS_PORT"])
+    pg = dist.distributed_c10d._get_default_group()
+
+    def get(url: str) -> str:
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+    ips = pg.addresses  # rank r serves on P + its local rank: the ranks before it on its host
+    out = {"rank_metrics": {str(r): get(f"http://{ip}:{port + ips[:r].count(ip)}/metrics") for r, ip in enumerate(ips)},
+           "job": pg.grant.job if pg.grant is not None else None}
+    if rank == 0:
+        out["service_metrics"] = get(os.environ["NICOFFLOAD_SERVICE"].split(",")[0] + "/metrics")
+    dist.barrier()  # nobody leaves before every rank has scraped
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -180,6 +208,8 @@ def main() -> None:
                 report |= bits(rank, world, out)
             elif ph == "optimizer":
                 report |= optimizer(rank, world, gloo)
+            elif ph == "metrics":
+                report |= metrics(rank, world)
             elif ph == "train":
                 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -19,7 +19,7 @@ LAYER = {
     "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp", "local": "local",
     "communicators": "factory", "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
-    "lab": "lab", "cli": "cli",
+    "lab": "lab", "cli": "cli", "doctor": "doctor",
 }
 
 #: what each layer may import (itself included)
@@ -45,10 +45,13 @@ ALLOWED = {
     # beside the core: packet generators and the testbed
     "packets": {"base", "packets"},
     "testbed": {"base", "testbed"},
+    # the read-only preflight of a host (nicoffload doctor): the kernel, the NIC, the limits; it
+    # reads the AF_XDP engine's UMEM size from its source
+    "doctor": {"base", "afxdp", "doctor"},
     "lab": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "local", "factory", "service", "torch",
             "packets", "testbed", "lab"},
     "cli": {"base", "datapath", "agg", "ring", "userspace", "afxdp", "worker", "local", "factory", "service", "torch",
-            "packets", "testbed", "lab", "cli"},
+            "packets", "testbed", "lab", "doctor", "cli"},
 }
 
 #: documented entry points kept at an old home one floor down, resolved there on first use:
