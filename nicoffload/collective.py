@@ -69,7 +69,11 @@ class Collective(Protocol):
 
     rank: int
     world: int
-    capabilities: Capabilities
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What it takes (a class attribute of each communicator)."""
+        ...
 
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, op: str = "sum",
                   lanes: int | None = None) -> np.ndarray:

@@ -30,6 +30,7 @@ from nicoffload.errors import NicoffloadError, RefusedError, TimeoutError_
 from nicoffload.local.host import HostCommunicator
 from nicoffload.torch import metrics as rank_metrics
 from nicoffload.torch.config import BackendConfig
+from nicoffload.torch.failover import Failover
 from nicoffload.torch.gloo import FALLBACK_CALLS, GlooPath, gloo_group
 from nicoffload.torch.jobs import ServiceJobs
 from nicoffload.torch.liveness import Liveness
@@ -50,7 +51,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, group_id: str = "0",
                  config: BackendConfig | None = None):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (2.13 takes (rank, size); its stubs want a store)
         self._rank, self._size = rank, size
         self._group_name = ""
         self.group_id = group_id
@@ -126,16 +127,17 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         self._group_name = name
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]  # (a property in torch 2.4, a method later)
         return self._group_name
 
     def stats(self) -> dict:
         """The group's path and what its failover did (calls, failovers, rejoins, the cause)."""
         f = self.comm
-        d = {"path": self.path, "offloaded_calls": getattr(f, "calls", 0)}
-        if hasattr(f, "failovers"):
-            d |= {"failovers": f.failovers, "rejoins": f.rejoins, "on_fallback": f.on_fallback, "cause": f.cause,
-                  "fallback_s": f.fallback_s, "recovered_at": f.recovered_at}
+        d: dict = {"path": self.path}
+        if isinstance(f, Failover):
+            d |= {"offloaded_calls": f.calls, "failovers": f.failovers, "rejoins": f.rejoins,
+                  "on_fallback": f.on_fallback, "cause": f.cause, "fallback_s": f.fallback_s,
+                  "recovered_at": f.recovered_at}
         return d
 
     # --- running calls ------------------------------------------------------------------------
@@ -191,7 +193,9 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         a = work.numpy().reshape(-1)  # 0-d tensors too (numpy makes them 1-d anyway)
         kw = self.router.lanes(dtype or t.dtype) if how == "sum" else {"op": how}
         try:
-            self._offload(lambda: self.comm.allreduce(a, out=a, **kw))
+            comm = self.comm
+            assert comm is not None  # routed here only with a communicator
+            self._offload(lambda: comm.allreduce(a, out=a, **kw))
         except RefusedError as e:
             # NICOFFLOAD_NONFINITE=nan: every rank refused it together, so every rank gets NaN
             if self.config.nonfinite != "nan" or e.kind not in ("NaN", "Inf"):
@@ -206,7 +210,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         if not direct:
             t.detach().copy_(work)  # a parameter (requires_grad) too, as gloo writes into it
 
-    def allreduce(self, tensors, opts=None) -> Work:
+    def allreduce(self, tensors, opts=None) -> Work:  # type: ignore[override]  # (torch calls it (tensors, opts))
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         tensors = list(tensors)
@@ -246,9 +250,9 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         return self._submit("reduce_scatter", lambda: self._reduce_scatter_flat(output, input, how, op == "avg"),
                             [output], opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (the name of older torch)
 
-    def reduce_scatter(self, outputs, input_lists, opts=None) -> Work:
+    def reduce_scatter(self, outputs, input_lists, opts=None) -> Work:  # type: ignore[override]
         op = op_name(opts)
         ok = all(self.router.route(op, o.dtype) == "sum" and len(ins) == self._size and
                  all(i.numel() == o.numel() and i.dtype == o.dtype for i in ins)
@@ -278,7 +282,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
 
         return self._submit("reduce_scatter", run, list(outputs))
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # --- barrier ------------------------------------------------------------------------------
     def barrier(self, opts=None) -> Work:
@@ -287,7 +291,9 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
 
         def run():
             self.gloo.wait_pending()  # gloo's barrier waits for the work issued before it too
-            self._offload(lambda: self.comm.barrier(), "barrier")
+            comm = self.comm
+            assert comm is not None
+            self._offload(lambda: comm.barrier(), "barrier")
 
         return self._submit("barrier", run, [], opts)
 
@@ -324,7 +330,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
             self.comm.close()
         # gloo's group goes when its last reference does (its destructor joins its threads); a
         # shutdown() here left a thread joinable and aborted the process at exit now and then
-        self.gloo.group = None
+        self.gloo.group = None  # type: ignore[assignment]  # (closed: nothing uses it after)
 
     def abort(self) -> None:
         self.shutdown()

@@ -83,8 +83,8 @@ class BackendConfig:
                    liveness=_seconds(env, "NICOFFLOAD_LIVENESS") or 10.0,
                    lease_s=_seconds(env, "NICOFFLOAD_LEASE", zero_ok=True), lanes=lanes, nonfinite=nonfinite,
                    require_offload=_flag(env, "NICOFFLOAD_REQUIRE_OFFLOAD"),
-                   failover=_seconds(env, "NICOFFLOAD_FAILOVER", zero_ok=True) if env.get("NICOFFLOAD_FAILOVER")
-                   else 3.0, rejoin=_seconds(env, "NICOFFLOAD_REJOIN") or 30.0)
+                   failover=(_seconds(env, "NICOFFLOAD_FAILOVER", zero_ok=True) or 0.0)
+                   if env.get("NICOFFLOAD_FAILOVER") else 3.0, rejoin=_seconds(env, "NICOFFLOAD_REJOIN") or 30.0)
 
     def route_target(self) -> str:
         """The host this rank's traffic goes to: the service's (aggregator mode) or the master's."""

@@ -55,6 +55,7 @@ except ImportError as _e:  # an optional extra: say what to install, in one line
     raise SetupError("nicoffload.ddp needs PyTorch: pip install 'nicoffload[torch]' "
                      f"(torch==2.13.0, the CPU wheel) ({_e})") from None
 
+from nicoffload.collective import Collective
 from nicoffload.worker.comm import Communicator
 from nicoffload.communicators import communicator as make_communicator
 
@@ -101,7 +102,7 @@ class NicoffloadHookState:
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  slots: int = DEFAULT.slots, elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout,
                  rank: int | None = None, world: int | None = None, overlap: bool = True,
-                 communicator: Communicator | None = None, lanes: int | None = None, **communicator_kwargs: Any):
+                 communicator: Collective | None = None, lanes: int | None = None, **communicator_kwargs: Any):
         if lanes not in (None, 16, 32):
             raise NicoffloadError(f"lanes must be 16 or 32 (None: 16 for bfloat16/float16 buckets), not {lanes!r}")
         if lanes == 16 and mode == "ring":
@@ -122,10 +123,11 @@ class NicoffloadHookState:
                 spec = DEFAULT.replace(job=job, port=port, elems=elems, timeout=timeout, mode="ring")
                 communicator = make_communicator(rank, world, peers=peers, spec=spec, **communicator_kwargs)
             else:
+                assert aggregator is not None  # checked above
                 communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port,
                                             job=job, slots=slots, elems=elems, timeout=timeout,
                                             **communicator_kwargs)
-        self.comm = communicator
+        self.comm: Collective = communicator
         self.rank, self.world = communicator.rank, communicator.world
         self.stats = HookStats()
         self.error: BaseException | None = None
@@ -154,18 +156,18 @@ class NicoffloadHookState:
             work.div_(self.world)                  # DDP's default averaging: pre-divide
             arr = work.numpy()
             lanes = self.lanes or (16 if buf.dtype in (torch.bfloat16, torch.float16) else None)
-            kw = {} if self._ring or lanes is None else {"lanes": lanes}
             t0 = time.perf_counter()
-            self.comm.allreduce(arr, out=arr, **kw)  # in place: the input is copied before out is written
-            st = self.stats
+            # in place: the input is copied before out is written
+            self.comm.allreduce(arr, out=arr, lanes=None if self._ring else lanes)
+            st, last = self.stats, getattr(self.comm, "last", None)
             st.seconds += time.perf_counter() - t0
             st.calls += 1
             st.elements += arr.size
-            st.packets_sent += self.comm.last.packets_sent
-            st.retransmissions += self.comm.last.retransmissions
-            st.blocks_skipped += self.comm.last.blocks_skipped
-            st.spec_blocks += getattr(self.comm.last, "spec_blocks", 0)  # the ring's stats have none
-            st.spec_missed += getattr(self.comm.last, "spec_missed", 0)
+            st.packets_sent += getattr(last, "packets_sent", 0)
+            st.retransmissions += getattr(last, "retransmissions", 0)
+            st.blocks_skipped += getattr(last, "blocks_skipped", 0)
+            st.spec_blocks += getattr(last, "spec_blocks", 0)  # the ring's stats have none
+            st.spec_missed += getattr(last, "spec_missed", 0)
             if not direct:
                 buf.copy_(work)
             return buf
@@ -177,6 +179,7 @@ class NicoffloadHookState:
             raise
 
     def _serve(self) -> None:
+        assert self._jobs is not None
         while True:
             job = self._jobs.get()
             if job is None:
@@ -209,9 +212,9 @@ class NicoffloadHookState:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
+        if self._thread is not None and self._jobs is not None:
             self._jobs.put(None)
-            self._thread.join(timeout=self.comm.timeout + 1.0)
+            self._thread.join(timeout=getattr(self.comm, "timeout", 30.0) + 1.0)
         self.comm.close()
 
     def __enter__(self) -> "NicoffloadHookState":

@@ -209,7 +209,7 @@ class Failover:
             return
         t = torch.tensor([self.rejoin_ready if self.rank == 0 else 0], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # (an enum member of the op)
         self.fallback.pg.allreduce([t], opts).wait()
         gen = int(t[0])
         if gen <= self._gen:

@@ -30,7 +30,7 @@ POINT_TO_POINT = ("send", "recv", "recv_anysource")
 
 def gloo_group(store, rank: int, size: int, timeout: timedelta, ip: str, prefix: str = "") -> dist.ProcessGroup:
     """A gloo process group on ``store`` (its keys under ``prefix``) bound to ``ip``."""
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (not in torch's stubs)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
     opts._timeout = timeout
     gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, size, opts)
@@ -48,7 +48,7 @@ def outputs(name: str, args: tuple) -> list:
     first = args[0]
     if isinstance(first, torch.Tensor):
         return [first]
-    out = []
+    out: list = []
     for x in first:
         out.extend(x if isinstance(x, (list, tuple)) else [x])
     return out

@@ -143,6 +143,7 @@ class ServiceJobs:
         """A job at the (first) service that holds ``optimizer`` (an OptimizerSpec) and the flat
         initial ``params`` (rank 0's are uploaded); returns this rank's communicator for it."""
         client = self.client
+        assert client is not None  # the backend asks only where the group has a job
         n = int(params.size)
         owner = f"torchrun optimizer of group {self.group_id} (rank 0 at {self.addresses[0]})"
 
@@ -170,7 +171,7 @@ class ServiceJobs:
         """Renew every job's lease a few times per lease until ``stop``; a job the service no
         longer has calls ``on_lost(error)`` and ends the loop (the data path does not need the
         service otherwise: a failed renewal is retried)."""
-        every = max(0.5, self.grant.lease_s / 3)
+        every = max(0.5, (self.grant.lease_s if self.grant else 30.0) / 3)
         warned = False
         while not stop.wait(every):
             for c, g in list(self.held):

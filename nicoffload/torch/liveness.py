@@ -70,7 +70,7 @@ class Liveness:
         stale = {r: since - last_change[r] for r in range(self.size)
                  if r != self.rank and since - last_change[r] > 2 * every + 0.5}
         if stale and not self.closed:
-            r = max(stale, key=stale.get)
+            r = max(stale, key=lambda k: stale[k])
             self.on_dead(TimeoutError_(
                 f"rank {self.rank}: rank {r} ({self.addresses[r]}) is gone: its heartbeat stopped "
                 f"{stale[r]:.1f}s before the rendezvous store went away too (rank 0 saw it first)"))

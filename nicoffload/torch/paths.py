@@ -8,15 +8,21 @@ import json
 import logging
 import secrets
 import threading
+from typing import Callable
 
+from nicoffload.collective import Collective
 from nicoffload.communicators import communicator
 from nicoffload.errors import NicoffloadError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.local.host import HostCommunicator
 from nicoffload.local.segment import HostGroup
+from nicoffload.torch.config import BackendConfig
 from nicoffload.torch.failover import Failover
 from nicoffload.torch.fixedgloo import FixedGloo
-from nicoffload.torch.placement import Placement, placement
+from nicoffload.torch.gloo import GlooPath
+from nicoffload.torch.jobs import ServiceJobs
+from nicoffload.torch.placement import Place, Placement, placement
+from nicoffload.torch.rendezvous import Rendezvous
 
 log = logging.getLogger("nicoffload.torch")
 
@@ -24,6 +30,24 @@ log = logging.getLogger("nicoffload.torch")
 class GroupPaths:
     """The set-up half of a process group (``self`` is the group: its rank, size, rendezvous,
     places, jobs and config)."""
+
+    # what the group has when its set-up runs (ProcessGroupNicoffload.__init__)
+    _rank: int
+    _size: int
+    group_id: str
+    config: BackendConfig
+    rdv: Rendezvous
+    places: list[Place]
+    addresses: list[str]
+    local_ip: str
+    comm_timeout: float
+    jobs: ServiceJobs
+    gloo: GlooPath
+    _stop: threading.Event
+    _abort: Callable[[BaseException], None]
+    # what it makes
+    comm: Collective | None
+    path: str
 
     def _setup_offload(self) -> None:
         """Choose the group's path (``self.path``) and build its communicator; a group that takes
@@ -59,8 +83,10 @@ class GroupPaths:
         if why is not None:
             return f"the service has no room for its job ({why})"
         self._renew()
+        grant = self.jobs.grant
+        assert grant is not None  # asked for above
         self.comm = self._failover(lambda: self.jobs.communicator(self.local_ip, self.comm_timeout), self._size,
-                                   self.jobs.grant.elems)
+                                   grant.elems)
         self.path = "aggregator"
         return ""
 
@@ -81,6 +107,7 @@ class GroupPaths:
             if why is not None:
                 return f"the service has no room for its lanes ({why})"
             self._renew()
+            assert self.jobs.grant is not None  # asked for above
             elems = self.jobs.grant.elems
         built = [0]
 
