@@ -23,6 +23,7 @@ One call, for a chunk of at most CHUNK elements at a time (whole blocks: the sam
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -89,12 +90,17 @@ class HostCommunicator:
     lanes: int
     elems: int = 256
     lane: Collective | None = None
+    # 16-bit lanes where the path across hosts has them (the aggregator's); False: floats in
+    # 32-bit lanes only (a ring across hosts: the bits of the ring's own one-rank-per-host jobs)
+    half_lanes: bool = True
     capabilities = collective.Capabilities(ops=frozenset({"sum", "max", "min"}),
                                            extreme_dtypes=collective.EXTREME_DTYPES, lanes=(32, 16))
     stats: HostStats = field(default_factory=HostStats)
     last: HostStats = field(default_factory=HostStats)
 
     def __post_init__(self):
+        if not self.half_lanes:
+            self.capabilities = dataclasses.replace(type(self).capabilities, lanes=(32,))
         me, K = self.host.me, self.host.K
         if not 1 <= self.lanes <= K or self.kmax < K:
             raise InputError(f"{self.lanes} lanes and a host of {K} ranks (kmax {self.kmax})")
@@ -121,6 +127,8 @@ class HostCommunicator:
             raise InputError(f"lanes must be 16 or 32, not {lanes!r}")
         dtypes = DTYPES if op == "sum" else (np.dtype(np.int32), np.dtype(np.float32))
         x, out = call_arrays(array, out, dtypes)
+        if lanes == 16 and not self.half_lanes:
+            raise InputError("16-bit lanes are for the aggregator mode: this group sums across hosts in 32-bit lanes")
         if lanes == 16 and x.dtype.kind != "f":
             raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
         st = self.last = HostStats(calls=1)

@@ -65,6 +65,7 @@ class Failover:
         self.recovered_at = 0.0      # when the last cut call was done (time.time())
         self.rejoin_ready = 0        # rank 0: the generation of a grant published for rejoining
         self._gen = 0                # the generation this rank runs
+        self._aborted: BaseException | None = None  # the group's abort (liveness)
 
     @property
     def generation(self) -> int:
@@ -107,6 +108,7 @@ class Failover:
         self.allreduce(np.zeros(1, np.int32))
 
     def abort(self, error: BaseException) -> None:
+        self._aborted = error
         self.primary.abort(error)
 
     def close(self) -> None:
@@ -162,6 +164,8 @@ class Failover:
         keys = [key(f"failover/{n}/have/{r}") for r in range(self.world)]
         deadline = time.monotonic() + self.wait_s
         while True:
+            if self._aborted is not None:  # a rank gone or left the group (liveness): no agreement to wait for
+                raise self._aborted
             if store.check([key(f"failover/{n}/done")]):
                 return None
             if store.check(keys):

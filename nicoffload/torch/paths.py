@@ -122,7 +122,8 @@ class GroupPaths:
                     lane = communicator(h, H, mode="ring", peers=list(plan.ips), spec=spec)
                 elif H > 1 and me < L:
                     lane = self.jobs.lane_communicator(me, h, H, self.local_ip, self.comm_timeout)
-                return HostCommunicator(self._rank, self._size, host, H, h, plan.kmax, L, elems=elems, lane=lane)
+                return HostCommunicator(self._rank, self._size, host, H, h, plan.kmax, L, elems=elems, lane=lane,
+                                        half_lanes=mode == "aggregator")
             except BaseException:
                 if lane is not None:
                     lane.close()

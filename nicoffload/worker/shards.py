@@ -182,6 +182,10 @@ class ShardedCommunicator:
                 fn(self.comms[k], k) if takes_k else fn(self.comms[k])
             except BaseException as e:
                 errors[k] = e
+                if not isinstance(e, RefusedError):  # (every shard refuses alike: still in step)
+                    for j, c in enumerate(self.comms):  # the other shards' waits end with it
+                        if j != k:
+                            c.abort(e)
 
         threads = [threading.Thread(target=run, args=(k,), name=f"nicoffload-shard{k}")
                    for k in range(1, len(self.comms))]

@@ -199,17 +199,19 @@ def test_the_service_killed_and_restarted_mid_training(service, tmp_path):
     assert with_service(c, tb, lambda c: c.jobs())["jobs"] == []
 
 
-def test_a_job_over_two_services(make_testbed, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-rank-per-host", "2-ranks-per-host"])
+def test_a_job_over_two_services(make_testbed, tmp_path, nproc):
     """NICOFFLOAD_SERVICE=URL1,URL2: a job at each service, every tensor sharded over their
-    aggregators (DDP training and the collectives' checks)."""
+    aggregators (DDP training and the collectives' checks); with two ranks per host, each lane's
+    share is sharded over both."""
     tb = make_testbed(2, aggregators=2)
     tok = write_token(tmp_path / "tok")
     svcs = [ServiceProcess(tb, tok, host=h).start() for h in tb.aggs]
     try:
         env = {"NICOFFLOAD_SERVICE": ",".join(s.url for s in svcs), "NICOFFLOAD_TOKEN_FILE": str(tok)}
         out = tmp_path / "out"
-        outcomes, reports = run(tb, svcs[0], out, ["--phases", "collectives,ddp"], env=env)
-        assert sorted(reports) == [0, 1], [o.describe() for o in outcomes]
+        outcomes, reports = run(tb, svcs[0], out, ["--phases", "collectives,ddp"], env=env, nproc=nproc)
+        assert sorted(reports) == list(range(2 * nproc)), [o.describe() for o in outcomes]
         assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
         assert failed_checks(reports) == []
         for s in svcs:  # both held the job's shards, and both gave them back
