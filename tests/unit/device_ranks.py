@@ -1,9 +1,11 @@
-"""One rank of a group of the backend "nicoffload" on this machine (every rank at 127.0.0.1: the
-ranks of one host, summing through shared memory, no service, no root), for the device path's
-checks (tests/unit/test_device_path.py, scripts/gpu-check.sh). Writes OUT/rank{R}.json and
+"""One rank of a group of the backend "nicoffload", for the device path's checks
+(tests/unit/test_device_path.py, tests/netns/test_device_netns.py, scripts/gpu-check.sh): on this
+machine (every rank at 127.0.0.1: the ranks of one host, summing through shared memory, no
+service, no root), or under torchrun on a testbed (the aggregator). Writes OUT/rank{R}.json and
 OUT/bits{R}.npz.
 
-    python device_ranks.py RANK WORLD PORT OUT --device cpu|cuda --phases bits,ddp,gloo,bench
+    python device_ranks.py --out DIR --rank R --world W --port P --device cpu|cuda --phases bits,ddp,gloo,bench
+    torchrun ... device_ranks.py --out DIR --device cuda --phases ...   # as torchrun and NICOFFLOAD_* say
 
 bits   every case through the host path (NICOFFLOAD_DEVICE_PATH=host) and the device path
        (=device on CPU tensors, =auto on CUDA ones): both results kept, to compare bit for bit
@@ -147,39 +149,54 @@ def bench_phase(dev: str, fast: str, reps: int) -> dict:
     return res
 
 
+def setup(a) -> tuple[int, int]:
+    """Join the group: under torchrun (RANK in the environment) as it says, with its
+    NICOFFLOAD_* settings (a service: the aggregator mode); else rank ``--rank`` of ``--world``
+    at 127.0.0.1 (the ranks of one host: shared memory, no service)."""
+    if a.rank is None and "RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        rank, world, local = a.rank, a.world, a.rank
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), NICOFFLOAD_REQUIRE_OFFLOAD="1")
+        os.environ.pop("NICOFFLOAD_SERVICE", None)
+    if a.device == "cuda":
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group("nicoffload", rank=rank, world_size=world)
+    return rank, world
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("port", type=int)
-    ap.add_argument("out")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--phases", default="bits")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--chunk", type=int, default=16384, help="elements per chunk of the device path's pipeline "
                     "in the bits and ddp phases (small: several chunks, some zero everywhere)")
     a = ap.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), NICOFFLOAD_REQUIRE_OFFLOAD="1")
-    os.environ.pop("NICOFFLOAD_SERVICE", None)
     out = Path(a.out)
     report: dict = {"rank": a.rank}
     fast = "device" if a.device == "cpu" else "auto"
     try:
+        rank, world = setup(a)
+        report["rank"] = rank
         if a.device == "cuda":
-            torch.cuda.set_device(a.rank % torch.cuda.device_count())
             report["gpu"] = torch.cuda.get_device_name()
-        dist.init_process_group("nicoffload", rank=a.rank, world_size=a.world)
         report["group"] = repr(dist.distributed_c10d._get_default_group())
         phases = a.phases.split(",")
         chunk, devicepath.CHUNK = devicepath.CHUNK, a.chunk
         if "bits" in phases:
-            saved, report["errors"] = bits_phase(a.rank, a.world, a.device, fast)
-            np.savez(out / f"bits{a.rank}.npz", **saved)
+            saved, report["errors"] = bits_phase(rank, world, a.device, fast)
+            np.savez(out / f"bits{rank}.npz", **saved)
         gloo = dist.new_group(backend="gloo") if {"ddp", "gloo"} & set(phases) else None
         if "ddp" in phases:
-            report["ddp"] = ddp_phase(a.rank, a.device, fast, gloo)
+            report["ddp"] = ddp_phase(rank, a.device, fast, gloo)
         if "gloo" in phases:
-            report["gloo"] = gloo_phase(a.rank, a.world, a.device)
+            report["gloo"] = gloo_phase(rank, world, a.device)
         devicepath.CHUNK = chunk
         if "bench" in phases:
             report["bench"] = bench_phase(a.device, fast, a.reps)
@@ -187,7 +204,7 @@ def main() -> int:
         dist.destroy_process_group()
     except BaseException as e:
         report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    (out / f"rank{a.rank}.json").write_text(json.dumps(report))
+    (out / f"rank{report['rank']}.json").write_text(json.dumps(report))
     return 1 if "error" in report else 0
 
 

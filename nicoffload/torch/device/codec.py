@@ -136,11 +136,11 @@ def _encode_rows(xr: torch.Tensor, sc: dict, lo: int, bias: int, single: bool) -
     k = xr.shape[0]
     s = sc["s"][lo:lo + k]
     f32, f64 = sc["f32"][lo:lo + k], sc["f64"][lo:lo + k]
-    q = torch.zeros(xr.shape, dtype=torch.int32, device=xr.device)
     if f32.all() and k:
-        f = _put(xr, _pow2_bits(np.where(f32, s, 0), torch.float32), np.arange(k), torch.float32)
+        f = _put(xr, _pow2_bits(s, torch.float32), np.arange(k), torch.float32)
         q = torch.round(xr * f).to(torch.int32)
     else:
+        q = torch.zeros(xr.shape, dtype=torch.int32, device=xr.device)
         for rows, scale in ((np.flatnonzero(f32), "f32"), (np.flatnonzero(f64), "f64")):
             if not len(rows):
                 continue
@@ -196,34 +196,36 @@ def decode(words: torch.Tensor, gexp: np.ndarray, E: int, top: int, nb32: int, n
     (lane - nb32) * 2^-(top - gexp[b]) with one rounding (pump.unfix); zero blocks are +0.0."""
     dt = work_dtype(dtype)
     nb = len(gexp)
-    if bits == 16:
-        lanes = words.view(torch.int16).to(torch.int64) & 0xFFFF  # the unsigned 16-bit lane sums
-    else:
-        lanes = words.to(torch.int64)
-    v = lanes - nb32
-    if bits == 32:  # the int32 difference, as the kernels take it (a sum of 2^31 was stored as -2^31)
-        v = torch.where(v < -(1 << 31), v + (1 << 32), v)
+    if bits == 16:  # the unsigned 16-bit lane sums (below 2^15 + 1), less the bias: no overflow
+        v = words.view(torch.int16).to(torch.int32) & 0xFFFF
+        v -= nb32
+    else:  # sum S in [0, 2^31] (2^31 stored as -2^31): S ^ 2^31 is S - 2^31 exactly, and
+        # S - 2^31 + (2^31 - nb32) = S - nb32 stays inside int32: no step overflows
+        v = torch.bitwise_xor(words, -(1 << 31))
+        v += (1 << 31) - nb32
     v = v.view(nb, E)
     sc = scales(gexp, top, True)  # the decode scales float32 output in float32 wherever it can
     s = sc["s"]
-    res = torch.zeros((nb, E), dtype=dt, device=words.device)
+    res = None if sc["f32"].all() or sc["f64"].all() else torch.zeros((nb, E), dtype=dt, device=words.device)
     for scale, rows in (("f32", np.flatnonzero(sc["f32"])), ("f64", np.flatnonzero(sc["f64"]))):
         if not len(rows):
             continue
         it = torch.from_numpy(rows).to(words.device) if len(rows) < nb else None
         vr = v[it] if it is not None else v
         if dt == torch.float32 and scale == "f32":
-            r = vr.to(torch.float32) * _put(res, _pow2_bits(-s, torch.float32), rows, torch.float32)
+            r = vr.to(torch.float32) * _put(v, _pow2_bits(-s, torch.float32), rows, torch.float32)
         elif dt == torch.float32:
-            g = _put(res, np.ldexp(1.0, np.clip(-s, -1100, 1100)), rows, torch.float64)
+            g = _put(v, np.ldexp(1.0, np.clip(-s, -1100, 1100)), rows, torch.float64)
             r = (vr.to(torch.float64) * g).to(torch.float32)
         else:
             d1, d2 = _split(-s)
-            r = vr.to(torch.float64) * _put(res, d1, rows, torch.float64) * _put(res, d2, rows, torch.float64)
+            r = vr.to(torch.float64) * _put(v, d1, rows, torch.float64) * _put(v, d2, rows, torch.float64)
         if it is None:
             res = r
         else:
             res[it] = r
+    if res is None:  # every block zero on every rank
+        res = torch.zeros((nb, E), dtype=dt, device=words.device)
     flat = res.reshape(-1)[:n]
     if out is None:
         return flat
