@@ -15,6 +15,8 @@ torch.distributed backend ``"nicoffload"``:
                 the service, heartbeats, leaving
     liveness    the heartbeat watcher that fails the offload naming a rank that is gone
     config      the ``NICOFFLOAD_*`` environment
+    device      CUDA tensors: the fixed point encoded on the device, integers to the host
+                (NICOFFLOAD_DEVICE_PATH), and gloo's calls on device tensors
     ddp         the DDP communication hook (:func:`~nicoffload.torch.ddp.register`) and
                 :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the
                 aggregator (also set up through the backend's service)
