@@ -1,8 +1,9 @@
-"""CUDA tensors through the XDP aggregator: two testbed hosts (network namespaces of one machine,
-sharing its GPU), ``nicoffload agg serve`` on the aggregator host, and under torchrun the device
-path's checks (tests/unit/device_ranks.py): the host path's bits for every case, DDP on CUDA
-tensors against the host path (bit for bit) and gloo, and 16 MiB all-reduces timed on both paths.
-Skips without a GPU (scripts/gpu-check.sh runs it where there is one, as root)."""
+"""The device path through the XDP aggregator: two testbed hosts (network namespaces of one
+machine), ``nicoffload agg serve`` on the aggregator host, and under torchrun the device path's
+checks (tests/unit/device_ranks.py). On CPU tensors (NICOFFLOAD_DEVICE_PATH=device) the
+aggregator's int32 sums of the lanes must give the bits of its own float sums, every case; on
+CUDA tensors (where a GPU is: scripts/gpu-check.sh) the same, and DDP against the host path (bit
+for bit) and gloo, and 16 MiB all-reduces timed on both paths."""
 from __future__ import annotations
 
 import json
@@ -18,13 +19,15 @@ from nicoffload.lab.train.torchrun import ServiceProcess, torchrun_specs, write_
 from tests.unit.test_device_path import JOB, NO_GPU, check_bits  # noqa: E402
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
-def test_cuda_tensors_through_the_xdp_aggregator(make_testbed, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=NO_GPU))])
+def test_the_device_path_through_the_xdp_aggregator(device, make_testbed, tmp_path):
     tb = make_testbed(2)
     out = tmp_path / "out"
     out.mkdir()
+    phases = "bits" if device == "cpu" else "bits,ddp,gloo,bench"
     with ServiceProcess(tb, write_token(tmp_path / "tok")) as svc:
-        specs = torchrun_specs(tb, JOB, ["--out", str(out), "--device", "cuda", "--phases", "bits,ddp,gloo,bench"],
+        specs = torchrun_specs(tb, JOB, ["--out", str(out), "--device", device, "--phases", phases],
                                env={**svc.env(), "NICOFFLOAD_REQUIRE_OFFLOAD": "1"})
         with Launch(tb, specs) as launch:
             outcomes = launch.wait(time.monotonic() + 400)
@@ -35,8 +38,9 @@ def test_cuda_tensors_through_the_xdp_aggregator(make_testbed, tmp_path):
     assert sorted(reports) == [0, 1], [o.describe() for o in outcomes]
     assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
     assert "aggregator" in reports[0]["group"]
-    check_bits(out, reports, "auto")
-    for r, rep in reports.items():
-        assert rep["ddp"]["ddp_device_equals_host"], (r, rep["ddp"])
-        assert rep["ddp"]["ddp_vs_gloo"] < 1e-4, (r, rep["ddp"])
-    print(json.dumps({"gpu": reports[0]["gpu"], "bench": reports[0]["bench"], "ddp_s": reports[0]["ddp"]["ddp_s"]}))
+    check_bits(out, reports, "device" if device == "cpu" else "auto")
+    if device == "cuda":
+        for r, rep in reports.items():
+            assert rep["ddp"]["ddp_device_equals_host"], (r, rep["ddp"])
+            assert rep["ddp"]["ddp_vs_gloo"] < 1e-4, (r, rep["ddp"])
+        print(json.dumps({"gpu": reports[0]["gpu"], "bench": reports[0]["bench"], "ddp_s": reports[0]["ddp"]["ddp_s"]}))

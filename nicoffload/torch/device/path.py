@@ -233,6 +233,8 @@ def device_sum(comm, x: torch.Tensor, *, rank: int, world: int, bits: int = 32, 
     """The sum over the group of the flat float32/float64 tensor ``x`` (in place, on its device),
     in the aggregator's fixed point with ``bits``-bit lanes, through ``comm``'s int32 MAX and SUM."""
     n = x.numel()
+    if not n:
+        return  # every rank's tensor is empty alike: nothing to sum
     elems = elems or getattr(comm, "elems", None) or 256
     E = quant.block_elems(elems, bits)
     W = _contributions(comm, world)
