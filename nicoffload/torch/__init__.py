@@ -17,6 +17,8 @@ torch.distributed backend ``"nicoffload"``:
     config      the ``NICOFFLOAD_*`` environment
     metrics     every rank's Prometheus metrics (``NICOFFLOAD_METRICS_PORT``): the server and
                 the hooks of the backend and the gloo path
+    device      CUDA tensors: the fixed point encoded on the device, integers to the host
+                (NICOFFLOAD_DEVICE_PATH), and gloo's calls on device tensors
     ddp         the DDP communication hook (:func:`~nicoffload.torch.ddp.register`) and
                 :class:`~nicoffload.torch.ddp.OffloadedOptimizer`, the optimizer in the
                 aggregator (also set up through the backend's service)

@@ -29,6 +29,7 @@ from nicoffload.collective import Collective
 from nicoffload.errors import NicoffloadError, RefusedError, TimeoutError_
 from nicoffload.local.host import HostCommunicator
 from nicoffload.torch import metrics as rank_metrics
+from nicoffload.torch.device import path as devicepath  # nicoffload-gpu (issue 34): device tensors
 from nicoffload.torch.config import BackendConfig
 from nicoffload.torch.failover import Failover
 from nicoffload.torch.gloo import FALLBACK_CALLS, GlooPath, gloo_group
@@ -183,6 +184,8 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
     def _reduce_tensor(self, t: torch.Tensor, how: str, avg: bool, dtype: torch.dtype | None = None) -> None:
         """All-reduce ``t`` in place through the offload (any shape, any strides); ``dtype``: the
         caller's tensor's, when ``t`` is a float32 copy of it (its lanes)."""
+        if devicepath.takes(t, how, self.comm):  # nicoffload-gpu (issue 34): CUDA tensors (torch/device/path.py)
+            return devicepath.reduce(self, t, how, avg, dtype)
         if t.device.type != "cpu":
             raise NicoffloadError(f"the nicoffload backend takes CPU tensors, not {t.device}")
         if t.numel() == 0:
@@ -367,10 +370,10 @@ def create(opts, backend_options=None) -> ProcessGroupNicoffload:
 
 
 def register() -> None:
-    """Register the backend ``"nicoffload"`` (CPU tensors) with torch.distributed (once)."""
+    """Register the backend ``"nicoffload"`` (CPU and CUDA tensors) with torch.distributed (once)."""
     if NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])  # nicoffload-gpu
 
 
 __all__ = ["ProcessGroupNicoffload", "Work", "register", "NAME", "FALLBACK_CALLS"]

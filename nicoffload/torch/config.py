@@ -24,6 +24,9 @@
                                           again this often, and the group goes back (default 30)
     NICOFFLOAD_REQUIRE_OFFLOAD=1          a group that would take the gloo path fails at
                                           init_process_group instead (default 0: a warning)
+    NICOFFLOAD_DEVICE_PATH=auto|host|device  where float sums are encoded: CUDA tensors on the GPU
+                                          (auto), everything on the CPU (host), CPU tensors through
+                                          the GPU's code too (device); read by torch/device/path.py
     NICOFFLOAD_NONFINITE=refuse|nan       a NaN or an Inf in a rank's float tensor: refuse the call on
                                           every rank (RefusedError, the default), or give every rank
                                           a tensor of NaN, as a sum with gloo holds NaN or Inf (what

@@ -58,6 +58,7 @@ except ImportError as _e:  # an optional extra: say what to install, in one line
 from nicoffload.collective import Collective
 from nicoffload.worker.comm import Communicator
 from nicoffload.communicators import communicator as make_communicator
+from nicoffload.torch.device import path as devicepath  # nicoffload-gpu (issue 34)
 
 #: dtypes the Communicator sums as they are; others (float16, bfloat16) go through float32
 _NATIVE = (torch.float32, torch.float64)
@@ -148,6 +149,8 @@ class NicoffloadHookState:
         if self._closed:
             raise NicoffloadError(f"rank {self.rank}: the nicoffload DDP hook was closed")
         try:
+            if devicepath.hook_takes(buf, self.comm):  # nicoffload-gpu (issue 34): encoded on the device
+                return devicepath.hook_mean(self, buf)
             direct = buf.device.type == "cpu" and buf.dtype in _NATIVE and buf.is_contiguous()
             work = buf.detach() if direct else \
                 buf.detach().to("cpu", _work_dtype(buf.dtype)).contiguous()

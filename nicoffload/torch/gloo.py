@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from nicoffload.errors import NicoffloadError
 from nicoffload.torch.metrics import gloo_call
+from nicoffload.torch.device import gloo as devicegloo  # nicoffload-gpu (issue 34): device tensors on gloo
 from nicoffload.torch.work import Work, WorkQueue, chain, fail, failed
 
 R = dist.ReduceOp
@@ -37,6 +38,7 @@ def gloo_group(store, rank: int, size: int, timeout: timedelta, ip: str, prefix:
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)  # nicoffload-gpu
     return pg
 
 
@@ -88,6 +90,8 @@ class GlooPath:
         waited for on the queue's thread, so send/recv pairs never block it)."""
         if self.closed:
             return failed(name, NicoffloadError(f"rank {self.rank}: {name} on a destroyed nicoffload process group"))
+        if devicegloo.needs_staging(name, args):  # nicoffload-gpu (issue 34): calls gloo takes on the host only
+            return devicegloo.staged(self, name, args, kwargs)
         fut: torch.futures.Future = torch.futures.Future()
 
         def run(f):
