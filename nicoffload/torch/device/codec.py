@@ -223,6 +223,7 @@ def decode(words: torch.Tensor, gexp: np.ndarray, E: int, top: int, nb32: int, n
         if it is None:
             res = r
         else:
+            assert res is not None  # made above wherever blocks take different scalings
             res[it] = r
     if res is None:  # every block zero on every rank
         res = torch.zeros((nb, E), dtype=dt, device=words.device)

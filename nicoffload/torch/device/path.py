@@ -193,7 +193,7 @@ class _Staging:
             self._ctx.__exit__(*exc)
             self.stream.synchronize()  # the results are on the device before the call completes
 
-    def to_host(self, v: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, object]:
+    def to_host(self, v: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``v`` (int32) on the host, and an event to wait for before reading it."""
         if not self.cuda:
             return v.contiguous(), None
@@ -300,7 +300,7 @@ def _refuse(gexp: np.ndarray, rank: int, x: torch.Tensor, mine: bool, E: int) ->
         raise refusal(rank, bad[1], index=bad[0])
     hit = np.flatnonzero(gexp >= quant.REFUSE_EXP)
     b = int(hit[0])
-    reason, who = quant.refusal(int(gexp[b]))
+    reason, who = quant.refusal(int(gexp[b])) or (0, None)
     kind = {quant.REFUSE_RANGE: "range", quant.REFUSE_ABORT: "abort"}.get(reason) or quant.REFUSE_WHAT.get(reason, "?")
     raise refusal(who, kind, span=(b * E, min((b + 1) * E, x.numel())), more=len(hit) - 1)
 
