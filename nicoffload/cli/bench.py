@@ -69,8 +69,9 @@ def _point_arguments(p) -> None:
     p.add_argument("--ranks-per-host", type=int, default=None, metavar="K",
                    help="K rank processes in each worker host (ranks = workers x K; default 1): xdp and xdp16 "
                         "reduce inside a host through shared memory and send local rank j's share across hosts "
-                        "through a job of its own (one per lane; none with --workers 1), gloo runs its K ranks "
-                        f"per namespace as torch places them; systems {','.join(plan.HOST_SYSTEMS)}")
+                        "through a job of its own (one per lane; none with --workers 1), xdpring and udpring through "
+                        "the ring of the hosts, gloo runs its K ranks per namespace as torch places them; systems "
+                        f"{','.join(plan.HOST_SYSTEMS)}")
     p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
                    help=f"default all: {', '.join(plan.SYSTEMS)} (afxdp: the AF_XDP aggregator engine, same "
                         "protocol as xdp and userspace, needs gcc and libxdp-dev; ring: the TCP ring; xdpring: the "

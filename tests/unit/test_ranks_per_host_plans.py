@@ -29,7 +29,8 @@ def _tb(hosts: int = 3):
 def test_the_sweep_takes_the_systems_that_have_a_host_path():
     cfg = BenchConfig(workers=[2], ranks_per_host=2, systems=["gloo", "xdp", "xdp16"]).validate()
     assert cfg.systems == ["xdp", "gloo", "xdp16"]
-    for bad, match in ((dict(systems=["xdp", "ring"]), "not ring"), (dict(systems=["xdpring"]), "not xdpring"),
+    assert BenchConfig(ranks_per_host=2, systems=["xdpring", "udpring"]).validate().systems == ["xdpring", "udpring"]
+    for bad, match in ((dict(systems=["xdp", "ring"]), "not ring"), (dict(systems=["userspace"]), "not userspace"),
                        (dict(compute=True), "--compute"), (dict(aggregators=2), "--aggregators"),
                        (dict(ranks_per_host=0), "1..8"), (dict(ranks_per_host=9), "1..8"),
                        (dict(ranks_per_host=8, systems=["xdp", "xdp16", "xdpuni"]), "not xdpuni")):
@@ -59,8 +60,9 @@ def test_k_consecutive_ranks_run_in_each_host_and_each_lane_has_a_job_of_its_own
     for key in ("job", "group", "local_port"):  # no two jobs of one aggregator meet
         assert len({getattr(ln, key) for ln in every}) == len(every), key
     assert all(ipaddress.IPv4Address(ln.group).is_multicast for ln in every)
-    # one host: no lanes, no aggregator
+    # one host: no lanes, no aggregator; the ring modes' one lane is the ring of the hosts
     assert "lane_specs" not in systems.rank_params(_tb(1), "xdp", cfg)
+    assert systems.rank_params(tb, "xdpring", cfg)["peers"] == ["10.9.0.10", "10.9.0.11", "10.9.0.12"]
 
 
 def test_rows_name_the_shape_and_hold_a_hosts_bound():

@@ -18,7 +18,6 @@ from pathlib import Path
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.inputs import parse_size
-from nicoffload.wire import proto
 
 SYSTEMS = ("xdp", "afxdp", "userspace", "ring", "gloo", "mpi", "xdpring", "udpring", "xdptorch", "xdpuni",
            "xdp16", "gloobf16", "gloofp16")
@@ -39,10 +38,12 @@ STAR_SYSTEMS = AGG_SYSTEMS + TORCH_SYSTEMS
 #: systems whose results go through nicoffload's fixed point (checked against its bound)
 QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS + TORCH_SYSTEMS
 #: systems that run K ranks in each worker host (``--ranks-per-host K``): nicoffload's through a
-#: HostCommunicator (shared memory inside the host, a lane per local rank across hosts: a job
-#: each on the XDP aggregator), gloo's as torch places them (one process group of every rank)
-HOST_SYSTEMS = ("xdp", "xdp16", "gloo", "gloobf16", "gloofp16")
-#: the most ranks per host a sweep runs (the lanes' jobs share one aggregator of AR_MAX_JOBS)
+#: HostCommunicator (shared memory inside the host; across hosts a lane per local rank, a job
+#: each on the XDP aggregator, or for the ring modes one lane, the ring of the hosts), gloo's as
+#: torch places them (one process group of every rank)
+HOST_SYSTEMS = ("xdp", "xdp16", "xdpring", "udpring", "gloo", "gloobf16", "gloofp16")
+#: the most ranks per host a sweep runs: 8 lanes of xdp and of xdp16 are the 16 jobs
+#: (AR_MAX_JOBS) one aggregator holds
 MAX_RANKS_PER_HOST = 8
 
 
@@ -132,10 +133,6 @@ class BenchConfig:
         if self.compute or self.aggregators > 1:
             raise InputError(f"--ranks-per-host {K} does not take "
                              f"{'--compute' if self.compute else '--aggregators'} (one aggregator, no compute loop)")
-        xdps = [s for s in self.systems if s in XDP_AGG_SYSTEMS]
-        if K * len(xdps) > proto.MAX_JOBS:
-            raise InputError(f"{K} lanes of {', '.join(xdps)} are {K * len(xdps)} jobs: one aggregator holds "
-                             f"{proto.MAX_JOBS}")
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -130,7 +130,7 @@ class SystemRun:
             except Exception as e:
                 self.startup_failure = f"the aggregator service did not start: {e}"
                 raise Abort(self.startup_failure)
-        if self.system == "xdpring":
+        if self.system == "xdpring" and not self.local_only:
             try:
                 self.rp = RingPrograms(b.tb, cfg.spec.replace(lanes=32), mode=cfg.mode,
                                        capacity=systems.ring_capacity(cfg))
