@@ -41,7 +41,7 @@ def list_testbeds() -> list[dict]:
         out.append({"name": topo.name, "workers": topo.workers, "subnet": topo.subnet_cidr,
                     "mcast_group": topo.mcast_group, "port": topo.port, "status": status,
                     "pid": s.get("pid"), "created": s.get("created"),
-                    "faults": sorted(s.get("faults", {}))})
+                    "faults": sorted(s.get("faults", {})), **s.get("notes", {})})
     return out
 
 

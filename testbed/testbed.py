@@ -100,11 +100,23 @@ class Testbed:
         return self.topology.host(which)
 
     def describe(self) -> dict:
-        """The JSON shape of ``nicoffload testbed up --json``."""
+        """The JSON shape of ``nicoffload testbed up --json`` (with what :meth:`note` recorded)."""
         return {"name": self.name, "aggregator": self.agg.public(), "aggregators": [a.public() for a in self.aggs],
                 "workers": [w.public() for w in self.workers],
                 "mcast_group": self.mcast_group, "port": self.port, "bridge_netns": self.bridge_netns,
-                "subnet": self.subnet, "mtu": self.topology.mtu}
+                "subnet": self.subnet, "mtu": self.topology.mtu, **self.notes}
+
+    @property
+    def notes(self) -> dict:
+        """What the testbed's owner recorded about its use (e.g. ``ranks_per_host``): the testbed
+        has hosts; how many processes each runs is theirs to say, and the state file keeps it."""
+        return dict(self._state.get("notes", {}))
+
+    def note(self, **fields) -> None:
+        """Record ``fields`` (JSON values) in the state file, for :attr:`notes` and ``testbed list``."""
+        if self._state:
+            self._state.setdefault("notes", {}).update(fields)
+            self._save_state()
 
     # --- the fault injector's view (FaultSite) -----------------------------------------------
     def load_fault_config(self) -> dict[str, dict]:

@@ -39,6 +39,10 @@ def register(sub) -> None:
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,1MiB,64MiB --sparsity 0,0.25,0.5,0.75 --full",
                  "sudo nicoffload bench --workers 2,4,8 --sizes 4KiB,64KiB,1MiB,64MiB --sparsity 0 --rate 1gbit "
                  "--systems ring,xdpring,udpring,gloo --compute     # the ring offload against the rings",
+                 "sudo nicoffload bench --workers 2 --ranks-per-host 2 --systems xdp,gloo --sizes 16MiB --sparsity 0 "
+                 "--rate unshaped   # torchrun --nproc-per-node 2's placement",
+                 "sudo nicoffload bench --workers 1 --ranks-per-host 4 --systems xdp,gloo --sizes 16MiB --sparsity 0 "
+                 "--rate unshaped   # one host: shared memory against gloo on loopback",
                  "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
                  "sudo nicoffload bench --torch-overhead --workers 4 --sizes 16MiB --reps 40",
                  "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
@@ -62,6 +66,12 @@ def _point_arguments(p) -> None:
                         "scattered one by one; e.g. 64: clustered, as an embedding's untouched rows are)")
     p.add_argument("--rate", type=_list(plan.rate, "rates"), default=None,
                    help="worker link rates; the aggregator gets N x rate (default unshaped,1gbit)")
+    p.add_argument("--ranks-per-host", type=int, default=None, metavar="K",
+                   help="K rank processes in each worker host (ranks = workers x K; default 1): xdp and xdp16 "
+                        "reduce inside a host through shared memory and send local rank j's share across hosts "
+                        "through a job of its own (one per lane; none with --workers 1), xdpring and udpring through "
+                        "the ring of the hosts, gloo runs its K ranks per namespace as torch places them; systems "
+                        f"{','.join(plan.HOST_SYSTEMS)}")
     p.add_argument("--systems", type=_list(plan.system, "systems"), default=None,
                    help=f"default all: {', '.join(plan.SYSTEMS)} (afxdp: the AF_XDP aggregator engine, same "
                         "protocol as xdp and userspace, needs gcc and libxdp-dev; ring: the TCP ring; xdpring: the "
@@ -215,7 +225,7 @@ def _paired(args) -> int:
 SOAK_WORKERS = 3
 #: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
 SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick",
-              "compute")
+              "compute", "ranks_per_host")
 SOAK_ONLY = ("drop", "dup", "dtypes", "json")
 
 
@@ -246,6 +256,9 @@ def _bench(args) -> int:
 
     if args.soak is not None:
         return _soak(args)
+    modes = _given(args, ("tenants", "torch_overhead", "paired"))
+    if modes and args.ranks_per_host not in (None, 1):
+        raise InputError(f"--ranks-per-host goes with the sweep, not {modes[0]}")
     if args.tenants is not None:
         _no_record_args(args, "--tenants")
         return _tenants(args)
@@ -260,7 +273,7 @@ def _bench(args) -> int:
     given = {k: v for k, v in dict(workers=args.workers, sizes=args.sizes, sparsities=args.sparsity,
                                    rates=args.rate, systems=args.systems, reps=args.reps, warmup=args.warmup,
                                    min_time=args.min_time, max_reps=args.max_reps, timeout=args.timeout,
-                                   max_point_s=args.max_point_time).items()
+                                   max_point_s=args.max_point_time, ranks_per_host=args.ranks_per_host).items()
              if v is not None}
     delivery = args.delivery or ("unicast" if args.no_multicast else "multicast")
     given.update(out=args.out, seed=args.seed, mpirun=args.mpirun, full=args.full, mode=args.mode, dtype=args.dtype,
@@ -269,7 +282,8 @@ def _bench(args) -> int:
                  spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes,
                                       **_record_args(args)).validate())
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
-    print(f"nicoffload bench: workers {cfg.workers}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
+    each = f" x {cfg.ranks_per_host} ranks each" if cfg.ranks_per_host > 1 else ""
+    print(f"nicoffload bench: workers {cfg.workers}{each}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)
     rows, pngs = sweep.run(cfg, argv=sys.argv)
     print(report.table(rows))

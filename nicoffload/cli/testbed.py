@@ -55,13 +55,18 @@ def cmd_up(args) -> int:
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
                              agg_napi=args.xdp_mode == "native", multicast=not args.no_multicast,
                              aggregators=args.aggregators, **port)
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        raise InputError(f"--ranks-per-host must be at least 1, not {args.ranks_per_host}")
     with tbm.Testbed(topo) as tb:
         if args.drop or args.dup:
             tb.faults.configure(_hosts_arg(args.fault_hosts), drop=args.drop, dup=args.dup, seed=args.seed,
                                 directions=args.directions.split(","))
+        if args.ranks_per_host is not None:
+            tb.note(ranks_per_host=args.ranks_per_host)
         tb.keep()
+    runs = _torchrun(tb, args)
     if args.json:
-        print(json.dumps(tb.describe()))
+        print(json.dumps({**tb.describe(), **({"torchrun": runs} if runs else {})}))
         return 0
     print(f"testbed {tb.name} is up: subnet {tb.subnet}, bridge in netns {tb.bridge_netns}, "
           f"results to {tb.mcast_group}:{tb.port}")
@@ -72,9 +77,31 @@ def cmd_up(args) -> int:
     if args.drop or args.dup:
         print(f"  faults: drop {args.drop} dup {args.dup} seed {args.seed} on "
               f"{args.fault_hosts or 'all'} links ({args.directions})")
+    if runs:
+        _print_torchrun(runs)
     print(f"run a command: nicoffload testbed exec {tb.name} w0 -- CMD ...;  "
           f"take it down: nicoffload testbed down {tb.name}")
     return 0
+
+
+def _torchrun(tb, args) -> dict | None:
+    """With --ranks-per-host K: the torchrun command of every worker host (and the service's)."""
+    if args.ranks_per_host is None:
+        return None
+    from nicoffload.lab.train.torchrun import host_commands
+
+    return host_commands(tb, args.ranks_per_host, script=args.script)
+
+
+def _print_torchrun(runs: dict) -> None:
+    K, N = runs["ranks_per_host"], runs["world"]
+    print(f"  torchrun, {K} rank(s) on each worker host ({N} in all), backend 'nicoffload':")
+    if runs["service"]:
+        print(f"    the service (once; the token file holds any secret): sudo {runs['service']['command']}")
+    else:
+        print("    one host: shared memory only, no service (NICOFFLOAD_SERVICE unset)")
+    for h in runs["hosts"]:
+        print(f"    {h['host']}: sudo {h['command']}")
 
 
 def cmd_exec(args) -> int:
@@ -112,10 +139,11 @@ def cmd_list(args) -> int:
     if not beds:
         print("no testbeds")
         return 0
-    print(f"{'NAME':<13} {'WORKERS':>7} {'SUBNET':<18} {'MCAST':<15} {'STATUS':<8} FAULTS")
+    print(f"{'NAME':<13} {'WORKERS':>7} {'RANKS':>5} {'SUBNET':<18} {'MCAST':<15} {'STATUS':<8} FAULTS")
     for b in beds:
-        print(f"{b['name']:<13} {b.get('workers', '?'):>7} {b.get('subnet', '?'):<18} "
-              f"{b.get('mcast_group', '?'):<15} {b['status']:<8} {','.join(b.get('faults', [])) or '-'}")
+        print(f"{b['name']:<13} {b.get('workers', '?'):>7} {'x' + str(b.get('ranks_per_host', 1)):>5} "
+              f"{b.get('subnet', '?'):<18} {b.get('mcast_group', '?'):<15} {b['status']:<8} "
+              f"{','.join(b.get('faults', [])) or '-'}")
     return 0
 
 
@@ -198,7 +226,9 @@ def _register_up(sub) -> None:
                  ["sudo nicoffload testbed up --workers 4",
                   "sudo nicoffload testbed up --workers 8 --rate 100mbit --mtu 3000 --name big",
                   "sudo nicoffload testbed up --workers 2 --drop 0.05 --dup 0.01 --seed 7 --json",
-                  "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress"], cmd_up)
+                  "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress",
+                  "sudo nicoffload testbed up --workers 2 --ranks-per-host 2 --script train.py   # torchrun per host",
+                  "sudo nicoffload testbed up --workers 1 --ranks-per-host 4 --json"], cmd_up)
     up.add_argument("--workers", "-n", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--rate", default="unshaped", help="per-link rate, both directions: 1gbit, 100mbit, ... "
                                                        "or 'unshaped' (default)")
@@ -222,6 +252,12 @@ def _register_up(sub) -> None:
     up.add_argument("--no-multicast", action="store_true",
                     help="the fabric drops every multicast frame on its way to a host, as networks without "
                          "multicast do: jobs need unicast delivery (--delivery unicast)")
+    up.add_argument("--ranks-per-host", type=int, default=None, metavar="K",
+                    help="the ranks each worker host will run (torchrun --nproc-per-node K): recorded with the "
+                         "testbed (testbed list) and printed as the torchrun command of every host, with the "
+                         "aggregator service to start first where there are several hosts (JSON: 'torchrun')")
+    up.add_argument("--script", default="script.py",
+                    help="the training script those commands run (default script.py)")
     up.add_argument("--json", action="store_true", help="print the hosts as JSON")
 
 

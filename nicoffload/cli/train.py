@@ -26,10 +26,11 @@ def register(sub) -> None:
                  "sudo nicoffload train-demo --aggregator userspace --json",
                  "sudo nicoffload train-demo --backend --workers 4        # init_process_group('nicoffload')",
                  "sudo nicoffload train-demo --backend --fsdp",
+                 "sudo nicoffload train-demo --backend --workers 2 --nproc-per-node 2   # torchrun, 2 hosts x 2 ranks",
                  "sudo nicoffload train-demo --lanes 16   # 16-bit lanes against gloo with DDP's bf16_compress_hook",
                  "sudo nicoffload train-demo --offload --optimizer adamw   # a transformer, AdamW in the aggregator",
                  "sudo nicoffload train-demo --offload --optimizer adamw --aggregator userspace --steps 20")
-    p.add_argument("--workers", type=int, default=2, help="ranks (one per testbed worker host)")
+    p.add_argument("--workers", type=int, default=2, help="testbed worker hosts, a rank each (or --nproc-per-node)")
     p.add_argument("--steps", type=int, default=50, help="training steps of each run")
     p.add_argument("--aggregator", choices=["xdp", "afxdp", "userspace"], default=None,
                    help="where nicoffload sums (the gloo run needs none; default xdp; afxdp: the AF_XDP engine); "
@@ -50,6 +51,10 @@ def register(sub) -> None:
     p.add_argument("--backend", action="store_true",
                    help="the nicoffload run uses the torch.distributed backend 'nicoffload' as its process group "
                         "(no hook; nicoffload agg serve on the aggregator host grants the job)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                   help="ranks per worker host, started by torchrun --nproc-per-node K in each (with --backend: "
+                        "the group reduces inside a host through shared memory, each local rank's share across "
+                        "hosts through its own lane; gloo runs with the same placement; default 1)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 (fully_shard) instead of DDP in both runs (with --backend)")
     p.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
@@ -80,6 +85,10 @@ def _train_demo(args) -> int:
     if args.aggregator == "afxdp" and (args.offload or args.backend):
         raise InputError("the AF_XDP engine sums gradients only: --offload (the optimizer in the aggregator) runs "
                          "in the xdp or the userspace aggregator, --backend through the XDP aggregator's service")
+    if args.nproc_per_node < 1 or args.workers * args.nproc_per_node > proto.MAX_WORKERS:
+        raise InputError(f"--nproc-per-node must be at least 1, and workers x it at most {proto.MAX_WORKERS}")
+    if args.nproc_per_node > 1 and not args.backend:
+        raise InputError("--nproc-per-node goes with --backend (the DDP hook and --offload take one rank per host)")
     if args.betas is not None and args.optimizer != "adamw":
         raise InputError("--betas goes with --optimizer adamw")
     train_args = _train_args(args)
@@ -98,7 +107,8 @@ def _train_demo(args) -> int:
         runs = ddp_train.compare(tb, Path(d), spec, steps=args.steps, aggregator=args.aggregator or "xdp",
                                  seed=args.seed, data=data, progress=say,
                                  offload=_offload(args), backend=args.backend,
-                                 wrap="fsdp" if args.fsdp else "ddp", train_args=train_args)
+                                 wrap="fsdp" if args.fsdp else "ddp", train_args=train_args,
+                                 nproc=args.nproc_per_node)
     s = ddp_train.summarize(*runs)
     s["png"] = str(ddp_train.plot(s, args.out / "train_demo.png"))
     (args.out / "train_demo.json").write_text(json.dumps(s, indent=1))

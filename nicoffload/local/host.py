@@ -14,11 +14,16 @@ each gets (W is the group's size wherever every host runs as many ranks). int32 
 MAX/MIN go through order-preserving int32 keys, as the aggregator takes them.
 
 One call, for a chunk of at most CHUNK elements at a time (whole blocks: the same bits):
-    1. every rank: its block exponents                                  | barrier
-    2. lane j: the host's MAX of its share's exponents, then the hosts' | barrier
-    3. every rank: refuse a NaN/Inf together; its lanes, quantized      | barrier
-    4. lane j: the host's int32 sum of its share, the hosts' sum, decode | barrier
+    1. every rank: its block exponents, its floats copied into the segment (one pass)  | barrier
+    2. lane j: the host's MAX of its share's exponents, then the hosts'                | barrier
+       (one host: every rank takes the MAX of every block itself; no step, no barrier)
+    3. every rank: refuse a NaN/Inf together
+    4. lane j: its share quantized from every local rank's floats and summed as int32
+       in one pass (fixed.quantize_sum), the hosts' sum, decode                        | barrier
     5. every rank: the result, copied out
+Per rank that is three passes over the tensor's bytes and one over its share of every rank's
+(a separate exponent pass, and each rank's quantized copy written and read back, cost 10% more
+CPU and time at 1 host x 4 ranks, 16 MiB).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import numpy as np
 
 from nicoffload import collective
 from nicoffload.collective import Collective
-from nicoffload.datapath.tensors import DTYPES, block_exponents, call_arrays, refuse_together
+from nicoffload.datapath.tensors import DTYPES, call_arrays, refuse_together
 from nicoffload.errors import InputError, RefusedError
 from nicoffload.local import fixed
 from nicoffload.local.segment import HostGroup
@@ -238,33 +243,34 @@ class HostCommunicator:
         E = quant.block_elems(self.elems, bits)
         wpb = E * bits // 32                       # int32 words per block
         nb = -(-n // E)
-        b = self._buffers([("ex", np.int32, K * nb), ("gexp", np.int32, nb), ("q", np.int32, K * nb * wpb),
-                           ("out", x.dtype, n)])
-        ex, gexp, q = b["ex"].reshape(K, nb), b["gexp"], b["q"].reshape(K, nb * wpb)
-        bad = block_exponents(x, E, ex[me], self.rank)                             # 1.
+        b = self._buffers([("ex", np.int32, K * nb), ("gexp", np.int32, nb), ("xs", x.dtype, K * n),
+                           ("q", np.int32, nb * wpb), ("out", x.dtype, n)])
+        ex, xs, q = b["ex"].reshape(K, nb), b["xs"].reshape(K, n), b["q"]
+        bad = fixed.exponents_and_copy(x, E, ex[me], xs[me], self.rank)           # 1.
         self._wait()
         share = self._share(nb)
-        if share is not None:                                                      # 2.
-            lo, hi = share
-            fixed.max_exps(ex, lo, hi, gexp)
-            if self.hosts > 1 and hi > lo:
-                self._lane(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"))
-        self._wait()
+        if self.hosts == 1:  # every rank takes the MAX of every block itself: no step, no barrier
+            gexp = np.empty(nb, np.int32)
+            fixed.max_exps(ex, 0, nb, gexp)
+        else:                                                                      # 2.
+            gexp = b["gexp"]
+            if share is not None:
+                lo, hi = share
+                fixed.max_exps(ex, lo, hi, gexp)
+                if hi > lo:
+                    self._lane(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"))
+            self._wait()
         refuse_together(gexp, self.rank, x, bad, E)                                # 3.
         top = quant.top_bits(bits) - quant.headroom_bits(self.W)
         bias = quant.bias(self.W, bits)
-        mine = q[me] if bits == 32 else q[me].view(np.int16)
-        fixed.quantize(x, E, gexp, top, bias, x.dtype == np.float32, mine)
-        self._wait()
         if share is not None:                                                      # 4.
             lo, hi = share
-            pad = (self.kmax - K) * bias
-            if bits == 16:
-                pad |= pad << 16
-            fixed.sum_rows(q, lo * wpb, hi * wpb, pad, q[0])
+            lanes = q if bits == 32 else q.view(np.int16)
+            fixed.quantize_sum(xs, n, lo, hi, E, gexp, top, bias, x.dtype == np.float32, (self.kmax - K) * bias,
+                               lanes)
             if self.hosts > 1 and hi > lo:
-                self._across(q[0].reshape(nb, wpb), gexp, lo, hi)
-            fixed.decode(q[0], E, gexp, top, self.W * bias, bits == 16, lo, hi, n, b["out"])
+                self._across(q.reshape(nb, wpb), gexp, lo, hi)
+            fixed.decode(q, E, gexp, top, self.W * bias, bits == 16, lo, hi, n, b["out"])
         self._wait()
         out[:] = b["out"]                                                          # 5.
 

@@ -166,3 +166,29 @@ def test_paired_sparsity_interleaves_dense_and_sparse_inputs(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nicoffload.cli", "bench", "--paired", "sparsity", "--sparsity", "0",
                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "one sparsity above 0" in bad.stderr
+
+
+def test_ranks_per_host_reduce_inside_each_host_and_send_its_tensor_once(tmp_path):
+    """--ranks-per-host 2 on one host and on two: xdp's ranks go through shared memory (one host:
+    nothing on the wire, no aggregator) and local rank j's share through lane j's job (two jobs
+    formed, a host's link carries the tensor once, not once per rank); udpring's one lane is the
+    ring of the hosts; gloo runs the same placement; every result within its bound, the systems
+    interleaved (paired ratios)."""
+    M = 1 << 20
+    r = run_bench(tmp_path, "--ranks-per-host", "2", "--workers", "1,2", "--systems", "xdp,udpring,gloo", "--sizes",
+                  "1MiB", "--sparsity", "0", "--rate", "unshaped", "--reps", "2", timeout=300)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert "N=2x2" in r.stdout and "N=1x2" in r.stdout
+    rows = {(x["system"], x["workers"]): x for x in json.loads((tmp_path / "results.json").read_text())}
+    assert sorted(rows) == [(s, n) for s in ("gloo", "udpring", "xdp") for n in (1, 2)]
+    for (s, n), x in rows.items():
+        assert x["status"] == "ok" and x["ranks_per_host"] == 2 and x["reps"] >= 2, x
+        assert x["within_bound"] is True and x["max_abs_err"] < 1e-3, x
+        assert set(x["paired"]) == {"gloo", "udpring", "xdp"} - {s}
+    one, two = rows["xdp", 1], rows["xdp", 2]
+    assert one["w0_tx_bytes"] == 0 and one["bpf_ns"] is None  # shared memory alone
+    assert 0.8 * M <= two["w0_tx_bytes"] <= 1.5 * M and two["bpf_cnt"] > 0, two  # once, not once per rank
+    assert rows["udpring", 1]["w0_tx_bytes"] == 0 and rows["udpring", 2]["w0_tx_bytes"] >= 0.8 * M
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    stats = next(t for t in meta["testbeds"] if t["workers"] == 2)["aggregator_stats"]["xdp"][0]["stats"]
+    assert stats["epoch_formed"] == 2 and stats["completed"] > 0  # two lanes, a job each

@@ -186,8 +186,11 @@ def cli_names(uid):
 def test_cli_up_exec_list_down(cli_names):
     name, _ = cli_names
     out = json.loads(cli("testbed", "up", "--workers", "2", "--name", name, "--drop", "0.1", "--seed", "4",
-                         "--rate", "1gbit", "--json").stdout)
+                         "--rate", "1gbit", "--ranks-per-host", "2", "--json").stdout)
     assert set(out) >= {"name", "aggregator", "workers"} and out["name"] == name
+    # the shape is recorded, and every host's torchrun command printed (tests/unit/test_ranks_per_host_plans.py)
+    assert out["ranks_per_host"] == 2 and [h["host"] for h in out["torchrun"]["hosts"]] == ["w0", "w1"]
+    assert "--nproc-per-node 2 --node-rank 1" in out["torchrun"]["hosts"][1]["command"]
     assert set(out["aggregator"]) == {"netns", "iface", "ip", "mac"}
     assert [w["rank"] for w in out["workers"]] == [0, 1]
     assert set(out["workers"][0]) == {"rank", "netns", "iface", "ip", "mac"}
@@ -203,7 +206,8 @@ def test_cli_up_exec_list_down(cli_names):
     assert bad.returncode == InputError.exit_code and "w9" in bad.stderr and "Traceback" not in bad.stderr
     dup = cli("testbed", "up", "--workers", "1", "--name", name, check=False)
     assert dup.returncode == AlreadyExistsError.exit_code and len(dup.stderr.strip().splitlines()) == 1
-    assert name in [b["name"] for b in json.loads(cli("testbed", "list", "--json").stdout)]
+    assert [b.get("ranks_per_host") for b in json.loads(cli("testbed", "list", "--json").stdout)
+            if b["name"] == name] == [2]
     assert "w0" in json.loads(cli("testbed", "faults", name, "--json").stdout)["stats"]
     cli("testbed", "down", name)
     assert ns_of(name) == [] and not st.state_path(name).exists()

@@ -129,6 +129,7 @@ def cases(world: int):
         f[:, : n // 3] = 0           # blocks zero on every rank
         f[1, n // 2: n // 2 + E] = 0  # ... and on one rank only
         out += [(f, "sum", None), (f, "sum", 16), (f.astype(np.float64), "sum", None),
+                ((f * 1e-30).astype(np.float32), "sum", None),  # shifts past float32's: the float64 path
                 (rng.integers(-2 ** 31, 2 ** 31, (world, n), dtype=np.int64).astype(np.int32), "sum", None),
                 (f, "max", None), (f, "min", None)]
     return out

@@ -4,6 +4,7 @@
     systems   xdp, userspace, ring, xdpring, udpring, gloo, mpi: can it run here, how its ranks start
     ranks     one rank of a bench run: its points, timed or driven (``python -m nicoffload.lab.bench.ranks``)
     adapters  the adapter per system a rank drives: an AllReduce, the go-on barrier, counters
+    hostranks K ranks per worker host (``--ranks-per-host``): shared memory inside, lanes across
     tcpring   the TCP Ring AllReduce baseline (``python -m nicoffload.lab.bench.tcpring``)
     udpring   the user-space UDP ring's rank program (``python -m nicoffload.lab.bench.udpring``)
     rankprog  the command line both ring baselines' rank programs share

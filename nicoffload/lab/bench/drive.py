@@ -30,7 +30,7 @@ import numpy as np
 
 from nicoffload.jobspec import JobSpec
 from nicoffload.lab import counters
-from nicoffload.lab.bench.plan import XDP_AGG_SYSTEMS, BenchConfig, Point
+from nicoffload.lab.bench.plan import XDP_AGG_SYSTEMS, BenchConfig, Point, shape_label
 from nicoffload.wire import proto
 
 #: systems that run alone: their programs or service would sit under every other system's traffic
@@ -41,6 +41,9 @@ SIDE = {"xdp": 0, "xdpuni": 1, "xdp16": 2, "userspace": 3, "udpring": 4, "afxdp"
 NICOFFLOAD = ("xdp", "xdp16", "xdpuni", "afxdp", "userspace", "xdptorch", "xdpring", "udpring")
 #: tokens of ranks.run_driven_point
 WARM, REP, NEXT = b"w", b"r", b"n"
+#: lane j of a system with several ranks per host: job ids and groups LANE_STRIDE * j above the
+#: system's (every SIDE fits below it), its ranks' port LANE_PORT_STRIDE * j above theirs
+LANE_STRIDE, LANE_PORT_STRIDE = 8, 1000
 
 
 def groups(cfg: BenchConfig, workers: int) -> list[list[str]]:
@@ -65,15 +68,26 @@ def side_spec(system: str, spec: JobSpec) -> JobSpec:
     return spec.replace(job=spec.job + k, group=group, port=spec.port + 30 + k, local_port=None)
 
 
+def lane_spec(spec: JobSpec, j: int) -> JobSpec:
+    """The job of lane ``j`` of a system whose hosts run several ranks (``spec``: the system's,
+    its side_spec): local rank j of every host sums its share of each tensor there, as int32
+    (32-bit records: the host packs 16-bit lanes into int32 words itself)."""
+    group = str(ipaddress.IPv4Address(spec.group) + LANE_STRIDE * j)
+    return spec.replace(job=spec.job + LANE_STRIDE * j, group=group, lanes=32, sparse=False,
+                        local_port=(spec.local_port or spec.port) + LANE_PORT_STRIDE * j)
+
+
 class SharedXdp:
     """One XDP aggregator per aggregator host of the testbed, holding a job for each XDP system
-    of a group (``specs``: system -> its side_spec)."""
+    of a group (``specs``: system -> its side_spec), or ``lanes`` jobs each (one rank per host
+    in every one: lane_spec) where hosts run several ranks."""
 
-    def __init__(self, tb, specs: dict[str, JobSpec], mode: str = "auto"):
+    def __init__(self, tb, specs: dict[str, JobSpec], mode: str = "auto", lanes: int = 1):
         from nicoffload.agg.control import Aggregator, AggSpec
         from nicoffload.ebpf.iface import resolve_mode
 
         self.specs, self.aggs = specs, []
+        self.jobs = {name: [lane_spec(s, j) if lanes > 1 else s for j in range(lanes)] for name, s in specs.items()}
         ips = [w.ip for w in tb.workers]
         first = next(iter(specs.values()))
         try:
@@ -81,10 +95,11 @@ class SharedXdp:
                 m, _why = resolve_mode(mode, h.iface, h.netns)
                 if h.name == tb.agg.name:
                     tb.set_agg_napi(m == "native")
-                agg = Aggregator.load(AggSpec(h.netns, h.iface, 0, sum(s.slots for s in specs.values()),
-                                              first.elems, first.port, m))
+                every = [s for js in self.jobs.values() for s in js]
+                agg = Aggregator.load(AggSpec(h.netns, h.iface, 0, sum(s.slots for s in every), first.elems,
+                                              first.port, m))
                 self.aggs.append(agg)
-                for s in specs.values():
+                for s in every:
                     agg.add_job(s.job, len(ips), s.group, ips, slots=s.slots, delivery=s.delivery)
         except BaseException:
             self.close()
@@ -96,10 +111,12 @@ class SharedXdp:
         return [a.spec.prog_id for a in self.aggs]
 
     def stats(self, system: str) -> dict:
+        """The counters of ``system``'s jobs (every lane's), summed over the aggregators."""
         out: dict = {}
         for a in self.aggs:
-            for k, v in a.stats(self.specs[system].job).items():
-                out[k] = out.get(k, 0) + v
+            for s in self.jobs[system]:
+                for k, v in a.stats(s.job).items():
+                    out[k] = out.get(k, 0) + v
         return out
 
     def close(self) -> None:
@@ -260,7 +277,8 @@ def ratio_lines(rows: list[dict]) -> list[str]:
             seen.add(key)
             from nicoffload.lab.inputs import format_size
 
-            out.append(f"{r['rate']:>9} N={r['workers']:<2} {format_size(r['bytes']):>7} s={r['sparsity']:<4.2f} "
+            n = shape_label(r["workers"], r.get("ranks_per_host") or 1)
+            out.append(f"{r['rate']:>9} {n:<4} {format_size(r['bytes']):>7} s={r['sparsity']:<4.2f} "
                        f"{r['system']}/{other} {p['median']:.2f} [{p['q1']:.2f}..{p['q3']:.2f}] ({p['pairs']} pairs)")
     return out
 

@@ -5,6 +5,8 @@ Shaped sweeps: every worker link at R, the aggregator's at N x R. An AllReduce o
 finish sooner than M/R through an aggregator (``bound_agg_s``), nor sooner than 2(N-1)M/(NR)
 through a ring or any host-only algorithm (``bound_ring_s``). Bounds count payload bytes only
 (headers are overhead) and are for dense data: sparse inputs let nicoffload beat M/R.
+With K ranks per host (``--ranks-per-host``) N counts hosts and the bounds are a host's link's:
+the host's ranks reduce inside it, so it moves the tensor once each way (M/R through an aggregator).
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ TORCH_SYSTEMS = ("xdptorch",)
 STAR_SYSTEMS = AGG_SYSTEMS + TORCH_SYSTEMS
 #: systems whose results go through nicoffload's fixed point (checked against its bound)
 QUANTIZED = AGG_SYSTEMS + RING_SYSTEMS + TORCH_SYSTEMS
+#: systems that run K ranks in each worker host (``--ranks-per-host K``): nicoffload's through a
+#: HostCommunicator (shared memory inside the host; across hosts a lane per local rank, a job
+#: each on the XDP aggregator, or for the ring modes one lane, the ring of the hosts), gloo's as
+#: torch places them (one process group of every rank)
+HOST_SYSTEMS = ("xdp", "xdp16", "xdpring", "udpring", "gloo", "gloobf16", "gloofp16")
+#: the most ranks per host a sweep runs: 8 lanes of xdp and of xdp16 are the 16 jobs
+#: (AR_MAX_JOBS) one aggregator holds
+MAX_RANKS_PER_HOST = 8
 
 
 def reference_kind(system: str, spec: JobSpec) -> str:
@@ -80,6 +90,7 @@ class BenchConfig:
     agg_rate: str | None = None  # each aggregator's link on shaped testbeds (default: N x the worker rate)
     afxdp_tx: str = "auto"      # how the AF_XDP engine's results leave (auto, xsk: its tx ring, socket)
     zero_run: int = 1           # the inputs' zero blocks come in runs of this many neighbouring blocks
+    ranks_per_host: int = 1     # rank processes in each worker host (ranks = workers x this)
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)
@@ -103,10 +114,25 @@ class BenchConfig:
             if known and set(values) - set(known):
                 raise InputError(f"unknown {what}: {', '.join(sorted(set(values) - set(known)))}")
         self.systems = [s for s in SYSTEMS if s in self.systems]
+        self._check_ranks_per_host()
         self.max_reps = max(self.max_reps, self.reps)
         if self.compute:  # the compute loop's rate needs a second or so of each to be worth reading
             self.min_time = max(self.min_time, COMPUTE_MIN_TIME)
         return self
+
+    def _check_ranks_per_host(self) -> None:
+        K = self.ranks_per_host
+        if not 1 <= K <= MAX_RANKS_PER_HOST:
+            raise InputError(f"--ranks-per-host must be 1..{MAX_RANKS_PER_HOST}, not {K}")
+        if K == 1:
+            return
+        other = [s for s in self.systems if s not in HOST_SYSTEMS]
+        if other:
+            raise InputError(f"--ranks-per-host {K} runs the systems {', '.join(HOST_SYSTEMS)}, not "
+                             f"{', '.join(other)}")
+        if self.compute or self.aggregators > 1:
+            raise InputError(f"--ranks-per-host {K} does not take "
+                             f"{'--compute' if self.compute else '--aggregators'} (one aggregator, no compute loop)")
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -176,6 +202,11 @@ def bounds(nbytes: int, workers: int, rbps: int | None) -> tuple[float | None, f
         return None, None
     t = nbytes * 8 / rbps
     return t, (2 * (workers - 1) * t / workers if workers > 1 else 0.0)
+
+
+def shape_label(workers: int, ranks_per_host: int = 1) -> str:
+    """How rows and progress name a testbed's ranks: ``N=4``, or ``N=2x2`` (hosts x ranks each)."""
+    return f"N={workers}" if ranks_per_host == 1 else f"N={workers}x{ranks_per_host}"
 
 
 def tbf_burst_bytes(rbps: int) -> int:

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from nicoffload.lab import counters
-from nicoffload.lab.bench.adapters import ADAPTERS, Adapter
+from nicoffload.lab.bench.adapters import Adapter
+from nicoffload.lab.bench.hostranks import make_adapter
 from nicoffload.lab.bench.plan import SYSTEMS
 
 #: seconds every rank measures its compute loop with nothing else running (plan["compute"])
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             from nicoffload.lab.bench.compute import ComputeLoop
 
             loop = ComputeLoop()
-        a = ADAPTERS[args.system](plan, args.rank)
+        a = make_adapter(plan, args.rank)
         fd = os.open(plan["fifos"][a.rank], os.O_RDWR) if plan.get("fifos") else None  # O_RDWR: never blocks
         a.emit({"ready": True, "rank": a.rank})
         for pt in plan["points"]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.lab.bench.plan import HALF_SYSTEMS, STAR_SYSTEMS, SYSTEMS, Point, bounds
+from nicoffload.lab.bench.plan import HALF_SYSTEMS, STAR_SYSTEMS, SYSTEMS, Point, bounds, shape_label
 from nicoffload.lab.inputs import format_size
 from nicoffload.lab.reference import Check
 
@@ -28,29 +28,32 @@ FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status"
           "median_s", "min_s", "max_s", "goodput_bps", "cpu_s", "cpu_util", "bpf_ns", "bpf_cnt",
           "bound_agg_s", "bound_ring_s", "bound_s", "bound_fraction", "max_abs_err", "within_bound",
           "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape", "proc_cpu_s",
-          "compute_idle", "compute_busy", "compute_drop"]
+          "compute_idle", "compute_busy", "compute_drop", "ranks_per_host"]
 
 
 # --- rows -------------------------------------------------------------------------------------
-def row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, **kw) -> dict:
+def row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, ranks_per_host: int = 1, **kw) -> dict:
     """A row with the point's bounds (of the bytes the system moves: half of them for the systems
-    with two bytes per element); ``kw`` fills the rest (status, reason, measurements)."""
+    with two bytes per element; ``workers`` are hosts, each running ``ranks_per_host`` ranks);
+    ``kw`` fills the rest (status, reason, measurements)."""
     ba, br = bounds(pt.bytes // 2 if system in HALF_SYSTEMS else pt.bytes, workers, rbps)
     r = {k: None for k in FIELDS}
     r.update(system=system, workers=workers, bytes=pt.bytes, sparsity=pt.sparsity, rate=rate, rate_bps=rbps,
-             bound_agg_s=ba, bound_ring_s=br, bound_s=ba if system in STAR_SYSTEMS else br)
+             bound_agg_s=ba, bound_ring_s=br, bound_s=ba if system in STAR_SYSTEMS else br,
+             ranks_per_host=ranks_per_host)
     r.update(kw)
     return r
 
 
-def measured_row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, recs: list[dict]) -> dict:
+def measured_row(system: str, workers: int, pt: Point, rate: str, rbps: int | None, recs: list[dict],
+                 ranks_per_host: int = 1) -> dict:
     """The row of one point from every rank's record of it (rank 0's holds the window's counters)."""
     recs = sorted(recs, key=lambda d: d["rank"])
     nrep = min(len(d["times"]) for d in recs)
     reps = [max(d["times"][i] for d in recs) for i in range(nrep)]
     lead = recs[0]
     med = float(np.median(reps))
-    r = row(system, workers, pt, rate, rbps, status="ok", reason="", reps=nrep, median_s=med,
+    r = row(system, workers, pt, rate, rbps, ranks_per_host, status="ok", reason="", reps=nrep, median_s=med,
             min_s=float(min(reps)), max_s=float(max(reps)), goodput_bps=pt.bytes * 8 / med,
             cpu_s=lead["cpu_busy_s"] / nrep, times=reps,
             cpu_util=(lead["cpu_busy_s"] / lead["cpu_all_s"]) if lead.get("cpu_all_s") else None)
@@ -98,7 +101,8 @@ def fmt_t(s: float | None) -> str:
 
 def fmt_row(r: dict) -> str:
     """One line of progress."""
-    head = f"{r['rate']:>9} N={r['workers']:<2} {format_size(r['bytes']):>7} s={r['sparsity']:<4.2f} {r['system']:<9}"
+    head = (f"{r['rate']:>9} {shape_label(r['workers'], r.get('ranks_per_host') or 1):<4} "
+            f"{format_size(r['bytes']):>7} s={r['sparsity']:<4.2f} {r['system']:<9}")
     if r["status"] == "skipped":
         return f"{head} skipped: {r['reason']}"
     if r["status"] == "error" and r["median_s"] is None:
@@ -120,7 +124,8 @@ def _order(r: dict) -> tuple:
 
 
 def _table_line(r: dict) -> str:
-    base = f"{r['rate']:>9} {r['workers']:>2} {format_size(r['bytes']):>7} {r['sparsity']:>6.2f} {r['system']:<9} "
+    n = shape_label(r["workers"], r.get("ranks_per_host") or 1)[2:]
+    base = f"{r['rate']:>9} {n:>3} {format_size(r['bytes']):>7} {r['sparsity']:>6.2f} {r['system']:<9} "
     if r["median_s"] is None:
         return base + f"{r['status']}: {r['reason']}"
     bpf = f"{r['bpf_ns'] / 1e6:.2f}ms" if r.get("bpf_ns") is not None else "-"
@@ -135,7 +140,7 @@ def _table_line(r: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     """Every row, grouped by (rate, workers, size, sparsity), systems in SYSTEMS order."""
-    hdr = (f"{'rate':>9} {'N':>2} {'size':>7} {'sparse':>6} {'system':<9} {'median':>10} {'min':>10} {'max':>10} "
+    hdr = (f"{'rate':>9} {'N':>3} {'size':>7} {'sparse':>6} {'system':<9} {'median':>10} {'min':>10} {'max':>10} "
            f"{'goodput':>10} {'cpu/AR':>10} {'rank cpu':>10} {'xdp/AR':>9} {'bound%':>7} {'drop':>6} {'reps':>4}  "
            f"status")
     lines = [hdr, "-" * len(hdr)]

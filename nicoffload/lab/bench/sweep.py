@@ -36,8 +36,8 @@ from nicoffload.lab.links import enable_gro
 
 def make_inputs(points: list[Point], workers: int, seed: int, work: Path, elems: int,
                 dtype: str = "float32", zero_run: int = 1) -> list[list[Path]]:
-    """Seeded inputs of every point, saved in ``work``: per point, one .npy per rank (zero blocks
-    in runs of ``zero_run``)."""
+    """Seeded inputs of every point, saved in ``work``: per point, one .npy per rank (``workers``
+    ranks; zero blocks in runs of ``zero_run``)."""
     out = []
     for pt in points:
         n = max(1, pt.bytes // 4)
@@ -59,12 +59,14 @@ def run_group(bed: Bed, names: list[str]) -> list[tuple[list[dict], str | None]]
     shared = None
     runs: list[SystemRun] = []
     try:
-        xdps = [s for s in names if s in XDP_AGG_SYSTEMS]
+        # several ranks on the one host: the shared memory path alone, no aggregator
+        local_only = cfg.ranks_per_host > 1 and len(tb.workers) == 1
+        xdps = [] if local_only else [s for s in names if s in XDP_AGG_SYSTEMS]
         shared_fail = None
         if xdps:
             specs = {s: drive.side_spec(s, on_testbed(tb, systems.agg_spec(s, cfg))) for s in xdps}
             try:
-                shared = drive.SharedXdp(tb, specs, cfg.mode)
+                shared = drive.SharedXdp(tb, specs, cfg.mode, lanes=cfg.ranks_per_host)
             except Exception as e:
                 shared_fail = f"the XDP aggregator did not start: {e}"
         for s in names:
@@ -140,8 +142,8 @@ def _meta(cfg: BenchConfig, argv, avail: dict, versions: dict) -> dict:
             "cpus": os.cpu_count(), "kernel": os.uname().release, "testbeds": []}
 
 
-def _skipped(system: str, n: int, points: list[Point], rate: str, rbps, reason: str, prog) -> list[dict]:
-    rows = [report.row(system, n, pt, rate, rbps, status="skipped", reason=reason) for pt in points]
+def _skipped(system: str, n: int, points: list[Point], rate: str, rbps, reason: str, prog, k: int = 1) -> list[dict]:
+    rows = [report.row(system, n, pt, rate, rbps, k, status="skipped", reason=reason) for pt in points]
     for r in rows:
         prog.row(r)
     return rows
@@ -158,19 +160,22 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
     aggs = [AGG] + [f"{AGG}{k}" for k in range(1, cfg.aggregators)]
     links = {a: Link(rate=agg_bps) for a in aggs} if rbps else None
     k = f"{cfg.aggregators} aggregators" if cfg.aggregators > 1 else "aggregator"
-    prog.note(f"testbed: {n} workers, links {label}" + (f", {k} at {agg_bps / 1e9:g} Gbit/s" if rbps else ""))
-    tbmeta = {"workers": n, "rate": label, "agg_rate_bps": agg_bps, "aggregators": cfg.aggregators, "links": {}}
+    K = cfg.ranks_per_host
+    each = f" of {K} ranks each" if K > 1 else ""
+    prog.note(f"testbed: {n} workers{each}, links {label}" + (f", {k} at {agg_bps / 1e9:g} Gbit/s" if rbps else ""))
+    tbmeta = {"workers": n, "ranks_per_host": K, "rate": label, "agg_rate_bps": agg_bps,
+              "aggregators": cfg.aggregators, "links": {}}
     meta["testbeds"].append(tbmeta)
     with testbed(n, cfg.spec.elems, rate=rbps, links=links, multicast=cfg.multicast,
                  aggregators=cfg.aggregators) as tb, tempdir() as d:
         enable_gro(tb)
         work = Path(d)
-        inputs = make_inputs(points, n, cfg.seed, work, cfg.spec.elems, cfg.dtype, cfg.zero_run)
+        inputs = make_inputs(points, n * K, cfg.seed, work, cfg.spec.elems, cfg.dtype, cfg.zero_run)
         bed = Bed(tb, cfg, points, inputs, work, label, rbps, prog, tbmeta)
         for group in drive.groups(cfg, n):
             for s in group:
                 if avail[s]:
-                    rows += _skipped(s, n, points, label, rbps, avail[s], prog)
+                    rows += _skipped(s, n, points, label, rbps, avail[s], prog, K)
             names = [s for s in group if not avail[s]]
             if not names:
                 continue
@@ -204,7 +209,8 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> tuple[list[dict], li
         for rate, n, points in plan:
             if all(avail[s] for s in cfg.systems):  # nothing can run: no testbed needed
                 for s in cfg.systems:
-                    rows += _skipped(s, n, points, rate_label(rate), rate_bps(rate), avail[s], prog)
+                    rows += _skipped(s, n, points, rate_label(rate), rate_bps(rate), avail[s], prog,
+                                     cfg.ranks_per_host)
                 continue
             _run_testbed(cfg, rate, n, points, avail, meta, prog, rows)
     report.write(cfg.out, rows, meta)

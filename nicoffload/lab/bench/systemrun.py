@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,11 @@ class SystemRun:
 
     def __init__(self, bed: Bed, system: str, driven: bool = False, shared: drive.SharedXdp | None = None):
         self.bed, self.system = bed, system
-        self.n = len(bed.tb.workers)
+        self.hosts, self.k = len(bed.tb.workers), bed.cfg.ranks_per_host
+        self.n = self.hosts * self.k  # ranks
+        # several ranks per host and one host: the shared memory path alone, no aggregator
+        self.local_only = self.k > 1 and self.hosts == 1
+        self.shm = f"nicoffload-bench{os.getpid()}-{secrets.token_hex(4)}-{system}"  # HostGroups' names
         self.outputs = [bed.work / f"{system}-out{pt.index}.npy" for pt in bed.points]
         self.rows: dict[int, dict] = {}
         self.failure: str | None = None
@@ -91,7 +96,8 @@ class SystemRun:
         params = systems.rank_params(b.tb, self.system, cfg, side=self.driven)
         if self.svc is not None:
             params.update(service=self.svc.url, token_file=str(self.svc.token_file))
-        return {"system": self.system, "world": self.n, "ips": [w.ip for w in b.tb.workers],
+        return {"system": self.system, "world": self.n, "ips": [w.ip for w in systems.rank_hosts(b.tb, cfg)],
+                "hosts": self.hosts, "ranks_per_host": self.k, "shm": self.shm,
                 "iface": b.tb.workers[0].iface, "params": params,
                 "warmup": cfg.warmup, "reps": cfg.reps, "min_time": cfg.min_time, "max_reps": cfg.max_reps,
                 "max_point_s": cfg.max_point_s, "timeout": cfg.timeout,
@@ -103,7 +109,7 @@ class SystemRun:
 
     def start(self) -> None:
         b, cfg = self.bed, self.bed.cfg
-        if self.system in AGG_SYSTEMS and self.shared is None:
+        if self.system in AGG_SYSTEMS and self.shared is None and not self.local_only:
             try:
                 spec = systems.agg_spec(self.system, cfg)
                 if self.driven:
@@ -124,7 +130,7 @@ class SystemRun:
             except Exception as e:
                 self.startup_failure = f"the aggregator service did not start: {e}"
                 raise Abort(self.startup_failure)
-        if self.system == "xdpring":
+        if self.system == "xdpring" and not self.local_only:
             try:
                 self.rp = RingPrograms(b.tb, cfg.spec.replace(lanes=32), mode=cfg.mode,
                                        capacity=systems.ring_capacity(cfg))
@@ -138,7 +144,8 @@ class SystemRun:
         plan = self.plan()
         path = b.work / f"{self.system}-plan.json"
         path.write_text(json.dumps(plan))
-        b.prog.note(f"{self.system}: starting {self.n} ranks on {b.rate} x{self.n}")
+        each = f" ({self.k} in each of {self.hosts} hosts)" if self.k > 1 else ""
+        b.prog.note(f"{self.system}: starting {self.n} ranks{each} on {b.rate} x{self.hosts}")
         self.job = Launch(b.tb, systems.rank_specs(b.tb, self.system, path, plan["params"], b.work, cfg))
 
     # --- driven: the sweep hands out the reps ------------------------------------------------
@@ -194,7 +201,7 @@ class SystemRun:
         recs.sort(key=lambda d: d["rank"])
         recs[0].update(window.record())
         b = self.bed
-        self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs)
+        self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k)
         b.prog.row(r)
 
     def fail(self, why: str) -> None:
@@ -223,7 +230,7 @@ class SystemRun:
         if len(recs) == self.n:
             b = self.bed
             pt = b.points[d["point"]]
-            self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs)
+            self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k)
             b.prog.row(r)
 
     def _fail(self, what: str, started: bool) -> None:
@@ -286,7 +293,7 @@ class SystemRun:
         if self.shared is not None:
             b = self.bed
             b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(
-                {"workers": self.n, "rate": b.rate, "stats": self.shared.stats(self.system)})
+                {"workers": self.hosts, "rate": b.rate, "stats": self.shared.stats(self.system)})
         if self.svc is not None:
             try:
                 self.svc.stop()
@@ -296,12 +303,12 @@ class SystemRun:
             b = self.bed
             stats = self.rp.close()
             b.meta.setdefault("ring_stats", {}).setdefault(self.system, []).append(
-                {"workers": self.n, "rate": b.rate, "stats": stats})
+                {"workers": self.hosts, "rate": b.rate, "stats": stats})
         if self.handed is not None:
             b = self.bed
             try:
                 info = self.handed.engine_info
-                entry = {"workers": self.n, "rate": b.rate, "stats": self.handed.close(), "engines": info,
+                entry = {"workers": self.hosts, "rate": b.rate, "stats": self.handed.close(), "engines": info,
                          "beside": "the XDP aggregator (its program steers the job's frames to the engine)"}
                 b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(entry)
             except Exception:
@@ -310,7 +317,7 @@ class SystemRun:
         if self.ap is not None:
             b = self.bed
             try:
-                entry = {"workers": self.n, "rate": b.rate, "stats": self.ap.close()}
+                entry = {"workers": self.hosts, "rate": b.rate, "stats": self.ap.close()}
                 if self.ap.kind == "afxdp":  # what each engine said at start, and its own counters
                     entry["engines"] = [{**p.engine_info, "counters": p.engine_counters} for p in self.ap.procs]
                 b.meta.setdefault("aggregator_stats", {}).setdefault(self.system, []).append(entry)
@@ -325,7 +332,8 @@ class SystemRun:
         for pt, o in zip(b.points, self.outputs):
             r = self.rows.get(pt.index)
             if r is None:
-                r = report.row(self.system, self.n, pt, b.rate, b.rbps, status="error", reason=self.failure or "no result")
+                r = report.row(self.system, self.hosts, pt, b.rate, b.rbps, self.k, status="error",
+                               reason=self.failure or "no result")
                 b.prog.row(r)
             else:
                 self._check(r, pt, o)

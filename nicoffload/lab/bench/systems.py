@@ -31,7 +31,8 @@ gloobf16   gloo all-reducing a bfloat16 copy of the gradients, as DDP's ``bf16_c
 gloofp16   the same in float16 (``fp16_compress_hook``)
 ========== =====================================================================================
 
-Ranks: one process per worker namespace running :mod:`nicoffload.lab.bench.ranks`; for mpi,
+Ranks: one process per worker namespace running :mod:`nicoffload.lab.bench.ranks` (K of them with
+``--ranks-per-host K``: ranks hK..hK+K-1 in worker h; :mod:`.hostranks`); for mpi,
 ``mpirun`` in worker 0's namespace launching the other ranks through an rsh agent that enters
 their namespaces.
 """
@@ -46,7 +47,7 @@ from pathlib import Path
 from nicoffload.datapath.transport import MAX_GSO_SEGS
 from nicoffload.jobspec import JobSpec
 from nicoffload.lab.aggregators import on_testbed
-from nicoffload.lab.bench.drive import side_spec
+from nicoffload.lab.bench.drive import lane_spec, side_spec
 from nicoffload.lab.bench.plan import AGG_SYSTEMS, RING_SYSTEMS, BenchConfig
 from nicoffload.lab.launcher import RankSpec, program
 from nicoffload.lab.rings import capacity_for
@@ -165,7 +166,10 @@ def rank_params(tb, system: str, cfg: BenchConfig, side: bool = False) -> dict:
     place = (lambda s: side_spec(system, s)) if side else (lambda s: s)
     if system in AGG_SYSTEMS:
         spec = place(on_testbed(tb, agg_spec(system, cfg).replace(timeout=cfg.timeout)))
-        return {"aggregator": ",".join(a.ip for a in tb.aggs), "spec": spec.to_dict()}
+        out = {"aggregator": ",".join(a.ip for a in tb.aggs), "spec": spec.to_dict()}
+        if cfg.ranks_per_host > 1 and len(tb.workers) > 1:  # local rank j's job across hosts
+            out["lane_specs"] = [lane_spec(spec, j).to_dict() for j in range(cfg.ranks_per_host)]
+        return out
     if system in RING_SYSTEMS:
         spec = place(ring_on_testbed(tb, cfg.spec.replace(timeout=cfg.timeout, lanes=32)))  # the ring: 32-bit lanes
         return {"peers": [w.ip for w in tb.workers], "spec": spec.to_dict(), "offload": system == "xdpring",
@@ -228,21 +232,27 @@ def _mpirun(tb, cfg: BenchConfig, work: Path) -> list[str]:
     return argv + (["--mca", "mpi_yield_when_idle", "1"] if n > 2 else [])
 
 
+def rank_hosts(tb, cfg: BenchConfig) -> list:
+    """The worker host of every rank: ``ranks_per_host`` consecutive ranks on each."""
+    return [w for w in tb.workers for _ in range(cfg.ranks_per_host)]
+
+
 def rank_specs(tb, system: str, plan_path: Path, params: dict, work: Path, cfg: BenchConfig) -> list[RankSpec]:
-    """The processes of one (testbed, system): one rank per worker host, or mpirun."""
+    """The processes of one (testbed, system): one rank per worker host (``ranks_per_host`` of
+    them, each in its host's namespace), or mpirun."""
     base = program(RANKS) + ["--system", system, "--plan", str(plan_path)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if system == "mpi":
         return [RankSpec("mpirun", tb.workers[0], _mpirun(tb, cfg, work) + base, env)]
     specs = []
-    for w in tb.workers:
+    for rank, w in enumerate(rank_hosts(tb, cfg)):
         e = dict(env)
         if system in GLOO_SYSTEMS or system == "xdptorch":
             e.update(GLOO_SOCKET_IFNAME=w.iface, MASTER_ADDR=tb.workers[0].ip, MASTER_PORT=str(params["port"]))
         if system == "xdptorch":
             e.update(NICOFFLOAD_SERVICE=params["service"], NICOFFLOAD_TOKEN_FILE=params["token_file"],
                      NICOFFLOAD_TIMEOUT=str(cfg.timeout), NICOFFLOAD_LANES=str(cfg.spec.lanes))
-        specs.append(RankSpec(f"rank {w.rank}", w, base + ["--rank", str(w.rank)], e))
+        specs.append(RankSpec(f"rank {rank}", w, base + ["--rank", str(rank)], e))
     return specs
 
 

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     transformer.add_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", choices=["auto", "synthetic", "digits"], default="synthetic")
-    p.add_argument("--out", type=Path, required=True, help="JSON report; parameters go to OUT.npy")
+    p.add_argument("--out", type=Path, required=True,
+                   help="JSON report ({rank} in it: the rank's number); parameters go to OUT.npy")
     p.add_argument("--die-at-step", type=int, default=None,
                    help="fault injection: killed (SIGKILL) in this step, after forward, before backward")
     return p
@@ -311,6 +312,8 @@ def train(args, report: dict) -> None:
         os.environ.setdefault("NICOFFLOAD_LANES", str(args.spec_lanes))
     dist.init_process_group(backend, rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=args.pg_timeout))
+    if backend == "nicoffload":  # which path the group took (the offload, shared memory, gloo) and why
+        report["group"] = repr(dist.distributed_c10d._get_default_group())
     state = opt = shadow = None
     offload = args.allreduce == "offload"
     try:
@@ -355,6 +358,7 @@ def params_path(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = transformer.resolve(build_parser().parse_args(argv))
+    args.out = Path(str(args.out).replace("{rank}", str(args.rank)))  # under torchrun: one --out for the host's ranks
     if args.allreduce not in ("gloo", "backend") and not args.aggregator:
         print(f"ddp_rank: --allreduce {args.allreduce} needs --aggregator", file=sys.stderr, flush=True)
         return 2

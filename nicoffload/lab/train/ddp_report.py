@@ -29,8 +29,11 @@ def format_summary(s: dict, rows: int = 10) -> str:
     elems = next((r["elems"] for _, r in runs if r.get("elems")), None)
     per = f"; nicoffload packets carry {elems} floats" if elems else ""
     model, data = ("transformer", s["data"]) if s.get("model") == "transformer" else ("MLP", f"{s['data']} data")
-    lines = [f"{s['workers']} ranks, {steps} steps, {model} with {s['parameters']} parameters on {data}{per}",
+    k = s.get("ranks_per_host", 1)
+    hosts = f" ({s['workers'] // k} hosts x {k}, torchrun --nproc-per-node {k})" if k > 1 else ""
+    lines = [f"{s['workers']} ranks{hosts}, {steps} steps, {model} with {s['parameters']} parameters on {data}{per}",
              *(f"{lb}: {r['optimizer']}" for lb, r in runs if r.get("optimizer")),
+             *(f"{lb}: {r['group']}" for lb, r in runs if r.get("group")),
              "", f"{'step':>5}" + "".join(f"  {'loss ' + lb:>{w + 5}}" for lb in labels)]
     for k in sorted(set(np.linspace(0, steps - 1, min(rows, steps)).round().astype(int))):
         lines.append(f"{k:>5}" + "".join(f"  {r['losses'][k]:>{w + 5}.4f}" for _, r in runs))

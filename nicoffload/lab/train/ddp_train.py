@@ -16,15 +16,15 @@ from typing import Callable
 
 import numpy as np
 
-from nicoffload.errors import SetupError
+from nicoffload.errors import InputError, SetupError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.aggregators import AggregatorProcess, on_testbed
-from nicoffload.lab.train import transformer
+from nicoffload.lab.train import ddp_rank, transformer
 from nicoffload.lab.train.ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, build_parser, params_path
 from nicoffload.lab.train.ddp_report import FINAL, WARMUP, format_summary, plot  # noqa: F401 (re-exported)
 from nicoffload.lab.launcher import Launch, Outcome, RankSpec, error_class, failure, program
 from nicoffload.lab.links import enable_gro
-from nicoffload.lab.train.torchrun import ServiceProcess, write_token
+from nicoffload.lab.train.torchrun import ServiceProcess, torchrun_specs, write_token
 
 #: the nicoffload job of a training run, unless the caller gives one
 TRAIN_SPEC = DEFAULT.replace(timeout=TRAIN_TIMEOUT)
@@ -89,6 +89,7 @@ class Run:
     seconds: float = 0.0
     lanes: int = 32                 # 16: gloo with DDP's bf16_compress_hook, nicoffload in 16-bit lanes
     aggregator_memory: dict | None = None  # an offload run's: bytes the aggregator holds for the optimizer
+    nproc: int = 1                  # ranks per worker host (torchrun --nproc-per-node)
 
     @property
     def label(self) -> str:
@@ -143,20 +144,35 @@ def _rank_spec(tb, w, run: Run, out: Path, spec: JobSpec, argv: list[str], maste
     return RankSpec(f"rank {w.rank}", w, argv, env)
 
 
-def _gather(w, out: Path, process: Outcome) -> RankOutcome:
+def _gather(rank: int, out: Path, process: Outcome) -> RankOutcome:
     report = json.loads(out.read_text()) if out.exists() else None
     pp = params_path(out)
-    return RankOutcome(w.rank, process, report, np.load(pp) if pp.exists() else None)
+    return RankOutcome(rank, process, report, np.load(pp) if pp.exists() else None)
+
+
+def _torchrun_specs(tb, run: Run, workdir: Path, spec: JobSpec, argv: list[str], master_port: int, nproc: int,
+                    service_env: dict | None) -> list[RankSpec]:
+    """One ``torchrun --nproc-per-node nproc`` per worker host running the ranks of ``run``
+    (torchrun sets RANK and WORLD_SIZE; each rank writes its report to its own file). The
+    backend's group must take the offload: NICOFFLOAD_REQUIRE_OFFLOAD=1, never silently gloo."""
+    out = workdir / f"{run.label}-rank{{rank}}.json"
+    env = dict(service_env or {})
+    if run.allreduce == "backend":
+        env["NICOFFLOAD_REQUIRE_OFFLOAD"] = "1"
+    return torchrun_specs(tb, Path(ddp_rank.__file__), ["--out", str(out), *argv, *spec.argv(HOOK_FIELDS)],
+                          env=env, master_port=master_port, nproc=nproc)
 
 
 def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps: int = 50, seed: int = 0,
            data: str = "synthetic", deadline: float | None = None, die: dict[int, int] | None = None,
            master_port: int = MASTER_PORT, extra: list[str] | None = None, spec: JobSpec | None = None,
-           **fields) -> Run:
+           nproc: int = 1, **fields) -> Run:
     """Train once on testbed ``tb``: one rank process per worker host, started inside its
     namespace, with MASTER_ADDR = worker 0's address and GLOO_SOCKET_IFNAME = the rank's own
-    interface. For ``allreduce="nicoffload"`` a fresh ``aggregator`` (xdp or userspace) runs the
-    job ``spec`` (``fields`` changed) on the aggregator host for this run.
+    interface; ``nproc`` > 1 (gloo and the backend): ``torchrun --nproc-per-node nproc`` in
+    each host instead (ranks hK..hK+K-1 in worker h; one host needs no service). For
+    ``allreduce="nicoffload"`` a fresh ``aggregator`` (xdp or userspace) runs the job ``spec``
+    (``fields`` changed) on the aggregator host for this run.
 
     ``die``: {rank: step} fault injection. ``deadline``: seconds for the whole run (default
     generous); ranks still running then are killed and reported as such. Returns the
@@ -165,24 +181,31 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     nco = allreduce != "gloo"
+    if nproc > 1 and (die or allreduce not in ("gloo", "backend")):
+        raise InputError("several ranks per host (torchrun --nproc-per-node) train through gloo or the backend, "
+                         "without fault injection")
     run = Run(allreduce, aggregator if nco else None, spec.elems if nco else None,
-              lanes=spec.lanes if allreduce != "offload" else 32)
+              lanes=spec.lanes if allreduce != "offload" else 32, nproc=nproc)
     t0 = time.monotonic()
     limit = t0 + (deadline if deadline is not None else 60.0 + steps * 2.0)
-    common = ["--world", str(len(tb.workers)), "--allreduce", allreduce, "--steps", str(steps), "--seed", str(seed),
+    world = len(tb.workers) * nproc
+    common = ["--world", str(world), "--allreduce", allreduce, "--steps", str(steps), "--seed", str(seed),
               "--data", data, *(extra or [])]
-    outs = [workdir / f"{run.label}-rank{w.rank}.json" for w in tb.workers]
+    outs = [workdir / f"{run.label}-rank{r}.json" for r in range(world)]
     for out in outs:
         out.unlink(missing_ok=True)
         params_path(out).unlink(missing_ok=True)
     die = die or {}
     ap = svc = None
     try:
-        if allreduce == "backend":  # the aggregator as a service, the backend asks it for the job
+        if allreduce == "backend" and (nproc == 1 or len(tb.workers) > 1):  # the backend asks the service
             svc = ServiceProcess(tb, write_token(workdir / "service")).start()
-        ranks = [_rank_spec(tb, w, run, out, spec,
-                            common + (["--die-at-step", str(die[w.rank])] if w.rank in die else []), master_port,
-                            svc.env() if svc else None) for w, out in zip(tb.workers, outs)]
+        if nproc > 1:
+            ranks = _torchrun_specs(tb, run, workdir, spec, common, master_port, nproc, svc.env() if svc else None)
+        else:
+            ranks = [_rank_spec(tb, w, run, out, spec,
+                                common + (["--die-at-step", str(die[w.rank])] if w.rank in die else []), master_port,
+                                svc.env() if svc else None) for w, out in zip(tb.workers, outs)]
         if nco:
             enable_gro(tb)
             if allreduce == "offload":
@@ -197,7 +220,7 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
             ap.close()
         if svc is not None:
             svc.stop()
-    run.ranks = [_gather(w, out, p) for w, out, p in zip(tb.workers, outs, processes)]
+    run.ranks = [_gather(r, out, processes[r // nproc]) for r, out in enumerate(outs)]
     run.seconds = time.monotonic() - t0
     return run
 
@@ -260,14 +283,15 @@ def rank_args(argv):
 def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, aggregator: str = "xdp",
             seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
             offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp",
-            train_args: list[str] | tuple[str, ...] = ()) -> tuple[Run, ...]:
+            train_args: list[str] | tuple[str, ...] = (), nproc: int = 1) -> tuple[Run, ...]:
     """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
     (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
     optimizer in each of them) — the offloaded runs also follow the float64 torch optimizer on
     their gradients. ``backend``: the nicoffload run uses the torch.distributed backend
     "nicoffload" (no hook; the aggregator as a service); ``wrap``: ddp or fsdp (FSDP2) in both
     runs; ``train_args``: the ranks' model and optimizer arguments (``--optimizer adamw --lr
-    3e-4 --d-model 64 ...``, see ``python -m nicoffload.lab.train.ddp_rank --help``)."""
+    3e-4 --d-model 64 ...``, see ``python -m nicoffload.lab.train.ddp_rank --help``); ``nproc``:
+    ranks per host, under torchrun (gloo and the backend)."""
     name = transformer.torch_name(rank_args(train_args).optimizer)
     plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else
                                [("backend", "xdp")] if backend else [("nicoffload", aggregator)])
@@ -278,9 +302,10 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
             what = {"gloo": f"{wrap.upper()} over gloo{half}, {name} on every rank",
                     "nicoffload": f"nicoffload ({agg})", "offload": f"the optimizer in the {agg} aggregator",
                     "backend": f"{wrap.upper()} over the torch.distributed backend 'nicoffload' (the service)"}[kind]
-            progress(f"training {len(tb.workers)} ranks x {steps} steps with {what} ...")
+            where = f" ({len(tb.workers)} hosts x {nproc}, torchrun)" if nproc > 1 else ""
+            progress(f"training {len(tb.workers) * nproc} ranks{where} x {steps} steps with {what} ...")
         runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
-                           spec=spec, master_port=MASTER_PORT + i,
+                           spec=spec, master_port=MASTER_PORT + i, nproc=nproc,
                            extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap, *train_args]).check())
     return tuple(runs)
 
@@ -311,7 +336,7 @@ def _run_summary(run: Run) -> dict:
             "memory": r0.get("memory"), "aggregator_memory": run.aggregator_memory,
             "shadow": transformer.shadow_bound(r0),
             "param_max": max(r0["param_max"]) if r0.get("param_max") else None,
-            "seconds": run.seconds}
+            "group": r0.get("group"), "seconds": run.seconds}
 
 
 def summarize(reference: Run, *others: Run) -> dict:
@@ -327,7 +352,8 @@ def summarize(reference: Run, *others: Run) -> dict:
     for r in runs.values():  # the issue's measure: final loss within 1% of the reference's
         r["final_loss_rel"] = r["final_loss"] / ref - 1.0 if ref else None
     rep = r0.report
-    return {"workers": len(reference.ranks), "steps": rep["steps"], "data": rep["data"],
+    return {"workers": len(reference.ranks), "ranks_per_host": reference.nproc, "steps": rep["steps"],
+            "data": rep["data"],
             "wrap": rep.get("wrap", "ddp"), "model": rep.get("model", "mlp"),
             "hyperparameters": {k: rep[k] for k in ("optimizer", "lr", "momentum", "betas", "eps", "weight_decay")
                                 if k in rep},

@@ -5,11 +5,13 @@
                      SIGTERM (unloads) or killed (leaves the aggregator pinned for the next one)
     torchrun_specs   one ``torchrun --nnodes N --nproc-per-node K --node-rank R`` per worker host,
                      the master on worker 0, the NICOFFLOAD_* environment set
+    host_commands    the same as commands a person runs (``nicoffload testbed up --ranks-per-host K``)
 """
 from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ from nicoffload.lab.launcher import CLI, RankSpec
 
 #: the port the testbed's service listens on (inside the aggregator's namespace)
 SERVICE_PORT = 7470
+#: torchrun's master port in the commands :func:`host_commands` shows
+MASTER_PORT = 29500
 
 
 def write_token(folder: Path) -> Path:
@@ -52,9 +56,8 @@ class ServiceProcess:
         self.tb, self.token_file, self.port = tb, Path(token_file), port
         agg = host or tb.agg  # the aggregator host it runs on (a testbed may have several)
         self.url = f"http://{agg.ip}:{port}"
-        self.argv = [*CLI, "agg", "serve", "--netns", agg.netns, "--iface", agg.iface,
-                     "--listen", f"{agg.ip}:{port}", "--token-file", str(token_file), "--port", str(tb.port),
-                     "--slots", str(slots), "--lease", str(lease), *(extra or [])]
+        self.argv = [*CLI, *service_args(tb, token_file, port, agg), "--slots", str(slots), "--lease", str(lease),
+                     *(extra or [])]
         self.ready_timeout = ready_timeout
         self.log: list[str] = []
         self.proc: subprocess.Popen | None = None
@@ -113,6 +116,36 @@ class ServiceProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def service_args(tb, token_file, port: int = SERVICE_PORT, host=None) -> list[str]:
+    """``agg serve ...`` for the aggregator of testbed ``tb`` (the arguments after ``nicoffload``)."""
+    agg = host or tb.agg
+    return ["agg", "serve", "--netns", agg.netns, "--iface", agg.iface, "--listen", f"{agg.ip}:{port}",
+            "--token-file", str(token_file), "--port", str(tb.port)]
+
+
+def host_commands(tb, nproc: int, script: str = "script.py", token_file: str = "/etc/nicoffload/token",
+                  master_port: int = MASTER_PORT) -> dict:
+    """What a person runs to train on testbed ``tb`` with ``nproc`` ranks per worker host: the
+    service on the aggregator host (None with one worker host: its ranks need none) and, per
+    host, ``nicoffload testbed exec NAME wI -- env ... torchrun ...`` (``argv``, and as one
+    shell line in ``command``)."""
+    H = len(tb.workers)
+    service = None
+    env = []
+    if H > 1:
+        service = ["nicoffload", *service_args(tb, token_file)]
+        env = [f"NICOFFLOAD_SERVICE=http://{tb.agg.ip}:{SERVICE_PORT}", f"NICOFFLOAD_TOKEN_FILE={token_file}"]
+    hosts = []
+    for i, w in enumerate(tb.workers):
+        argv = ["nicoffload", "testbed", "exec", tb.name, w.name, "--", "env", f"GLOO_SOCKET_IFNAME={w.iface}", *env,
+                "torchrun", "--nnodes", str(H), "--nproc-per-node", str(nproc), "--node-rank", str(i),
+                "--master-addr", tb.workers[0].ip, "--master-port", str(master_port), script]
+        hosts.append({"host": w.name, "argv": argv, "command": shlex.join(argv)})
+    return {"ranks_per_host": nproc, "world": H * nproc,
+            "service": None if service is None else {"argv": service, "command": shlex.join(service)},
+            "hosts": hosts}
 
 
 def torchrun_specs(tb, script: str | Path, args: list[str] | None = None, env: dict[str, str] | None = None,
