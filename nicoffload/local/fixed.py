@@ -62,6 +62,13 @@ def quantize_sum(xs, n, lo, hi, E, gexp, top, bias, single, pad, lanes):
             lanes[first + U(k)] = acc[k]
 
 
+def quantize(x: np.ndarray, E: int, gexp: np.ndarray, top: int, bias: int, single: bool,
+             lanes: np.ndarray) -> None:
+    """One rank's lanes of ``x`` (every block of it): rint(x * 2^s) + bias per element, blocks
+    zero everywhere and the tail 0 (:func:`quantize_sum` of a single row, no pad)."""
+    quantize_sum(x.reshape(1, -1), x.size, 0, len(gexp), E, gexp, top, bias, single, 0, lanes)
+
+
 def exponents_and_copy(x: np.ndarray, E: int, exps: np.ndarray, dst: np.ndarray, rank: int) -> int:
     """:func:`~nicoffload.datapath.tensors.block_exponents` of ``x`` into ``exps`` and ``x``
     copied into ``dst`` in one pass: a chunk at a time, the copy reads what the exponents just
