@@ -207,13 +207,15 @@ def _job_add_service(args, client) -> int:
         except BaseException:
             client.remove_job(g.job)  # no job left behind without its parameters
             raise
+    key = g.spec(DEFAULT.timeout, token=client.token).key  # derived here, as every rank derives it
     if args.json:
-        print(json.dumps(g.to_json()))
+        print(json.dumps({**g.to_json(), "key": keys.show(key)}))
         return 0
     lease = f"lease {g.lease_s:g}s (renew: POST /v1/jobs/{g.job}/lease)" if g.lease_s else "no lease"
     span = f"{g.slot_base}..{g.slot_base + g.slots - 1}"
     print(f"registered at {client.url}: job {g.job}: {g.world} workers, slots {span}, results to {g.group}; "
-          f"ranks send to {g.aggregator}:{g.port} from port {g.local_port}; {lease}")
+          f"ranks send to {g.aggregator}:{g.port} from port {g.local_port}; {lease}; "
+          f"{key_note(key, 'derived from the service token and the grant nonce ' + g.key_nonce)}")
     return 0
 
 

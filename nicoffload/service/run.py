@@ -172,7 +172,7 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
     leases = LeaseBook(lease_file(o.netns, o.iface))
     try:
         service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
-                                                     multicast=o.multicast, fallback=o.fallback))
+                                                     multicast=o.multicast, fallback=o.fallback), token=token)
         if adopted:
             taken = service.restore()
             log.info("took over the aggregator on %s (%s) with %s, %d leased", o.iface,
