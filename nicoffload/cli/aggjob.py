@@ -115,6 +115,9 @@ def service_arguments(q) -> None:
     q.add_argument("--service", default=None, metavar="URL",
                    help="talk to an aggregator service (nicoffload agg serve) instead of a local aggregator")
     q.add_argument("--token-file", default=None, metavar="FILE", help="the service's bearer token")
+    q.add_argument("--ca-file", default=None, metavar="FILE",
+                   help="an https:// service's certificate is verified against this CA (PEM; default: "
+                        "$NICOFFLOAD_CA_FILE, else the system's CAs)")
 
 
 def service_client(args):
@@ -122,7 +125,7 @@ def service_client(args):
     if args.service:
         from nicoffload.service.client import ServiceClient
 
-        return ServiceClient.from_files(args.service, args.token_file)
+        return ServiceClient.from_files(args.service, args.token_file, ca_file=args.ca_file)
     if not args.iface:
         raise InputError("give the aggregator's --iface (and --netns), or --service URL --token-file FILE")
     return None

@@ -57,6 +57,7 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
     token = token_file.read_text().strip()
     svc = ServiceProcess(tb, token_file, lease=3.0, slots=2048).start()
     try:
+        assert any("plain HTTP" in line and "in clear" in line for line in svc.log), svc.log  # not on loopback
         url = svc.url + "/v1/jobs"
         c = ServiceClient(svc.url, token)
 
