@@ -208,7 +208,8 @@ def _unload(args) -> int:
 def _register_bench(asub) -> None:
     q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
     add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 856 --workers 8 --no-live",
-                 "sudo nicoffload agg bench --lock-cost --no-live")
+                 "sudo nicoffload agg bench --lock-cost --no-live",
+                 "sudo nicoffload agg bench --key-cost --no-live   # the key check against a build without it")
     q.add_argument("--workers", type=int, default=4)
     JobSpec.add_arguments(q, only=("elems",))
     q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
@@ -216,6 +217,8 @@ def _register_bench(asub) -> None:
     q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizers' updates (SGD, AdamW)")
     q.add_argument("--lock-cost", action="store_true",
                    help="also what the slot's spin lock costs per record (against a test-only build without it)")
+    q.add_argument("--key-cost", action="store_true",
+                   help="also what the job's key check costs per record (against a test-only build without it)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_bench)
 
@@ -235,6 +238,8 @@ def _bench(args) -> int:
                                      for k in xdpbench.BENCH_SPECS]
     if args.lock_cost:
         out["lock"] = xdpbench.lock_cost(elems=elems, rounds=args.rounds)
+    if args.key_cost:
+        out["key"] = xdpbench.key_cost(elems=elems, rounds=args.rounds)
     if not args.no_live:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))
