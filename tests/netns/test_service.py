@@ -51,6 +51,29 @@ def granted_sum(tb, grant, xs: list, token: str, timeout: float = 10.0) -> list:
     return outs
 
 
+def check_the_grants_key(tb, g, xs: list, token: str, call) -> int:
+    """The grant carries the nonce of the job's key, never the key: ranks without the token
+    cannot make the job's records (ranks that try anyway are dropped as bad_key). The key."""
+    key = g.spec(10.0, token=token).key
+    assert key and g.key_nonce and keys.show(key) not in json.dumps(g.to_json())
+    with pytest.raises(InputError, match="NICOFFLOAD_TOKEN_FILE"):
+        g.spec(10.0)
+    outs = granted_sum(tb, g, xs, "not-the-token-of-this-service", timeout=2.0)
+    assert outs == [None, None] and call(lambda c: c.stats(g.job))["bad_key"] > 0
+    return key
+
+
+def check_the_clis_key(tb, add: list, token: str, call) -> None:
+    """``agg job add --service`` derives the job's key as every rank does, and prints it; it
+    refuses --no-key (the service registers no job without a key)."""
+    r = tb.run(tb.workers[0], [*add, "--lease", "0", "--json"], capture_output=True, text=True, timeout=60)
+    added = json.loads(r.stdout)
+    assert r.returncode == 0 and keys.parse(added["key"]) == JobGrant.from_json(added).spec(1, token=token).key
+    r = tb.run(tb.workers[0], [*add, "--no-key"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == InputError.exit_code and "refuses a job without one" in r.stderr, r.stderr
+    call(lambda c: c.remove_job(added["job"]))
+
+
 def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path):
     tb = make_testbed(2)
     token_file = write_token(tmp_path)
@@ -90,14 +113,7 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers], owner="t")))
         assert g.slots == 1024 and g.aggregator == tb.agg.ip and g.port == tb.port
         xs = [np.arange(5000, dtype=np.int32) * (r + 1) for r in range(2)]
-        # the grant carries the nonce of the job's key, never the key: a rank without the token
-        # cannot make the job's records (and one that tries anyway is dropped as bad_key)
-        key = g.spec(10.0, token=token).key
-        assert key and g.key_nonce and keys.show(key) not in json.dumps(g.to_json())
-        with pytest.raises(InputError, match="NICOFFLOAD_TOKEN_FILE"):
-            g.spec(10.0)
-        outs = granted_sum(tb, g, xs, "not-the-token-of-this-service", timeout=2.0)
-        assert outs == [None, None] and call(lambda c: c.stats(g.job))["bad_key"] > 0
+        key = check_the_grants_key(tb, g, xs, token, call)
         outs = granted_sum(tb, g, xs, token)
         assert all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
         listed = call(lambda c: c.jobs())["jobs"]
@@ -128,14 +144,7 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         where = ["--service", svc.url, "--token-file", str(token_file)]
         r = tb.run(tb.workers[0], [*cli, "job", "list", *where], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "lease" in r.stdout, r.stderr
-        r = tb.run(tb.workers[0], [*cli, "job", "add", "--workers", "1", "--lease", "0", "--json", *where],
-                   capture_output=True, text=True, timeout=60)
-        added = json.loads(r.stdout)  # the CLI derives the key as every rank does, and prints it
-        assert r.returncode == 0 and keys.parse(added["key"]) == JobGrant.from_json(added).spec(1, token=token).key
-        r = tb.run(tb.workers[0], [*cli, "job", "add", "--workers", "1", "--no-key", *where], capture_output=True,
-                   text=True, timeout=60)
-        assert r.returncode == InputError.exit_code and "refuses a job without one" in r.stderr, r.stderr
-        call(lambda c: c.remove_job(added["job"]))
+        check_the_clis_key(tb, [*cli, "job", "add", "--workers", "1", *where], token, call)
         r = tb.run(tb.workers[0], [*cli, "job", "remove", "--job", str(o.job), *where], capture_output=True,
                    text=True, timeout=60)
         assert r.returncode == 0 and "removed" in r.stdout, r.stderr
