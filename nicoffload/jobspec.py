@@ -12,7 +12,7 @@ import ipaddress
 from dataclasses import dataclass, fields
 from typing import Iterable
 
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 from .errors import InputError
 
@@ -47,6 +47,7 @@ class JobSpec:
     delivery: str = "multicast"    # how the aggregator's results reach the ranks: multicast or unicast
     layout: str = "contiguous"     # with several aggregators: contiguous shards, or blocks round robin
     lanes: int = 32                # bits per fixed-point lane of float sums: 32, or 16 (half the bytes)
+    key: int = 0                   # the job's 64-bit key, in every record (0: a job registered without one)
 
     def validate(self) -> "JobSpec":
         """Raise InputError naming the first bad field; return self."""
@@ -81,6 +82,8 @@ class JobSpec:
             raise InputError("--lanes 16 is for the aggregator mode: the ring sums in 32-bit lanes")
         if self.layout not in LAYOUTS:
             raise InputError(f"--shard-layout must be one of {', '.join(LAYOUTS)}, not {self.layout!r}")
+        if not 0 <= self.key <= keys.MAX:
+            raise InputError("--key is 64 bits")
         return self
 
     def replace(self, **changes) -> "JobSpec":
@@ -88,6 +91,12 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def public(self) -> dict:
+        """The spec as reports show it: without the key."""
+        d = self.to_dict()
+        del d["key"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "JobSpec":
@@ -116,6 +125,9 @@ class JobSpec:
                                      "the k-th slice of a tensor) or roundrobin (block b goes to aggregator b mod K)"),
         "lanes": ("--lanes", "bits per fixed-point lane of float sums: 32, or 16 (half the bytes on the wire, the "
                              "precision of bfloat16/float16 training; error bound in docs/protocol.md §9)"),
+        "key": ("--key", f"the job's key, 16 hex digits, as 'agg load'/'agg job add' printed it (default: "
+                         f"${keys.ENV}, else none: a job registered with --no-key); a key on a command line is "
+                         f"visible to other users of the host, the environment is not"),
     }
 
     @classmethod
@@ -145,6 +157,9 @@ class JobSpec:
             if f.name == "lanes":
                 parser.add_argument(opt, dest="spec_lanes", type=int, choices=LANES, default=value, help=text + shown)
                 continue
+            if f.name == "key":  # never shown in the help: it is a secret
+                parser.add_argument(opt, dest="spec_key", metavar="HEX", type=_key_arg, default=None, help=text)
+                continue
             kind = {"job": int, "port": int, "slots": int, "elems": int, "window": int, "timeout": float,
                     "group": str, "local_port": int}[f.name]
             parser.add_argument(opt, dest=f"spec_{f.name}", metavar=f.name.upper(), type=kind, default=value,
@@ -159,6 +174,9 @@ class JobSpec:
             if f.name == "sparse":
                 if hasattr(args, "spec_dense"):
                     d["sparse"] = not args.spec_dense
+            elif f.name == "key":
+                if hasattr(args, "spec_key"):
+                    d["key"] = keys.from_env() if args.spec_key is None else args.spec_key
             elif hasattr(args, f"spec_{f.name}"):
                 d[f.name] = getattr(args, f"spec_{f.name}")
         d.update(changes)
@@ -175,9 +193,19 @@ class JobSpec:
             if f.name == "sparse":
                 if not value:
                     out.append(opt)
+            elif f.name == "key":  # the testbed's ranks: on their command lines (the lab's one machine)
+                if value:
+                    out += [opt, keys.show(value)]
             elif value is not None:
                 out += [opt, str(value)]
         return out
+
+
+def _key_arg(text: str) -> int:
+    try:
+        return keys.parse(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 #: the defaults, for signatures that take the fields one by one

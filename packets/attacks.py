@@ -1,8 +1,10 @@
 """An attack on one live job, as a host on the job's L2 segment would mount it: every malformed
 kind of :mod:`nicoffload.packets.hostile` (from the ranks' spoofed addresses where the fault
-lies behind the source check), foreign traffic, records of unregistered jobs and ranks claimed
-from the attacker's own address (:func:`attack`), each with the counter that must count it; and
-:func:`flood`, which sends such frames through a raw socket, pass after pass."""
+lies behind the source check), foreign traffic, records of unregistered jobs, ranks claimed
+from the attacker's own address, and everything a rank sends, from the rank's spoofed address,
+with the right job, slot and epoch but not the job's key (:func:`attack`,
+:func:`spoofed_keys`), each with the counter that must count it; and :func:`flood`, which sends
+such frames through a raw socket, pass after pass."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +19,7 @@ from nicoffload.errors import InputError
 from nicoffload.wire import proto
 from nicoffload.wire.codec import encode_blocks
 
-from .frames import AGG_IP, AGG_MAC, PORT, frame
+from .frames import AGG_IP, AGG_MAC, KEY, PORT, frame
 from .generators import record
 from .handshake import join_record
 from .hostile import MalformedCase, foreign, malformed_cases, malformed_headers
@@ -32,7 +34,7 @@ def first_header_complete(frame_: bytes) -> bool:
 
 
 #: reasons the aggregator finds before it compares the sender with the rank's address
-BEFORE_SOURCE_CHECK = ("bad_magic", "bad_version", "bad_job", "bad_rank")
+BEFORE_SOURCE_CHECK = ("bad_magic", "bad_version", "bad_job", "bad_key", "bad_rank")
 
 
 class AttackFrame(NamedTuple):
@@ -41,7 +43,8 @@ class AttackFrame(NamedTuple):
     the stack untouched), in the job's row when ``job_row``, else in row 0 (traffic that names
     no registered job or is rejected before its job is read, and foreign traffic), and once more
     in each counter of ``also`` in the same row (the valid first record of a batch whose epoch
-    is not live counts ``stale_epoch``). ``kind``: malformed, foreign, wrong_job, spoofed_rank."""
+    is not live counts ``stale_epoch``). ``kind``: malformed, foreign, wrong_job, spoofed_rank,
+    spoofed_key."""
 
     kind: str
     reason: str
@@ -64,11 +67,14 @@ def attack(
     dst_ip: str = AGG_IP,
     dst_mac: str = AGG_MAC,
     other_jobs: Sequence[int] | None = None,
+    key: int = KEY,
 ) -> list[AttackFrame]:
     """Everything an attacker on the L2 segment of a live job can throw at its aggregator
     without contributing: the job has ``len(worker_ips)`` ranks at those addresses, ``slots``
-    slots and the live ``epoch``. The attacker (``attacker_ip``/``attacker_mac``, registered in
-    no job) sends every frame from its own MAC:
+    slots, the live ``epoch`` and its ``key``. The attacker (``attacker_ip``/``attacker_mac``,
+    registered in no job) sends every frame from its own MAC. The malformed and spoofed_rank
+    frames carry the job's key, as if the attacker had learnt it (what the other checks stop
+    even then); the spoofed_key ones do not (what the key stops):
 
     * malformed: every case of :func:`malformed_cases` for every rank, from the rank's own
       address (the attacker spoofs it: most faults are only looked at once the source checks
@@ -81,7 +87,9 @@ def attack(
       ids near ``job``; none may be registered), from the attacker and from a rank's address;
     * spoofed_rank: what each rank sends, from the attacker's address in the live epoch: a
       contribution, its retransmission, a pull, a batch of two contributions, a JOIN that would
-      end the epoch, an ACK that would move the gate (``bad_src``).
+      end the epoch, an ACK that would move the gate (``bad_src``);
+    * spoofed_key: the same from each rank's own address, in the live epoch, on the job's slots,
+      with a key that is not the job's (:func:`spoofed_keys`: ``bad_key``).
 
     Not one of them may reach a slot, the job's epoch or its gate."""
     workers = len(worker_ips)
@@ -95,7 +103,8 @@ def attack(
                   else [(job + d) & 0xFFFFFFFF for d in (1, 0x10000, 0x80000000)])
     if job in other_jobs:
         raise InputError(f"other_jobs holds the live job {job}")
-    common = dict(workers=workers, slots=slots, elems=elems, job=job, port=port, dst_ip=dst_ip, dst_mac=dst_mac)
+    common = dict(workers=workers, slots=slots, elems=elems, job=job, port=port, dst_ip=dst_ip, dst_mac=dst_mac,
+                  key=key)
 
     def framed(dgram: bytes, src_ip: str = attacker_ip) -> bytes:
         return frame(dgram, src_mac=attacker_mac, dst_mac=dst_mac, src_ip=src_ip, dst_ip=dst_ip, sport=port, dport=port)
@@ -103,12 +112,15 @@ def attack(
     out = _malformed(common, epoch, worker_ips, attacker_ip, attacker_mac)
     out += [AttackFrame("malformed", c.reason, f"rank 0's address: {c.what}", c.frame, False)
             for c in malformed_headers(elems=elems, job=job, epoch=epoch, port=port, workers=workers,
-                                       src_ip=worker_ips[0], src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac)]
+                                       src_ip=worker_ips[0], src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac,
+                                       key=key)]
     out += [AttackFrame("foreign", "passed", name, f, False)
             for name, f in foreign(port=port, src_ip=attacker_ip, src_mac=attacker_mac, dst_ip=dst_ip, dst_mac=dst_mac)]
     payload = np.full(elems, 7, np.int32)
     out += _wrong_jobs(other_jobs, framed, payload, epoch, worker_ips, slots, elems, attacker_ip)
-    out += _spoofed_ranks(framed, payload, job, epoch, workers, slots, elems)
+    out += _spoofed_ranks(framed, payload, job, epoch, workers, slots, elems, key)
+    out += spoofed_keys(job=job, epoch=epoch, worker_ips=worker_ips, slots=slots, key=key, attacker_mac=attacker_mac,
+                        elems=elems, port=port, dst_ip=dst_ip, dst_mac=dst_mac)
     return out
 
 
@@ -162,28 +174,73 @@ def _wrong_jobs(other_jobs: Sequence[int], framed: Callable, payload: np.ndarray
     return out
 
 
-def _spoofed_ranks(framed: Callable, payload: np.ndarray, job: int, epoch: int, workers: int, slots: int,
-                   elems: int) -> list[AttackFrame]:
-    """What each rank sends, from the attacker's address in the live epoch."""
-    full, out = (1 << workers) - 1, []
-    for rank in range(workers):
-        def rec(rnd: int, **kw) -> bytes:
-            return record(rank=rank, round=rnd, slots=slots, epoch=epoch, mask=full, elems=elems, job=job,
-                          payload=payload, **kw)
+def _rank_sends(rank: int, job: int, epoch: int, workers: int, slots: int, elems: int, key: int,
+                payload: np.ndarray) -> dict[str, bytes]:
+    """What rank ``rank`` sends in the live epoch (each carrying ``key``): a contribution, its
+    retransmission, a pull, a batch of two contributions, a JOIN that would end the epoch, an ACK
+    that would move the gate."""
+    full = (1 << workers) - 1
 
-        spoof = {
-            "a contribution": rec(1),
-            "a retransmission": rec(2, flags=proto.FLAG_RETX),
-            "a pull": rec(3, flags=proto.FLAG_PULL, count=0),
-            "a batch of two contributions": rec(4) + rec(5),
-            "a JOIN (would end the epoch)": join_record(rank, workers, (1 << 63) | rank, job=job),
-            "an ACK asking for the gate, far ahead (would move it)": bytes(encode_blocks(
-                np.zeros((1, 0), np.int32), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0, mask=1 << rank,
-                ack=0x40000000, count=0, type=proto.TYPE_ACK, flags=proto.FLAG_RETX)),
-        }
-        for what, dgram in spoof.items():
+    def rec(rnd: int, **kw) -> bytes:
+        return record(rank=rank, round=rnd, slots=slots, epoch=epoch, mask=full, elems=elems, job=job,
+                      payload=payload, key=key, **kw)
+
+    return {
+        "a contribution": rec(1),
+        "a retransmission": rec(2, flags=proto.FLAG_RETX),
+        "a pull": rec(3, flags=proto.FLAG_PULL, count=0),
+        "a batch of two contributions": rec(4) + rec(5),
+        "a JOIN (would end the epoch)": join_record(rank, workers, (1 << 63) | rank, job=job, key=key),
+        "an ACK asking for the gate, far ahead (would move it)": bytes(encode_blocks(
+            np.zeros((1, 0), np.int32), rank=rank, job=job, epoch=epoch, slot=0, set=0, round=0, mask=1 << rank,
+            ack=0x40000000, count=0, type=proto.TYPE_ACK, flags=proto.FLAG_RETX, key=key)),
+    }
+
+
+def _spoofed_ranks(framed: Callable, payload: np.ndarray, job: int, epoch: int, workers: int, slots: int,
+                   elems: int, key: int) -> list[AttackFrame]:
+    """What each rank sends, from the attacker's address in the live epoch."""
+    out = []
+    for rank in range(workers):
+        for what, dgram in _rank_sends(rank, job, epoch, workers, slots, elems, key, payload).items():
             out.append(AttackFrame("spoofed_rank", "bad_src", f"rank {rank}'s {what} from the attacker's address",
                                    framed(dgram), True))
+    return out
+
+
+def spoofed_keys(
+    *,
+    job: int,
+    epoch: int,
+    worker_ips: Sequence[str],
+    slots: int,
+    key: int,
+    attacker_mac: str,
+    elems: int = proto.DEFAULT_ELEMS,
+    port: int = PORT,
+    dst_ip: str = AGG_IP,
+    dst_mac: str = AGG_MAC,
+) -> list[AttackFrame]:
+    """A host on the job's L2 segment that spoofs each registered rank's source address (from its
+    own MAC, ``attacker_mac``) and knows the job, its slots and the live epoch, but not the job's
+    ``key``: everything each rank sends (a contribution, a retransmission, a pull, a batch, a
+    JOIN that would end the run, an ACK that would move the gate) with a key that is not the
+    job's: no key, the key with one bit flipped, and every bit flipped. Each is ``bad_key`` in
+    the job's row and touches nothing."""
+    workers = len(worker_ips)
+    if not 1 <= workers <= proto.MAX_WORKERS:
+        raise InputError(f"need 1..{proto.MAX_WORKERS} worker addresses, got {workers}")
+    payload = np.full(elems, 0x01000000, np.int32)  # a sum the job would notice
+    guesses = {"no key (0)" if key else "a key (the job has none)": 0 if key else 0x5EC2E7,
+               "the key with its lowest bit flipped": key ^ 1, "every bit of the key flipped": key ^ (1 << 64) - 1}
+    out = []
+    for rank, ip in enumerate(worker_ips):
+        for guess, wrong in guesses.items():
+            for what, dgram in _rank_sends(rank, job, epoch, workers, slots, elems, wrong, payload).items():
+                f = frame(dgram, src_mac=attacker_mac, dst_mac=dst_mac, src_ip=ip, dst_ip=dst_ip, sport=port,
+                          dport=port)
+                out.append(AttackFrame("spoofed_key", "bad_key", f"rank {rank}'s {what} from its address, {guess}",
+                                       f, True))
     return out
 
 

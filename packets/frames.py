@@ -1,6 +1,6 @@
 """Addressing and framing of the packet generators: the default addresses of the ranks and the
-aggregator (:func:`worker_ip`, :func:`worker_mac`, ``AGG_IP``, ``AGG_MAC``, ``GROUP_IP``; only a
-convention of these generators, tests against a real testbed pass their own), and a datagram
+aggregator (:func:`worker_ip`, :func:`worker_mac`, ``AGG_IP``, ``AGG_MAC``, ``GROUP_IP``) and the
+job's key (``KEY``); only a convention of these generators, tests against a real testbed pass their own), and a datagram
 wrapped in Ethernet / IPv4 / UDP as a worker sends it (:func:`frame`) or as the XDP aggregator
 sends a result (:func:`result_frame`, :func:`unicast_frame`). Every address is explicit: scapy is
 never asked to resolve a MAC or a route.
@@ -22,6 +22,9 @@ AGG_MAC = "02:00:00:00:00:64"
 GROUP_IP = DEFAULT.group
 #: an address that belongs to no rank (for 'bad_src')
 STRANGER_IP = "10.0.0.200"
+#: the job's key every generated record carries unless told otherwise (Aggregator.for_test's
+#: default too); a test of the key check sends another one
+KEY = 0x5EC2E7000000C0DE
 #: the aggregator's UDP port (the jobs' default)
 PORT = proto.DEFAULT_PORT
 

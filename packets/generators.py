@@ -23,7 +23,7 @@ from nicoffload.wire.codec import datagram_size, encode_blocks
 
 from . import layers  # noqa: F401 - registers the AllReduce layer for Ether(frame) dissection
 # addressing, framing and the handshake, re-exported: the tests and the lab use them as generators.*
-from .frames import (AGG_IP, AGG_MAC, GROUP_IP, PORT, STRANGER_IP, frame, result_frame,  # noqa: F401
+from .frames import (AGG_IP, AGG_MAC, GROUP_IP, KEY, PORT, STRANGER_IP, frame, result_frame,  # noqa: F401
                      unicast_frame, worker_ip, worker_mac)
 from .handshake import ack_frame, join_frames, join_record, joined_record, nonce_of  # noqa: F401
 
@@ -126,6 +126,7 @@ def contributions(
     op: int = proto.OP_SUM,
     retx: bool = False,
     ack: int = 0,
+    key: int = KEY,
     as_scapy: bool = False,
 ) -> list[bytes] | list[Packet]:
     """Contribution frames (one record each) of every rank for every block of the tensor.
@@ -135,9 +136,9 @@ def contributions(
     every rank, dense); a rank sends a record for round b only if it is in ``masks[b]``. Blocks
     hold ``elems`` elements; the tail block has ``count`` < elems and a zero-padded payload.
     Block i is round ``first_round + i`` on slot (first_round + i) % slots, set
-    ((first_round + i) // slots) % 2, in ``epoch``. Every record carries ``exp``, ``op``, ``ack``;
-    ``retx`` sets the RETX flag. Order: round-major (the contributors of round 0 in rank order,
-    then round 1, ...).
+    ((first_round + i) // slots) % 2, in ``epoch``. Every record carries ``exp``, ``op``, ``ack``
+    and the job's ``key``; ``retx`` sets the RETX flag. Order: round-major (the contributors of
+    round 0 in rank order, then round 1, ...).
     """
     plan = _plan(arrays, slots, elems, masks, first_round)
     src_ips = src_ips or [worker_ip(r) for r in range(plan.workers)]
@@ -151,7 +152,7 @@ def contributions(
             rec = encode_blocks(
                 plan.blocks[r][b:b + 1], rank=r, job=job, epoch=epoch, slot=plan.slot[b], set=plan.set[b],
                 round=plan.rounds[b], mask=plan.masks[b], ack=ack, count=plan.counts[b], exp=exp, op=op,
-                flags=flags,
+                flags=flags, key=key,
             )
             out.append(frame(bytes(rec), src_mac=src_macs[r], dst_mac=dst_mac, src_ip=src_ips[r],
                              dst_ip=dst_ip, sport=port, dport=port))
@@ -187,11 +188,12 @@ def expected_results(
     exp: int = 0,
     op: int = proto.OP_SUM,
     gate=0,
+    key: int = KEY,
 ) -> list[bytes]:
     """The RESULT records (UDP payloads) the aggregator sends for :func:`contributions` with the
     same arguments, one per block in block order (frame them with :func:`result_frame`).
 
-    rank AGG, mask = the round's contributors, epoch/slot/set/round/exp/op as sent, count as sent,
+    rank AGG, mask = the round's contributors, epoch/slot/set/round/exp/op/key as sent, count as sent,
     flags and detail 0, ack = the job's gate when the round completed (``gate``: one value or one
     per round; the lowest acknowledgement of the job's ranks), payload = :func:`combine` of the
     contributors' payloads.
@@ -204,19 +206,19 @@ def expected_results(
     return _split(encode_blocks(
         acc, rank=proto.RANK_AGG, job=job, epoch=epoch, mask=plan.masks, exp=exp, op=op,
         type=proto.TYPE_RESULT, slot=plan.slot, set=plan.set, round=plan.rounds, count=plan.counts,
-        ack=np.broadcast_to(np.asarray(gate, dtype=np.int64), plan.rounds.shape),
+        ack=np.broadcast_to(np.asarray(gate, dtype=np.int64), plan.rounds.shape), key=key,
     ), datagram_size(elems))
 
 
 def record(*, rank: int, round: int, slots: int, epoch: int, mask: int, elems: int = proto.DEFAULT_ELEMS,  # noqa: A002
            job: int = 1, payload=None, count: int | None = None, flags: int = 0, op: int = proto.OP_SUM,
-           exp: int = 0, ack: int = 0, type: int = proto.TYPE_CONTRIB) -> bytes:  # noqa: A002
+           exp: int = 0, ack: int = 0, type: int = proto.TYPE_CONTRIB, key: int = KEY) -> bytes:  # noqa: A002
     """One record (header + ``elems`` int32) on the worker's schedule for ``round``."""
     slot, set_ = slot_schedule(1, slots, round)
     data = np.zeros((1, elems), np.int32) if payload is None else np.asarray(payload, np.int32).reshape(1, elems)
     return bytes(encode_blocks(data, rank=rank, job=job, epoch=epoch, slot=slot[0], set=set_[0], round=round,
                                mask=mask, ack=ack, count=elems if count is None else count, flags=flags,
-                               op=op, exp=exp, type=type))
+                               op=op, exp=exp, type=type, key=key))
 
 
 def pull(rank: int, round: int, *, slots: int, epoch: int, mask: int, **kw) -> bytes:  # noqa: A002
@@ -259,7 +261,8 @@ def sample_arrays(
 
 def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: int, params: int,
                             elems: int = proto.DEFAULT_ELEMS, job: int = 1, flags: int = 0,
-                            src_ips: Sequence[str] | None = None) -> tuple[list[list[bytes]], list[list[bytes]]]:
+                            src_ips: Sequence[str] | None = None,
+                            key: int = KEY) -> tuple[list[list[bytes]], list[list[bytes]]]:
     """The frames of one optimizer step (one record each), per rank: its exponent rounds (op MAX,
     one int32 per block, padded with the MAX identity) and its data rounds (op SGD, pre-averaged
     gradients quantized as the workers do: nicoffload.optim.rank_lanes), on the job's share
@@ -281,7 +284,7 @@ def optimizer_contributions(grads: Sequence[np.ndarray], *, epoch: int, step: in
             r = first + j
             rec = encode_blocks(rows[j:j + 1], rank=rank, job=job, epoch=epoch, slot=r % P, set=(r // P) % 2,
                                 round=r, mask=mask, count=int(cnt[j]) if np.ndim(cnt) else cnt,
-                                exp=int(exp[j]) if np.ndim(exp) else exp, op=op, flags=flags, ack=base)
+                                exp=int(exp[j]) if np.ndim(exp) else exp, op=op, flags=flags, ack=base, key=key)
             out.append(frame(bytes(rec), src_mac=worker_mac(rank), dst_mac=AGG_MAC, src_ip=src_ips[rank],
                              dst_ip=AGG_IP))
         return out

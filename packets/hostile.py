@@ -16,7 +16,7 @@ from scapy.packet import Raw
 from nicoffload.errors import InputError
 from nicoffload.wire import proto
 
-from .frames import AGG_IP, AGG_MAC, PORT, STRANGER_IP, frame, worker_ip, worker_mac
+from .frames import AGG_IP, AGG_MAC, KEY, PORT, STRANGER_IP, frame, worker_ip, worker_mac
 from .generators import record
 from .layers import AllReduce
 
@@ -45,10 +45,12 @@ def malformed_cases(
     src_macs: Sequence[str] | None = None,
     dst_ip: str = AGG_IP,
     dst_mac: str = AGG_MAC,
+    key: int = KEY,
 ) -> list[MalformedCase]:
-    """Malformed contributions for a job (``workers`` ranks, ``slots`` slots, ``elems`` per record)
-    in ``epoch``, each with exactly one fault, sent by ``rank`` from its registered address unless
-    the fault is the address. Every ``bad_*`` counter of the C header is covered (a test checks it).
+    """Malformed contributions for a job (``workers`` ranks, ``slots`` slots, ``elems`` per record,
+    ``key``) in ``epoch``, each with exactly one fault, sent by ``rank`` from its registered address
+    unless the fault is the address, with the job's key unless the fault is the key. Every
+    ``bad_*`` counter of the C header is covered (a test checks it).
 
     Truncation comes two ways: a datagram shorter than one header (its IP and UDP lengths say so;
     ``cut`` False), and a frame cut in transit, shorter than its IP and UDP lengths (``cut`` True),
@@ -60,11 +62,12 @@ def malformed_cases(
     if elems < 2:
         raise InputError("malformed cases need elems >= 2 (to cut a payload short)")
     c = _Cases(workers, slots, elems, job, epoch, port, rank, list(src_ips or [worker_ip(r) for r in range(workers)]),
-               list(src_macs or [worker_mac(r) for r in range(workers)]), dst_ip, dst_mac)
+               list(src_macs or [worker_mac(r) for r in range(workers)]), dst_ip, dst_mac, key)
     _truncated(c)
     _bad_fields(c)
     _bad_lengths(c)
     _bad_masks_and_sources(c)
+    _bad_keys(c)
     return c.cases
 
 
@@ -72,8 +75,9 @@ class _Cases:
     """The malformed cases of one job and sender, as they are made: the header every case starts
     from (one field changed), the frame around a datagram, the list they go to."""
 
-    def __init__(self, workers, slots, elems, job, epoch, port, rank, src_ips, src_macs, dst_ip, dst_mac):
+    def __init__(self, workers, slots, elems, job, epoch, port, rank, src_ips, src_macs, dst_ip, dst_mac, key):
         self.workers, self.slots, self.elems, self.job, self.epoch, self.port = workers, slots, elems, job, epoch, port
+        self.key = key
         self.rank, self.src_ips, self.src_macs, self.dst_ip, self.dst_mac = rank, src_ips, src_macs, dst_ip, dst_mac
         self.full_mask = (1 << workers) - 1
         self.payload = np.arange(1, elems + 1, dtype="<i4").tobytes()
@@ -82,7 +86,7 @@ class _Cases:
 
     def hdr(self, **over) -> AllReduce:
         f = dict(type=proto.TYPE_CONTRIB, rank=self.rank, job=self.job, epoch=self.epoch, slot=0, set=0, round=0,
-                 mask=self.full_mask, ack=0, exp=0, flags=0, op=proto.OP_SUM)
+                 mask=self.full_mask, ack=0, exp=0, flags=0, op=proto.OP_SUM, key=self.key)
         f.update(over)
         return AllReduce(**f)
 
@@ -188,6 +192,22 @@ def _bad_masks_and_sources(c: _Cases) -> None:
     add("bad_mixed", f"a batch whose second record is of job {c.job + 1}", c.good + rec(job=(c.job + 1) & 0xFFFFFFFF))
 
 
+def _bad_keys(c: _Cases) -> None:
+    """Records that do not carry their job's key: another key, no key (0), every bit flipped; the
+    same for a JOIN and an ACK (a host that lacks the key can neither end the job's epoch nor
+    move its gate). Every case is one record (a batch whose later record alone has another key:
+    tests/bpf/test_keys.py)."""
+    add, rec, hdr, key = c.add, c.with_payload, c.hdr, c.key
+    wrong = [(key ^ 1, "the key with its lowest bit flipped"),
+             (key ^ 0xFFFFFFFFFFFFFFFF, "every bit of the key flipped")]
+    wrong.append((0, "no key (0)") if key else (0x5EC2E7, "a key where the job has none"))
+    for k, what in wrong:
+        add("bad_key", f"a contribution with {what}", rec(key=k))
+    join = hdr(type=proto.TYPE_JOIN, count=0, key=key ^ 1)
+    add("bad_key", "a JOIN with another key", bytes(join / bytes(proto.JOIN_PAYLOAD)))
+    add("bad_key", "an ACK with another key", bytes(hdr(type=proto.TYPE_ACK, count=0, key=key ^ 1)))
+
+
 def malformed(**kwargs) -> list[tuple[str, bytes]]:
     """(reason, frame) for every case of :func:`malformed_cases` (same keyword arguments)."""
     return [(c.reason, c.frame) for c in malformed_cases(**kwargs)]
@@ -229,12 +249,13 @@ def malformed_headers(
     src_mac: str = worker_mac(0),
     dst_ip: str = AGG_IP,
     dst_mac: str = AGG_MAC,
+    key: int = KEY,
 ) -> list[MalformedCase]:
     """Datagrams to the port whose IPv4 or UDP header is wrong, around a valid record: IP options
     (results are rewritten in place, so only a 20-byte IP header is the aggregator's), IP and UDP
     lengths that disagree, a UDP length below its own header. Each is ``bad_len`` and is rejected
     before any record is read (so it counts in row 0, whoever it claims to come from)."""
-    good = record(rank=rank, round=0, slots=1, epoch=epoch, mask=(1 << workers) - 1, elems=elems, job=job)
+    good = record(rank=rank, round=0, slots=1, epoch=epoch, mask=(1 << workers) - 1, elems=elems, job=job, key=key)
     eth = Ether(src=src_mac, dst=dst_mac)
 
     def ip(**over) -> IP:

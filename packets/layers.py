@@ -1,4 +1,4 @@
-"""Scapy layer for the nicoffload AllReduce record header (40 bytes) and its int32 payload.
+"""Scapy layer for the nicoffload AllReduce record header (48 bytes) and its int32 payload.
 
 Field order, sizes and offsets come from ``nicoffload.wire.proto.FIELDS`` (which reads them from
 xdp/nicoffload_proto.h); nothing here retypes a number of the wire format. ``magic``, ``version``
@@ -9,7 +9,7 @@ test sets them explicitly to build a bad packet. The payload is a ``Raw`` layer 
     >>> p.mysummary()
     'AllReduce CONTRIB rank=2 epoch=9 slot=5 set=1 round=17 count=256 op=SUM'
     >>> len(bytes(p)), payload_array(p)[:3].tolist()
-    (1064, [0, 0, 0])
+    (1072, [0, 0, 0])
 
 A batch (several records in one datagram) is dissected one record at a time: see
 :func:`split_records`.
@@ -26,10 +26,12 @@ from scapy.fields import (
     Field,
     FlagsField,
     IntField,
+    LongField,
     ShortEnumField,
     ShortField,
     SignedShortField,
     XIntField,
+    XLongField,
     XShortField,
 )
 from scapy.layers.inet import UDP
@@ -69,7 +71,7 @@ AR_DETAILS: dict[int, str] = {0: "NONE", **{v: k.upper() for v, k in proto.DETAI
 
 # --- fields --------------------------------------------------------------------------------
 
-_PLAIN = {"B": ByteField, "H": ShortField, "I": IntField, "h": SignedShortField}
+_PLAIN = {"B": ByteField, "H": ShortField, "I": IntField, "h": SignedShortField, "Q": LongField}
 
 #: types the aggregator answers a contribution with
 _ANSWERS = frozenset({proto.TYPE_RESULT, proto.TYPE_STATUS})
@@ -90,6 +92,7 @@ def _make_field(name: str, code: str) -> Field:
         "mask": lambda: XIntField(name, 0),
         "op": lambda: ByteEnumField(name, proto.OP_SUM, AR_OPS),
         "detail": lambda: ByteEnumField(name, 0, AR_DETAILS),
+        "key": lambda: XLongField(name, 0),
     }
     fld = special[name]() if name in special else _PLAIN[code](name, 0)
     ok = fld.sz == struct.calcsize("!" + code)  # bytes on the wire (bit fields: bits / 8)

@@ -65,6 +65,7 @@ struct ar_job {
     u8 worker_mac[AR_MAX_WORKERS * 6]; /* per rank: the next hop's MAC towards it (unicast delivery) */
     u32 ifindex;               /* the aggregator's interface (unicast copies go out of it) */
     u32 pad2;
+    u64 key;                   /* the job's key in wire order (record.h key_ok); 0: registered without one */
 };
 
 /* One of the two sets of a slot. While a round runs, acc is the Rx accumulator; once the round

@@ -7,8 +7,8 @@
  *
  *   parse_l2l4   (parse.h) Ethernet / IPv4 (no options) / UDP to AR_PORT; anything else passes
  *                untouched
- *   identify     (sender.h) the first record names the job and rank: job table lookup, source
- *                address
+ *   identify     (sender.h) the first record names the job and rank: job table lookup, the job's
+ *                key (a record without it is bad_key and touches nothing), source address
  *   on_join      (join.h) JOIN: epoch formation under the job's lock (join_epoch, slots.h)
  *   on_ack       (join.h) ACK: the sender's head, for the Tx-spot rule (below)
  *   on_contrib   (contrib.h) CONTRIB: bpf_loop over the records; per record (ar_record)
@@ -35,7 +35,7 @@
  * nicoffload/ebpf/loader.py), so that a header may hold them as this file may.
  *
  * Build-time constants (bcc -D): AR_ELEMS, AR_SLOTS, AR_PORT, optional AR_PIN_DIR; and, for tests
- * only, AR_MUTANT_NO_SLOT_LOCK (see slot_lock).
+ * only, AR_MUTANT_NO_SLOT_LOCK (see slot_lock) and AR_MUTANT_NO_KEY_CHECK (see job_key_ok).
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/pkt_cls.h>
@@ -100,7 +100,7 @@ int ar_aggregate(struct xdp_md *ctx)
 #define AR_OFF_UDP_CSUM (ETH_HLEN + AR_IPV4_LEN + offsetof(struct udphdr, check))
 
 /* A frame that ar_aggregate passed up for a job with unicast delivery (from the aggregator's
- * address and port to the job's group) leaves as one copy per rank: the destination MAC and IP
+ * address and port to the job's group, carrying the job's key) leaves as one copy per rank: the destination MAC and IP
  * rewritten (the IP checksum and the UDP one, a batch's pseudo-header partial sum included,
  * adjusted) and cloned out of the interface; the frame itself goes no further. Every other frame
  * goes on to the stack untouched. A batch stays a batch: the copies keep its GSO state, so a
@@ -119,8 +119,9 @@ int ar_fanout(struct __sk_buff *skb)
         return TC_ACT_OK;
     u32 ji = 0;
     struct ar_job *job = job_of(h->job, &ji);
-    if (!job || job->delivery != AR_DELIVERY_UNICAST || ip->daddr != job->mcast_ip || ip->saddr != job->agg_ip)
-        return TC_ACT_OK;
+    if (!job || job->delivery != AR_DELIVERY_UNICAST || ip->daddr != job->mcast_ip || ip->saddr != job->agg_ip ||
+        !job_key_ok(h, job))
+        return TC_ACT_OK; /* a frame that spoofs the aggregator without the job's key is not fanned out */
     struct ar_counters *st = stats_row(ji + 1);
     if (!st)
         return TC_ACT_OK;

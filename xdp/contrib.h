@@ -45,6 +45,8 @@ static __always_inline u32 check_record(struct frame *f, struct ar_job *job, str
         return AR_STAT_BAD_FLAGS;
     if (h->job != f->job_id)
         return AR_STAT_BAD_MIXED;
+    if (!job_key_ok(h, job))
+        return AR_STAT_BAD_KEY;
     if (h->rank != f->rank)
         return AR_STAT_BAD_MIXED;
     if (bpf_ntohl(h->slot) >= job->slot_count)

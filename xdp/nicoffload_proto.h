@@ -10,7 +10,7 @@
  *
  * A datagram (UDP payload, destination port AR_DEFAULT_PORT or the one the aggregator was
  * built with) is one or more RECORDS of equal size, back to back: a worker's UDP_SEGMENT send
- * is such a batch until something segments it. Record = header (40 bytes) + payload.
+ * is such a batch until something segments it. Record = header (48 bytes) + payload.
  *   off size field    meaning
  *    0   2   magic    AR_MAGIC
  *    2   1   version  AR_VERSION
@@ -33,7 +33,10 @@
  *   36   1   op       AR_OP_*: how the round combines payloads
  *   37   1   detail   STATUS only: AR_DETAIL_*, why the round cannot be answered
  *   38   2   pad      0
- *   40       payload  CONTRIB/RESULT/STATUS: elems x int32 (elems fixed per aggregator build);
+ *   40   8   key      the job's secret (the job table holds it): a record whose key is not its
+ *                     job's is dropped (bad_key) before it touches a slot; the aggregator's
+ *                     answers keep it. 0: a job registered without a key (and ring records)
+ *   48       payload  CONTRIB/RESULT/STATUS: elems x int32 (elems fixed per aggregator build);
  *                     JOIN/JOINED: AR_JOIN_PAYLOAD bytes (JOINED: the nonce of every rank,
  *                     u64 little endian, index = rank); ACK: none
  */
@@ -42,7 +45,7 @@
 
 /* --- shared: begin --- */
 #define AR_MAGIC 0x4E58
-#define AR_VERSION 2
+#define AR_VERSION 3
 #define AR_DEFAULT_PORT 48879
 
 /* record types */
@@ -125,7 +128,7 @@
 /* jobs one aggregator serves at once (job table entries) */
 #define AR_MAX_JOBS 16
 
-#define AR_HDR_LEN 40
+#define AR_HDR_LEN 48
 #define AR_OFF_MAGIC 0
 #define AR_OFF_VERSION 2
 #define AR_OFF_TYPE 3
@@ -143,6 +146,7 @@
 #define AR_OFF_OP 36
 #define AR_OFF_DETAIL 37
 #define AR_OFF_PAD 38
+#define AR_OFF_KEY 40
 /* JOIN and JOINED carry the nonce table: AR_MAX_WORKERS x u64 (bytes) */
 #define AR_JOIN_PAYLOAD 256
 
@@ -194,7 +198,9 @@
 #define AR_STAT_UPDATED 33
 /* unicast copies of a result frame sent to the ranks (unicast delivery, ar_fanout) */
 #define AR_STAT_COPIES 34
-#define AR_STAT__COUNT 35
+/* records whose key is not their job's (a host that lacks the job's secret), dropped */
+#define AR_STAT_BAD_KEY 35
+#define AR_STAT__COUNT 36
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0

@@ -4,6 +4,8 @@
  * the prelude below, and it is types and byte order only.
  *
  *   struct ar_hdr       the record header's C view, tied to AR_OFF_* at compile time
+ *   key_ok              a record's key against its job's: the one compare before a record may
+ *                       touch anything of its job
  *   to_status, to_result, to_joined, to_gate
  *                       a record turned into its answer in place: STATUS, RESULT, JOINED, the gate
  *   result_values       a RESULT's payload: the round's sum
@@ -49,7 +51,7 @@ typedef int64_t s64;
 #define __always_inline inline __attribute__((__always_inline__))
 #endif
 #define AR_UNROLL
-/* a frame's 16- and 64-bit words at any alignment (a record's payload starts 82 bytes into its
+/* a frame's 16- and 64-bit words at any alignment (a record's payload starts 90 bytes into its
  * frame), read and written through any type */
 typedef u16 __attribute__((aligned(1), __may_alias__)) ar_u16_any;
 typedef u64 __attribute__((aligned(1), __may_alias__)) ar_u64_any;
@@ -79,6 +81,7 @@ struct ar_hdr {
     u8 op;
     u8 detail;
     u16 pad;
+    u64 key;
 } __attribute__((packed));
 
 /* The wire layout is checked here, against the shared constants, by the compiler: the one
@@ -101,7 +104,18 @@ _Static_assert(__builtin_offsetof(struct ar_hdr, exp) == AR_OFF_EXP, "exp offset
 _Static_assert(__builtin_offsetof(struct ar_hdr, op) == AR_OFF_OP, "op offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, detail) == AR_OFF_DETAIL, "detail offset");
 _Static_assert(__builtin_offsetof(struct ar_hdr, pad) == AR_OFF_PAD, "pad offset");
+_Static_assert(__builtin_offsetof(struct ar_hdr, key) == AR_OFF_KEY, "key offset");
 _Static_assert(AR_JOIN_PAYLOAD == AR_MAX_WORKERS * 8, "JOIN payload holds one u64 nonce per rank");
+
+/* --- the job's key -------------------------------------------------------------------------------- */
+
+/* Whether a record carries its job's key. Both sides are in wire order (the key's eight bytes as
+ * they travel, read as one u64), so the check is one load and one compare, with no byte swap.
+ * Every answer is the record it answers rewritten in place: it keeps the key. */
+static __always_inline int key_ok(const struct ar_hdr *h, u64 job_key_be)
+{
+    return *(const ar_u64_any *)((const u8 *)h + AR_OFF_KEY) == job_key_be;
+}
 
 /* --- answers: a record rewritten in place ------------------------------------------------------- */
 

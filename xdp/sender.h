@@ -1,6 +1,6 @@
-/* Whose a frame of the XDP aggregator is: the job its first record names (the job table) and the
- * sender's rank, checked against the job's ranks and registered addresses (identify); the
- * sender's head for the Tx-spot rule (note_ack). */
+/* Whose a frame of the XDP aggregator is: the job its first record names (the job table), the
+ * job's key, and the sender's rank, checked against the job's ranks and registered addresses
+ * (identify); the sender's head for the Tx-spot rule (note_ack). */
 #ifndef NICOFFLOAD_SENDER_H
 #define NICOFFLOAD_SENDER_H
 
@@ -24,6 +24,15 @@ static __always_inline struct ar_job *job_of(u32 job_wire, u32 *ji)
     return job;
 }
 
+/* Whether a record carries its job's key (record.h key_ok). AR_MUTANT_NO_KEY_CHECK: a test-only
+ * build without the check, which `agg bench --key-cost` measures the check against; never load
+ * it for a job. */
+#ifdef AR_MUTANT_NO_KEY_CHECK
+#define job_key_ok(h, job) 1
+#else
+#define job_key_ok(h, job) key_ok((h), (job)->key)
+#endif
+
 /* What the first record of a frame establishes (wire order unless said). */
 struct sender {
     struct ar_job *job;
@@ -34,9 +43,10 @@ struct sender {
     u32 index;               /* the job's row of the job table */
 };
 
-/* The job and rank the first record names, checked against the job table. Returns 0, or the
- * counter that rejects the frame; *attributed says whether that counter belongs to the job's row
- * (s->st) rather than row 0. */
+/* The job and rank the first record names, checked against the job table: the job's key first,
+ * so that a frame without it is bad_key whatever else it claims (a JOIN that would end the
+ * epoch, an ACK that would move the gate). Returns 0, or the counter that rejects the frame;
+ * *attributed says whether that counter belongs to the job's row (s->st) rather than row 0. */
 static __always_inline u32 identify(struct ar_hdr *h, struct iphdr *ip, struct sender *s, int *attributed)
 {
     *attributed = 0;
@@ -56,6 +66,8 @@ static __always_inline u32 identify(struct ar_hdr *h, struct iphdr *ip, struct s
     s->index = ji;
     *attributed = 1;
     count(st, AR_STAT_RX);
+    if (!job_key_ok(h, job))
+        return AR_STAT_BAD_KEY;
     u32 rank = bpf_ntohs(h->rank);
     if (rank >= job->workers || rank >= AR_MAX_WORKERS)
         return AR_STAT_BAD_RANK;

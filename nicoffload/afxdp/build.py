@@ -84,7 +84,7 @@ def load() -> ctypes.CDLL:
             "afx_open": ([ctypes.c_char_p, i, i, i, u32, u16, u32, u32, u32, U8P, u16, i, i, ctypes.POINTER(i)], P),
             "afx_error": ([P], ctypes.c_char_p),
             "afx_close": ([P], None),
-            "afx_add_job": ([P, u32, u32, u32, u32, ctypes.POINTER(u32), U8P, u32, u32], i),
+            "afx_add_job": ([P, u32, u32, u32, u32, ctypes.POINTER(u32), U8P, u32, u32, u64], i),
             "afx_remove_job": ([P, u32], i),
             "afx_job_stats": ([P, u32, ctypes.POINTER(u64)], i),
             "afx_job_state": ([P, u32, ctypes.POINTER(u32)], i),

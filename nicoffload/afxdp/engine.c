@@ -86,6 +86,7 @@ struct afx_job {
     uint64_t nonces[AR_MAX_WORKERS];
     uint32_t acks[AR_MAX_WORKERS];
     uint32_t gate;
+    uint64_t key_be;       /* the job's key, wire order (record.h key_ok) */
     struct afx_set *sets;  /* slots x 2 */
     int32_t *acc;          /* slots x 2 x elems */
     uint64_t stats[AR_STAT__COUNT];
@@ -474,7 +475,9 @@ static const char *check(struct afx_engine *e, struct afx_job *j, struct ar_hdr 
     if (r->version != AR_VERSION) BAD(AR_STAT_BAD_VERSION);
     if (r->type != AR_TYPE_CONTRIB) BAD(AR_STAT_BAD_TYPE);
     if (r->flags & ~AR_FLAGS_KNOWN) BAD(AR_STAT_BAD_FLAGS);
-    if (ntohl(r->job) != j->id || ntohs(r->rank) != rank) BAD(AR_STAT_BAD_MIXED);
+    if (ntohl(r->job) != j->id) BAD(AR_STAT_BAD_MIXED);
+    if (!key_ok(r, j->key_be)) BAD(AR_STAT_BAD_KEY);
+    if (ntohs(r->rank) != rank) BAD(AR_STAT_BAD_MIXED);
     if (ntohl(r->slot) >= j->slots) BAD(AR_STAT_BAD_SLOT);
     if (r->set > 1) BAD(AR_STAT_BAD_SET);
     if (r->op >= AR_OP__COUNT) BAD(AR_STAT_BAD_OP);
@@ -676,6 +679,8 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
         return reject_unattributed(e, AR_STAT_BAD_JOB);
     uint64_t *st = j->stats;
     st[AR_STAT_RX]++;
+    if (!key_ok(h, j->key_be))  /* before anything else of the frame: a JOIN, an ACK, a record */
+        return reject(st, AR_STAT_BAD_KEY);
     uint32_t rank = ntohs(h->rank);
     if (rank >= j->workers)
         return reject(st, AR_STAT_BAD_RANK);
@@ -1008,9 +1013,11 @@ struct afx_engine *afx_open(const char *ifname, int nq, int xsks_map_fd, int pro
 /* Register a job: ips_be (workers entries, 0 = not given: no source check) and group in wire
  * order; macs (workers x 6 bytes, or NULL): each rank's next hop, where unicast delivery sends its
  * copies (registered, never learnt from frames: a spoofed frame must not redirect a rank's
- * results); delivery AR_DELIVERY_*; first_epoch seeds the epoch counter. 0, or -errno. */
+ * results); delivery AR_DELIVERY_*; first_epoch seeds the epoch counter; key_be the job's key in
+ * wire order (0: none), which every record must carry. 0, or -errno. */
 int afx_add_job(struct afx_engine *e, uint32_t id, uint32_t workers, uint32_t slots, uint32_t group_be,
-                const uint32_t *ips_be, const uint8_t *macs, uint32_t delivery, uint32_t first_epoch)
+                const uint32_t *ips_be, const uint8_t *macs, uint32_t delivery, uint32_t first_epoch,
+                uint64_t key_be)
 {
     if (workers < 1 || workers > AR_MAX_WORKERS || slots < 1 || slots > (1u << 24))
         return -EINVAL;
@@ -1052,6 +1059,7 @@ int afx_add_job(struct afx_engine *e, uint32_t id, uint32_t workers, uint32_t sl
             }
         }
         j->last_epoch = first_epoch;
+        j->key_be = key_be;
         j->used = 1;
         rc = 0;
         goto out;

@@ -16,7 +16,7 @@ from nicoffload.ebpf import loader as bpf
 from nicoffload.ebpf.iface import iface_addr, iface_driver, iface_holding, rx_queues
 from nicoffload.errors import AlreadyExistsError, InputError, NotFoundError, SetupError
 from nicoffload.jobspec import DEFAULT
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 from . import build
 from .build import ENGINE_STATS
@@ -145,10 +145,11 @@ class AfxdpEngine:
     # --- jobs -------------------------------------------------------------------------------
     def add_job(self, job: int = DEFAULT.job, workers: int = 1, slots: int = DEFAULT.slots,
                 group: str = DEFAULT.group, worker_ips: Sequence[str] = (), delivery: str = "multicast",
-                worker_macs: Sequence[str] | None = None) -> None:
+                worker_macs: Sequence[str] | None = None, key: int = 0) -> None:
         """Serve a job: its ranks (their addresses, checked as each frame's source when given),
         its share of slots (the engine's own memory), its group, its delivery (unicast: a copy
-        of each result to every rank, through ``worker_macs``, default: the neighbour table)."""
+        of each result to every rank, through ``worker_macs``, default: the neighbour table), its
+        key (every record must carry it: ``bad_key`` otherwise; 0: a job without one)."""
         if not 1 <= workers <= proto.MAX_WORKERS:
             raise InputError(f"workers must be 1..{proto.MAX_WORKERS}, not {workers}")
         if not 1 <= slots <= 1 << 24:
@@ -179,7 +180,7 @@ class AfxdpEngine:
             macs = (ctypes.c_uint8 * len(raw))(*raw)
         rc = self.lib.afx_add_job(self._e, job, workers, slots, _ip_be(group), arr, macs,
                                   proto.DELIVERY_UNICAST if delivery == "unicast" else proto.DELIVERY_MULTICAST,
-                                  secrets.randbits(32))
+                                  secrets.randbits(32), keys.wire(key))
         if rc == -17:
             raise AlreadyExistsError(f"job {job} is already served by this engine")
         if rc == -28:

@@ -83,7 +83,7 @@ class Aggregator(OptimizerControl):
                 spec.ifindex = bpf.ifindex(spec.iface, spec.netns)
             if spec.workers:
                 agg._admit(spec.job, spec.workers, spec.group, spec.worker_ips, spec.job_slots,
-                           delivery=spec.delivery)
+                           delivery=spec.delivery, key=spec.key)
             # unicast delivery's fan-out sits at tc ingress from the start: jobs of either delivery
             # can come and go while the program runs (it passes every other frame untouched)
             # loaded like the XDP program: a verifier that signals interrupt starts over (EAGAIN)
@@ -109,19 +109,22 @@ class Aggregator(OptimizerControl):
                  port: int = DEFAULT.port, job: int = DEFAULT.job, group: str = DEFAULT.group,
                  agg_ip: str = "10.0.0.100", agg_mac: str = "02:00:00:00:00:64",
                  worker_ips: Sequence[str] = (), defines: dict | None = None,
-                 optimizer: OptimizerSpec | None = None, params: int = 0) -> "Aggregator":
+                 optimizer: OptimizerSpec | None = None, params: int = 0,
+                 key: int = 0x5EC2E7000000C0DE) -> "Aggregator":
         """Load (not attach, not pin) for BPF_PROG_TEST_RUN, with one job over the whole pool
         (``workers`` 0: none; with ``optimizer``: an optimizer job of ``params`` parameters, and
-        room for optimizer state). ``defines``: extra compile-time constants (tests)."""
+        room for optimizer state) whose key is ``key`` (the packet generators' default).
+        ``defines``: extra compile-time constants (tests)."""
         spec = AggSpec(None, "", workers, slots, elems, port, job=job, group=group,
-                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None)
+                       worker_ips=list(worker_ips), agg_ip=agg_ip, agg_mac=agg_mac, optimizer=optimizer is not None,
+                       key=key)
         spec.validate()
         b = bpf.compile_bpf(SOURCE, {**spec.defines(pinned=False), **(defines or {})})
         prog = linker.load_linked(b, ENTRY, callbacks(spec.optimizer), source_name=SOURCE)
         agg = cls(spec, b, prog, owner=False)
         agg.maps.reset_stats()
         if workers:
-            agg._admit(job, workers, group, list(worker_ips), None, optimizer, params)
+            agg._admit(job, workers, group, list(worker_ips), None, optimizer, params, key=key)
         return agg
 
     @classmethod
@@ -174,10 +177,11 @@ class Aggregator(OptimizerControl):
     def add_job(self, job: int, workers: int, group: str | None = None, worker_ips: Sequence[str] = (),
                 slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
                 initial: np.ndarray | None = None, delivery: str = "multicast",
-                worker_macs: Sequence[str] | None = None) -> JobEntry:
+                worker_macs: Sequence[str] | None = None, key: int = 0, key_nonce: str = "") -> JobEntry:
         """Register a job with its own share of the pool (``slots``; None: the largest free
-        range) and its own multicast group (None: the first one no job uses, see
-        :func:`nicoffload.agg.jobtable.default_group`). Refused with CapacityError when the pool has no room. With an
+        range), its own multicast group (None: the first one no job uses, see
+        :func:`nicoffload.agg.jobtable.default_group`) and its ``key`` (0: none; ``key_nonce``: a
+        service's, which its grants carry). Refused with CapacityError when the pool has no room. With an
         ``optimizer``, the aggregator keeps ``params`` master weights (``initial``, else 0) and
         the optimizer's state, and answers each step with the updated parameters. ``delivery``
         "unicast": each result goes to every rank's registered address (a copy per rank, cloned
@@ -198,7 +202,8 @@ class Aggregator(OptimizerControl):
                              f"{self.spec.iface}: give each job its own group (--group)")
         with self._changing():
             g = group or default_group(job, self.table, taken)
-            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params, delivery, worker_macs)
+            e = self._admit(job, workers, g, list(worker_ips), slots, optimizer, params, delivery, worker_macs,
+                            key, key_nonce)
             if initial is not None:
                 try:
                     self.set_params(job, initial)
@@ -209,10 +214,11 @@ class Aggregator(OptimizerControl):
 
     def _admit(self, job: int, workers: int, group: str, worker_ips: list[str], slots: int | None,
                optimizer: OptimizerSpec | None = None, params: int = 0, delivery: str = "multicast",
-               worker_macs: Sequence[str] | None = None) -> JobEntry:
+               worker_macs: Sequence[str] | None = None, key: int = 0, key_nonce: str = "") -> JobEntry:
         if optimizer is not None and not self.spec.optimizer:
             raise InputError("this aggregator was loaded without optimizer state: load it with --optimizer")
-        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems, delivery)
+        e = self.table.admit(job, workers, group, worker_ips, slots, optimizer, params, self.spec.elems, delivery,
+                             key, key_nonce)
         try:
             if delivery == "unicast":
                 e.worker_macs = list(worker_macs) if worker_macs else self._next_hops(worker_ips)
@@ -292,7 +298,8 @@ class Aggregator(OptimizerControl):
             "fanout_attached": bool(s.iface) and FANOUT in tc.tc_ingress_names(s.iface, s.netns),
             "prog_id": s.prog_id, "slots": s.slots, "elems": s.elems, "port": s.port,
             "agg_ip": s.agg_ip, "pins": str(pin_dir(s.netns, s.iface)),
-            "jobs": self.table.to_dicts(), "free_slots": self.table.free_slots(),
+            "jobs": [e.public() for e in sorted(self.table.entries.values(), key=lambda e: e.slot_base)],
+            "free_slots": self.table.free_slots(),
             # the load-time job, as before several jobs could share an aggregator
             "job": s.job, "workers": s.workers, "group": s.group,
         }

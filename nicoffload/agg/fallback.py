@@ -65,9 +65,18 @@ def _read_json(p: Path, default):
 
 
 def _write_json(p: Path, value) -> None:
+    """Atomically, readable by its owner only (the jobs file holds the jobs' keys)."""
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(value))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(json.dumps(value))
     os.replace(tmp, p)
+
+
+def _public(entry: dict) -> dict:
+    """A handed-off job's entry as listings show it: without its key and the key's nonce."""
+    return {**{k: v for k, v in entry.items() if k not in ("key", "key_nonce")}, "keyed": bool(entry.get("key"))}
 
 
 def _alive(pid: int | None) -> bool:
@@ -170,11 +179,13 @@ def _end(pid: int) -> None:
 
 
 def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slots: int,
-             delivery: str = "multicast", tx: str | None = None) -> dict:
-    """Serve ``job`` by the AF_XDP engine beside the XDP aggregator ``agg`` (loaded, pinned):
-    start the interface's engine unless it runs (``tx``: how its results leave, its default
-    unless given; an engine that runs keeps its own), make it take the job, then steer the job's
-    frames to it. Returns the job's entry (with the engine's pid and how it runs)."""
+             delivery: str = "multicast", tx: str | None = None, key: int = 0, key_nonce: str = "") -> dict:
+    """Serve ``job`` (its ``key``: 0, none; ``key_nonce``: a service's, for its grants) by the
+    AF_XDP engine beside the XDP aggregator ``agg`` (loaded, pinned): start the interface's
+    engine unless it runs (``tx``: how its results leave, its default unless given; an engine
+    that runs keeps its own), make it take the job, then steer the job's frames to it. Returns
+    the job's entry (with the engine's pid and how it runs; its key stays in the jobs file, which
+    only its owner reads)."""
     s = agg.spec
     p = paths(s.netns, s.iface)
     with _locked(s.netns, s.iface):
@@ -182,7 +193,7 @@ def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slo
         if str(job) in jobs:
             raise AlreadyExistsError(f"job {job} is already served by the AF_XDP engine on {s.iface}")
         entry = {"job": job, "workers": workers, "group": group, "slots": slots, "delivery": delivery,
-                 "worker_ips": list(worker_ips)}
+                 "worker_ips": list(worker_ips), "key": key, "key_nonce": key_nonce}
         _write_json(p["jobs"], {**jobs, str(job): entry})
         try:
             rec = _read_json(p["record"], {})
@@ -199,7 +210,7 @@ def hand_off(agg, job: int, workers: int, group: str, worker_ips: list[str], slo
                 _cleanup(p)
             raise
         agg.maps.hand_off(job)
-        return {**entry, **{k: v for k, v in rec.items() if k not in entry}}
+        return {**_public(entry), **{k: v for k, v in rec.items() if k not in entry}}
 
 
 def take_back(agg, job: int) -> dict:
@@ -222,7 +233,7 @@ def take_back(agg, job: int) -> dict:
             _cleanup(p)
         elif _alive(rec.get("pid")):
             _wait_for(p, rec["pid"], lambda st: str(job) not in st.get("jobs", {}), CHANGE_TIMEOUT, f"let job {job} go")
-        return entry
+        return _public(entry)
 
 
 def _cleanup(p: dict[str, Path]) -> None:
@@ -253,9 +264,15 @@ def handed_off(netns: str | None, iface: str) -> list[dict]:
     rec = _read_json(p["record"], {})
     st = _engine_stats(p)
     alive = _alive(rec.get("pid"))
-    return [{**e, "engine": "afxdp", "pid": rec.get("pid"), "log": rec.get("log"), "alive": alive,
+    return [{**_public(e), "engine": "afxdp", "pid": rec.get("pid"), "log": rec.get("log"), "alive": alive,
              "stats": st.get("jobs", {}).get(j, {}), "engine_stats": st.get("engine", {})}
             for j, e in sorted(jobs.items(), key=lambda kv: int(kv[0]))]
+
+
+def key_nonce(netns: str | None, iface: str, job: int) -> str:
+    """The key nonce of a handed-off job ("" when it has none, or is not handed off): a service's
+    grant carries it."""
+    return str(_read_json(paths(netns, iface)["jobs"], {}).get(str(job), {}).get("key_nonce", ""))
 
 
 def groups_in_use(netns: str | None, iface: str) -> set[str]:

@@ -11,7 +11,9 @@ Rules (each refusal names what to do):
   range in the message;
 - every job has its own multicast group (results of one job must never reach another's hosts);
 - ranks' source addresses are registered per job; a rank whose address is given can only
-  contribute from that address (the XDP program counts anything else as ``bad_src``).
+  contribute from that address (the XDP program counts anything else as ``bad_src``);
+- every job has its key (:mod:`nicoffload.wire.keys`; 0: registered without one), which every
+  record of it must carry (the XDP program counts anything else as ``bad_key``).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from nicoffload import optim
 from nicoffload.errors import AlreadyExistsError, CapacityError, InputError, NotFoundError
 from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.optim import OptimizerSpec
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 from nicoffload.wire.addr import require_ipv4s
 
 
@@ -45,6 +47,8 @@ class JobEntry:
     params: int = 0                 # parameters of an optimizer job
     delivery: str = "multicast"     # how results reach the ranks: multicast or unicast (DELIVERIES)
     worker_macs: list[str] = field(default_factory=list)  # unicast: the next hop's MAC towards each rank
+    key: int = 0                    # the job's key (0: none); secret: kept in the state file, never listed
+    key_nonce: str = ""             # a service's job: the nonce its grant carries (the key derives from it)
 
     def validate(self) -> "JobEntry":
         if not 1 <= self.workers <= proto.MAX_WORKERS:
@@ -58,6 +62,8 @@ class JobEntry:
         if self.delivery == "unicast" and len(self.worker_ips) != self.workers:
             raise InputError(f"job {self.job}: unicast delivery sends each rank its copy at its registered address: "
                              f"give every rank's address (--worker-ip, {self.workers} of them)")
+        if not 0 <= self.key <= keys.MAX:
+            raise InputError(f"job {self.job}: a key is 64 bits")
         return self
 
     @property
@@ -70,6 +76,12 @@ class JobEntry:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def public(self) -> dict:
+        """The entry as listings show it: without the key and its nonce."""
+        d = asdict(self)
+        del d["key"], d["key_nonce"]
+        return {**d, "keyed": bool(self.key)}
 
 
 class JobTable:
@@ -109,13 +121,15 @@ class JobTable:
 
     def admit(self, job: int, workers: int, group: str, worker_ips: list[str] | tuple = (),
               slots: int | None = None, optimizer: OptimizerSpec | None = None, params: int = 0,
-              elems: int = DEFAULT.elems, delivery: str = "multicast") -> JobEntry:
+              elems: int = DEFAULT.elems, delivery: str = "multicast", key: int = 0,
+              key_nonce: str = "") -> JobEntry:
         """Register a job: its share is ``slots`` slots (None: the largest free range; an
         optimizer job gets exactly one slot per block of its ``params`` and its exponent rounds).
         Raises AlreadyExistsError, InputError or CapacityError, naming the conflict; changes
         nothing then."""
         self.check_free(job, None)
-        entry = JobEntry(job, workers, group, list(worker_ips), delivery=delivery).validate()
+        entry = JobEntry(job, workers, group, list(worker_ips), delivery=delivery, key=key,
+                         key_nonce=key_nonce).validate()
         if optimizer is not None:
             optimizer.validate()
             if params < 1:

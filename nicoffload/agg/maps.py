@@ -11,7 +11,7 @@ import numpy as np
 from nicoffload import optim
 from nicoffload.agg.jobtable import JobEntry
 from nicoffload.errors import InputError, MapError, NotFoundError
-from nicoffload.wire import proto, quant
+from nicoffload.wire import keys, proto, quant
 from nicoffload.wire.addr import ip_net, ip_str, mac_bytes, multicast_mac
 
 
@@ -30,8 +30,8 @@ class AggMaps:
 
     # --- jobs ------------------------------------------------------------------------------
     def write_job(self, e: JobEntry, agg_ip: str, agg_mac: str, ifindex: int = 0) -> None:
-        """Write the job's entry and index. A fresh entry has no epoch: the job's workers must JOIN
-        (again). Epoch numbers start at a random point, so a worker of an earlier load or an
+        """Write the job's entry (with its key) and index. A fresh entry has no epoch: the job's
+        workers must JOIN (again). Epoch numbers start at a random point, so a worker of an earlier load or an
         earlier job of these slots cannot hit a current epoch by chance."""
         jobs, index = self.b["ar_jobs"], self.b["ar_job_index"]
         v = jobs.Leaf()
@@ -50,6 +50,7 @@ class AggMaps:
         for r, mac in enumerate(e.worker_macs):
             v.worker_mac[r * 6:(r + 1) * 6] = list(mac_bytes(mac))
         v.ifindex = ifindex
+        v.key = keys.wire(e.key)
         v.configured = 1
         self._write(jobs, e.index, v)
         self._write(index, e.job, index.Leaf(e.index))

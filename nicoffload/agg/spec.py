@@ -65,6 +65,7 @@ class AggSpec:
     optimizer: bool = False      # room for optimizer state: a master weight and momentum per slot element
     delivery: str = "multicast"  # of the load-time job: multicast, or unicast (a copy per rank, cloned in tc)
     ifindex: int = 0             # of iface in netns (unicast copies go out of it)
+    key: int = 0                 # of the load-time job (0: none); the state file is the owner's alone
 
     def validate(self) -> None:
         if not 0 <= self.workers <= proto.MAX_WORKERS:

@@ -10,7 +10,9 @@ from nicoffload.cli import aggopt as cli_aggopt
 from nicoffload.cli import aggserve as cli_aggserve
 from nicoffload.cli.app import add_examples
 from nicoffload.cli.xdp import MODES, action, show_stats, watch_argument, where_arguments
+from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
+from nicoffload.wire import keys
 
 
 def register(sub) -> None:
@@ -94,15 +96,18 @@ def _load(args) -> int:
 
     opt = cli_aggopt.optimizer_from(args)
     job = DEFAULT.job if args.job is None else args.job
+    if not args.workers and (args.key is not None or args.no_key):
+        raise InputError("--key and --no-key are the key of the job --workers registers; give --workers")
+    key, drawn = cli_aggjob.job_key(args) if args.workers else (0, False)
     spec = AggSpec(args.netns, args.iface, 0 if opt else args.workers, args.slots, args.elems, args.port, args.mode,
                    job, args.group or DEFAULT.group, list(args.worker_ip), job_slots=args.job_slots,
-                   optimizer=bool(opt) or args.with_optimizer, delivery=args.delivery or "multicast")
+                   optimizer=bool(opt) or args.with_optimizer, delivery=args.delivery or "multicast", key=key)
     agg = Aggregator.load(spec)
     if opt:  # the first job is an optimizer job
         try:
             agg.add_job(job, args.workers, args.group, args.worker_ip, slots=args.job_slots, optimizer=opt,
                         params=args.params, initial=cli_aggopt.initial_params(args),
-                        delivery=args.delivery or "multicast")
+                        delivery=args.delivery or "multicast", key=key)
         except BaseException:
             agg.close()
             raise
@@ -110,13 +115,13 @@ def _load(args) -> int:
     # the program stays attached and pinned after this process exits
     agg.release()
     if args.json:
-        print(json.dumps(st))
+        print(json.dumps({**st, "key": keys.show(key)} if args.workers else st))
         return 0
     print(f"aggregator loaded on {args.iface} ({args.netns or 'root namespace'}): {st['mode_reason']}; "
           f"prog id {st['prog_id']}: a pool of {args.slots} slots x {args.elems} int32, port {args.port}; "
           f"pinned in {st['pins']}")
     for j in st["jobs"]:
-        print("  " + cli_aggjob.describe_job(j))
+        print("  " + cli_aggjob.describe_job(j) + "; " + cli_aggjob.key_note(key, cli_aggjob.how_drawn(drawn)))
     if not st["jobs"]:
         print("  no job yet: register one with 'nicoffload agg job add'")
     return 0
@@ -202,8 +207,9 @@ def _unload(args) -> int:
 
 def _register_bench(asub) -> None:
     q = asub.add_parser("bench", help="in-kernel cost per packet (BPF_PROG_TEST_RUN and live bpf stats)")
-    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 858 --workers 8 --no-live",
-                 "sudo nicoffload agg bench --lock-cost --no-live")
+    add_examples(q, "sudo nicoffload agg bench", "sudo nicoffload agg bench --elems 856 --workers 8 --no-live",
+                 "sudo nicoffload agg bench --lock-cost --no-live",
+                 "sudo nicoffload agg bench --key-cost --no-live   # the key check against a build without it")
     q.add_argument("--workers", type=int, default=4)
     JobSpec.add_arguments(q, only=("elems",))
     q.add_argument("--rounds", type=int, default=2000, help="rounds through BPF_PROG_TEST_RUN")
@@ -211,6 +217,8 @@ def _register_bench(asub) -> None:
     q.add_argument("--optimizer", action="store_true", help="also the in-kernel cost of the optimizers' updates (SGD, AdamW)")
     q.add_argument("--lock-cost", action="store_true",
                    help="also what the slot's spin lock costs per record (against a test-only build without it)")
+    q.add_argument("--key-cost", action="store_true",
+                   help="also what the job's key check costs per record (against a test-only build without it)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_bench)
 
@@ -230,6 +238,8 @@ def _bench(args) -> int:
                                      for k in xdpbench.BENCH_SPECS]
     if args.lock_cost:
         out["lock"] = xdpbench.lock_cost(elems=elems, rounds=args.rounds)
+    if args.key_cost:
+        out["key"] = xdpbench.key_cost(elems=elems, rounds=args.rounds)
     if not args.no_live:
         out["live"] = xdpbench.live_cost(args.workers, elems=elems)
     print(json.dumps(out) if args.json else xdpbench.describe(out))

@@ -10,7 +10,7 @@ from nicoffload.cli import aggopt as cli_aggopt
 from nicoffload.cli.app import add_examples
 from nicoffload.errors import AlreadyExistsError, CapacityError, InputError
 from nicoffload.jobspec import DEFAULT
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 
 def job_arguments(q, load: bool = False) -> None:
@@ -30,6 +30,45 @@ def job_arguments(q, load: bool = False) -> None:
                    help="how results reach the ranks: multicast (to the job's group; the default) or unicast (a "
                         "copy to each rank's --worker-ip, cloned in the aggregator's kernel: networks without "
                         "multicast; with --service, the service's default)")
+    k = q.add_mutually_exclusive_group()
+    k.add_argument("--key", type=_key_arg, default=None, metavar="HEX",
+                   help="the job's key, 16 hex digits, that every record must carry (default: a random one, printed; "
+                        "with --service: the service's, derived from its token)")
+    k.add_argument("--no-key", action="store_true",
+                   help="register the job without a key (its records carry 0): any host that can spoof a rank's "
+                        "address can then write into it")
+
+
+def _key_arg(text: str) -> int:
+    import argparse
+
+    try:
+        return keys.parse(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def job_key(args) -> tuple[int, bool]:
+    """The job's key from --key/--no-key (default: a new one): (key, whether it was drawn here)."""
+    if args.no_key:
+        return 0, False
+    if args.key is not None:
+        if not args.key:
+            raise InputError("--key 0 means no key: say --no-key")
+        return args.key, False
+    return keys.new_key(), True
+
+
+def key_note(key: int, how: str) -> str:
+    """What the CLI says about a job's key (``how`` it came): the ranks need it."""
+    if not key:
+        return "no key (--no-key): any host that can spoof a rank's address can write into this job"
+    return (f"key {keys.show(key)} ({how}): every rank needs it (--key, or {keys.ENV} in its environment); "
+            f"records without it are dropped as bad_key")
+
+
+def how_drawn(drawn: bool) -> str:
+    return "drawn for it" if drawn else "given"
 
 
 def describe_job(j: dict) -> str:
@@ -76,6 +115,9 @@ def service_arguments(q) -> None:
     q.add_argument("--service", default=None, metavar="URL",
                    help="talk to an aggregator service (nicoffload agg serve) instead of a local aggregator")
     q.add_argument("--token-file", default=None, metavar="FILE", help="the service's bearer token")
+    q.add_argument("--ca-file", default=None, metavar="FILE",
+                   help="an https:// service's certificate is verified against this CA (PEM; default: "
+                        "$NICOFFLOAD_CA_FILE, else the system's CAs)")
 
 
 def service_client(args):
@@ -83,7 +125,7 @@ def service_client(args):
     if args.service:
         from nicoffload.service.client import ServiceClient
 
-        return ServiceClient.from_files(args.service, args.token_file)
+        return ServiceClient.from_files(args.service, args.token_file, ca_file=args.ca_file)
     if not args.iface:
         raise InputError("give the aggregator's --iface (and --netns), or --service URL --token-file FILE")
     return None
@@ -103,25 +145,27 @@ def _job_add(args) -> int:
         raise AlreadyExistsError(f"job {args.job} is served by the AF_XDP engine on {args.iface}; remove it first "
                                  f"(agg job remove --job {args.job})")
     opt = cli_aggopt.optimizer_from(args)
+    key, drawn = job_key(args)
     try:
         # a refusal (no room in the pool, no free job entry) raises CapacityError: one line, exit 10
         e = agg.add_job(args.job, args.workers, args.group, args.worker_ip, slots=args.job_slots,
                         optimizer=opt, params=args.params, initial=cli_aggopt.initial_params(args),
-                        delivery=args.delivery or "multicast")
+                        delivery=args.delivery or "multicast", key=key)
     except CapacityError as refusal:
         if args.fallback != "afxdp":
             raise
         if opt is not None:
             raise InputError(f"{refusal}; an optimizer job cannot fall back to the AF_XDP engine (it has no "
                              f"optimizer): remove a job or load a larger pool") from None
-        return _job_fallback(args, agg, str(refusal))
-    print(json.dumps({**e.to_dict(), "engine": "xdp"}) if args.json else
-          f"registered on {args.iface}: {describe_job(agg.job_state(e.job) | e.to_dict())}; "
-          f"{agg.table.free_slots()} of {agg.spec.slots} slots left; the XDP aggregator took it")
+        return _job_fallback(args, agg, str(refusal), key, drawn)
+    print(json.dumps({**e.public(), "engine": "xdp", "key": keys.show(key)}) if args.json else
+          f"registered on {args.iface}: {describe_job(agg.job_state(e.job) | e.public())}; "
+          f"{agg.table.free_slots()} of {agg.spec.slots} slots left; the XDP aggregator took it; "
+          f"{key_note(key, how_drawn(drawn))}")
     return 0
 
 
-def _job_fallback(args, agg, why: str) -> int:
+def _job_fallback(args, agg, why: str, key: int, drawn: bool) -> int:
     """The XDP pool refused the job: the AF_XDP engine beside it takes it."""
     from nicoffload.agg import fallback
     from nicoffload.agg.jobtable import default_group
@@ -131,15 +175,16 @@ def _job_fallback(args, agg, why: str) -> int:
         raise InputError(f"--slots is at least 1, not {args.job_slots}")
     slots = DEFAULT.slots if args.job_slots is None else args.job_slots
     got = fallback.hand_off(agg, args.job, args.workers, group, list(args.worker_ip), slots,
-                            args.delivery or "multicast")
+                            args.delivery or "multicast", key=key)
     if args.json:
-        print(json.dumps({"engine": "afxdp", "refused_by_xdp": why, **got}))
+        print(json.dumps({"engine": "afxdp", "refused_by_xdp": why, **got, "key": keys.show(key)}))
         return 0
     to = "each rank's address (unicast)" if got["delivery"] == "unicast" else group
     print(f"the XDP pool refused job {args.job} ({why}); the AF_XDP engine took it: {args.workers} workers, "
           f"{slots} slots of its own, results to {to}; engine pid {got['pid']} on {args.iface} "
           f"({got.get('mode', '?')} XDP steering, {'copy' if got.get('copy_mode', True) else 'zero-copy'} mode); "
-          f"remove with: nicoffload agg job remove --netns {args.netns} --iface {args.iface} --job {args.job}")
+          f"remove with: nicoffload agg job remove --netns {args.netns} --iface {args.iface} --job {args.job}; "
+          f"{key_note(key, how_drawn(drawn))}")
     return 0
 
 
@@ -149,6 +194,9 @@ def _job_add_service(args, client) -> int:
 
     from nicoffload.service.api import JobRequest
 
+    if args.key is not None or args.no_key:
+        raise InputError("a service derives every job's key from its token (and refuses a job without one): "
+                         "leave out --key and --no-key with --service")
     opt = cli_aggopt.optimizer_from(args)
     req = JobRequest(world=args.workers, workers=list(args.worker_ip), job=args.job, slots=args.job_slots,
                      group=args.group, lease_s=args.lease, optimizer=opt, params=args.params if opt else 0,
@@ -162,12 +210,15 @@ def _job_add_service(args, client) -> int:
         except BaseException:
             client.remove_job(g.job)  # no job left behind without its parameters
             raise
+    key = g.spec(DEFAULT.timeout, token=client.token).key  # derived here, as every rank derives it
     if args.json:
-        print(json.dumps(g.to_json()))
+        print(json.dumps({**g.to_json(), "key": keys.show(key)}))
         return 0
     lease = f"lease {g.lease_s:g}s (renew: POST /v1/jobs/{g.job}/lease)" if g.lease_s else "no lease"
     span = f"{g.slot_base}..{g.slot_base + g.slots - 1}"
-    print(f"registered at {client.url}: job {g.job}: {g.world} workers, slots {span}, results to {g.group}; ranks send to {g.aggregator}:{g.port} from port {g.local_port}; {lease}")
+    print(f"registered at {client.url}: job {g.job}: {g.world} workers, slots {span}, results to {g.group}; "
+          f"ranks send to {g.aggregator}:{g.port} from port {g.local_port}; {lease}; "
+          f"{key_note(key, 'derived from the service token and the grant nonce ' + g.key_nonce)}")
     return 0
 
 

@@ -14,10 +14,11 @@ def register(asub) -> None:
                                     "earlier service left there) and serve its jobs over an authenticated HTTP API "
                                     "until SIGTERM/SIGINT; then unload and leave nothing (docs/service.md).")
     add_examples(q, "sudo nicoffload agg serve --iface eth0 --listen 10.0.0.100:7470 "
-                    "--token-file /etc/nicoffload/token",
+                    "--token-file /etc/nicoffload/token --tls-cert /etc/nicoffload/tls.crt "
+                    "--tls-key /etc/nicoffload/tls.key",
                  "sudo nicoffload agg serve --netns nco-tb-agg --iface eth0 --listen 10.199.0.100:7470 "
                  "--token-file token --slots 8192",
-                 "curl -H \"Authorization: Bearer $(cat token)\" http://10.0.0.100:7470/v1/jobs")
+                 "curl --cacert ca.crt -H \"Authorization: Bearer $(cat token)\" https://10.0.0.100:7470/v1/jobs")
     where_arguments(q, "interface the aggregator runs on")
     q.add_argument("--listen", required=True, metavar="ADDR:PORT",
                    help="where the HTTP API listens (inside --netns when given)")
@@ -43,6 +44,10 @@ def register(asub) -> None:
                    help="a job the XDP pool refuses (no free slots or job entry) is served by the AF_XDP engine "
                         "beside the aggregator instead of refused (its grant says engine \"afxdp\"; optimizer "
                         "jobs are still refused)")
+    q.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="the service's certificate chain (PEM): the API speaks HTTPS; clients verify it against "
+                        "NICOFFLOAD_CA_FILE or the system's CAs (without TLS the token crosses the network in clear)")
+    q.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     q.add_argument("--verbose", action="store_true")
     q.set_defaults(func=_serve)
 
@@ -54,7 +59,8 @@ def _serve(args) -> int:
     o = ServeOptions(iface=args.iface, netns=args.netns, listen=args.listen, token_file=args.token_file,
                      slots=args.slots, job_slots=args.job_slots, elems=args.elems, port=args.port, mode=args.mode,
                      lease_s=args.lease, optimizer=not args.no_optimizer, keep_loaded=args.keep_loaded,
-                     multicast=not args.no_multicast, fallback=args.fallback)
+                     multicast=not args.no_multicast, fallback=args.fallback, tls_cert=args.tls_cert,
+                     tls_key=args.tls_key)
     if args.fallback == "afxdp":
         from nicoffload.afxdp import build
 

@@ -16,6 +16,7 @@ from nicoffload.lab.bench import plan
 from nicoffload.lab.inputs import format_size
 from nicoffload.lab.soak import DTYPES as SOAK_DTYPES
 from nicoffload.lab.soak import SoakConfig
+from nicoffload.wire import keys
 
 
 def _list(conv, what):
@@ -125,7 +126,7 @@ def _nicoffload_arguments(p) -> None:
                         "bytes; the system xdp16 is xdp with 16)")
     p.add_argument("--elems", type=int, default=None, metavar="E",
                    help=f"int32 elements per record of the nicoffload systems (default {DEFAULT.elems}: 1 KiB, "
-                        "fits a 1500-byte MTU); the testbed's MTU grows to fit (jumbo frames; at most 858 on veth). "
+                        "fits a 1500-byte MTU); the testbed's MTU grows to fit (jumbo frames; at most 856 on veth). "
                         "The sweep, --paired and --soak take it")
     p.add_argument("--slots", type=int, default=None, metavar="S",
                    help=f"aggregation slots of each nicoffload job, and so its rounds in flight per rank "
@@ -214,7 +215,7 @@ def _paired(args) -> int:
     r = paired.run(args.paired, workers, size, args.reps or 30,
                    progress=lambda m: print(m, file=sys.stderr, flush=True),
                    sparsity=sparse[0] if sparse else 0.75, zero_run=args.zero_run, seed=args.seed,
-                   spec=DEFAULT.replace(**_record_args(args)).validate())
+                   spec=DEFAULT.replace(**_record_args(args), key=keys.new_key()).validate())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"paired_{args.paired}.json").write_text(json.dumps(r, indent=1))
     print(paired.describe(r))
@@ -280,7 +281,7 @@ def _bench(args) -> int:
                  compute=args.compute, multicast=not args.no_multicast, aggregators=args.aggregators,
                  agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx, zero_run=args.zero_run,
                  spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes,
-                                      **_record_args(args)).validate())
+                                      key=keys.new_key(), **_record_args(args)).validate())
     cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
     each = f" x {cfg.ranks_per_host} ranks each" if cfg.ranks_per_host > 1 else ""
     print(f"nicoffload bench: workers {cfg.workers}{each}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "

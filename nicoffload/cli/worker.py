@@ -23,8 +23,9 @@ def register(sub) -> None:
 def _register_worker(sub) -> None:
     p = sub.add_parser("worker", help="one rank of an AllReduce job (run on each host)")
     add_examples(p,
-                 "nicoffload worker --rank 0 --world 4 --aggregator 10.0.0.100 --input g0.npy --output sum.npy",
-                 "nicoffload worker --rank 1 --world 4 --aggregator 10.0.0.100 --local-ip 10.0.0.2 "
+                 "nicoffload worker --rank 0 --world 4 --aggregator 10.0.0.100 --key KEY --input g0.npy "
+                 "--output sum.npy   # KEY: as 'agg load'/'agg job add' printed it",
+                 "NICOFFLOAD_KEY=KEY nicoffload worker --rank 1 --world 4 --aggregator 10.0.0.100 --local-ip 10.0.0.2 "
                  "--group 239.77.0.1 --input g1.npy --output sum.npy --json",
                  "sudo nicoffload worker --mode ring --rank 1 --world 3 --peers 10.0.0.1,10.0.0.2,10.0.0.3 "
                  "--input g1.npy --output sum.npy   # the ring offload (DirectReduce)")

@@ -38,8 +38,8 @@ from nicoffload.wire import proto
 @njit(cache=True, inline="always")
 def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
     """Header of round ``r`` (unwrapped round number of the epoch: slot r mod S, set (r div S)
-    mod 2, wire round r mod 2^32) from the 40-byte template (magic, version, type, flags, rank,
-    job, epoch, ack)."""
+    mod 2, wire round r mod 2^32) from the header template (magic, version, type, flags, rank,
+    job, epoch, ack, the job's key)."""
     for k in range(HDR):
         buf[off + k] = tmpl[k]
     buf[off + O_SET] = (r // nslots) & 1

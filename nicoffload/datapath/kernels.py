@@ -13,6 +13,7 @@ wire or into the caller's output: no temporaries, no gathers, no Python per bloc
     contributor_bits, reset_rounds, zero_blocks
                     a float call's OR word per block, a stream's per-round state, the output
                     of blocks zero everywhere
+    keyed           whether every record of a received datagram carries the job's key
 
 Receiving and decoding are in nicoffload.datapath.pump.
 
@@ -32,7 +33,7 @@ _O = proto.FIELD_OFFSETS
 O_TYPE, O_FLAGS, O_SET, O_RANK = _O["type"], _O["flags"], _O["set"], _O["rank"]
 O_JOB, O_EPOCH, O_SLOT, O_ROUND = _O["job"], _O["epoch"], _O["slot"], _O["round"]
 O_MASK, O_ACK, O_COUNT, O_EXP = _O["mask"], _O["ack"], _O["count"], _O["exp"]
-O_OP, O_DETAIL = _O["op"], _O["detail"]
+O_OP, O_DETAIL, O_KEY = _O["op"], _O["detail"], _O["key"]
 OP_SUM16 = proto.OP_SUM16
 HDR = proto.HDR_LEN
 T_RESULT, T_STATUS, T_ACK = proto.TYPE_RESULT, proto.TYPE_STATUS, proto.TYPE_ACK
@@ -79,6 +80,23 @@ def _put32(b, off, v):
 
 
 # --- per-block metadata ----------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def keyed(buf, start, ln, seg, key_hi, key_lo):
+    """Whether every record of the datagram at buf[start:start + ln] (records of ``seg`` bytes; 0:
+    one) carries the job's key, given as its high and low 32 bits (the receive pump's check)."""
+    if ln < HDR:
+        return False
+    if seg <= 0:
+        seg = ln
+    off = 0
+    while off + HDR <= ln:
+        o = start + off + O_KEY
+        if _be32(buf, o) != key_hi or _be32(buf, o + 4) != key_lo:
+            return False
+        off += seg
+    return True
+
 
 @njit(cache=True, inline="always")
 def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):

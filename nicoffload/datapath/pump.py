@@ -42,6 +42,7 @@ from nicoffload.datapath.kernels import (
     T_RESULT,
     T_STATUS,
     U,
+    keyed,
     _be16,
     _be32,
     pow2_split,
@@ -302,8 +303,9 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
               out_i, out_f32, out_f64, done, status, newly, stash, stash_round, gate):
     """Receive everything queued (recvmmsg, never blocking) and decode every record as it comes
     (decode_results). Returns (datagrams, new results, event); the new rounds are newly[:new].
-    With ``peer`` set (address, port as stored in a sockaddr_in; 0: anyone), datagrams from any
-    other sender are skipped and counted in ``foreign[0]``."""
+    With ``peer`` set (address, port as stored in a sockaddr_in, the job's key as its high and low
+    32 bits; address 0: anyone), datagrams from any other sender, or with a record of another key,
+    are skipped and counted in ``foreign[0]``."""
     total = 0
     new = 0
     event = 0
@@ -313,8 +315,9 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
             break
         for m in range(n):
             segs[m] = gro_segment(clen, cm_level, cm_type, cm_data, m)
-            if peer[0] and (src_addr[m] != peer[0] or src_port[m] != peer[1]):
-                lens[m] = 0  # not from the aggregator: decode_results skips it
+            if peer[0] and (src_addr[m] != peer[0] or src_port[m] != peer[1]
+                            or not keyed(buf, m * stride, lens[m], segs[m], peer[2], peer[3])):
+                lens[m] = 0  # not from the aggregator, or not with the job's key: decode_results skips it
                 foreign[0] += 1
         got, ev = decode_results(buf, stride, lens, segs, n, rec, elems, job, epoch, rank, base, nrounds,
                                  nslots, blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status,

@@ -121,14 +121,17 @@ class Transport:
         self.datagrams_sent = 0
         self.refused = 0  # ICMP port unreachable reported by the kernel
 
-    def expect_from(self, peer: tuple[str, int]) -> None:
-        """Take only what ``peer`` (the aggregator) sends: the receive pump and :meth:`recv_into`
-        skip datagrams from any other address or port (counted in ``foreign``), so a host on the
-        same network cannot inject results by sending to the worker's port or group unless it
-        spoofs the aggregator's address."""
+    def expect_from(self, peer: tuple[str, int], key: int = 0) -> None:
+        """Take only what ``peer`` (the aggregator) sends with the job's ``key`` in every record:
+        the receive pump and :meth:`recv_into` skip datagrams from any other address or port, or
+        with a record of another key (counted in ``foreign``), so a host on the same network
+        cannot inject results by sending to the worker's port or group, even when it spoofs the
+        aggregator's address, unless it has the job's key."""
         self._peer[0] = int.from_bytes(socket.inet_aton(peer[0]), "little")
         self._peer[1] = socket.htons(peer[1])
+        self._peer[2], self._peer[3] = key >> 32, key & 0xFFFFFFFF  # the key's halves, as read big endian
         self._peer_tuple = (peer[0], peer[1])
+        self._key = key.to_bytes(8, "big")
 
     @property
     def foreign(self) -> int:
@@ -167,8 +170,10 @@ class Transport:
                                       _Mmsghdr.msg_hdr.offset + _Msghdr.msg_namelen.offset, (stride,))
         self._src_port = self._rx_names[:, 2:4].view(np.uint16)[:, 0]
         self._src_addr = self._rx_names[:, 4:8].view(np.uint32)[:, 0]
-        self._peer = np.zeros(2, dtype=np.int64)  # (address, port) as stored; 0: take everything
+        # (address, port) as stored, and the job's key (high, low 32 bits); address 0: take everything
+        self._peer = np.zeros(4, dtype=np.int64)
         self._peer_tuple: tuple[str, int] | None = None
+        self._key = bytes(8)
         self._foreign = np.zeros(1, dtype=np.int64)
 
     def recv_args(self) -> tuple:
@@ -258,14 +263,20 @@ class Transport:
         except ConnectionRefusedError:  # the peer's port was closed (nothing listened): no data
             self.refused += 1
             return 0, 0, None
-        if self._peer_tuple is not None and addr != self._peer_tuple:
-            self._foreign[0] += 1
-            return 0, 0, None
         seg = nbytes
         for level, typ, data in anc:
             if level == SOL_UDP and typ == UDP_GRO and len(data) >= 4:
                 seg = struct.unpack("i", data[:4])[0] or nbytes
+        if self._peer_tuple is not None and (addr != self._peer_tuple or not self._keyed(buf, nbytes, seg)):
+            self._foreign[0] += 1
+            return 0, 0, None
         return nbytes, seg, addr
+
+    def _keyed(self, buf, nbytes: int, seg: int) -> bool:
+        """Every record of a received datagram carries the job's key (slow path: a JOIN's answers)."""
+        at, mv = proto.FIELD_OFFSETS["key"], memoryview(buf)
+        return nbytes >= proto.HDR_LEN and all(mv[o + at:o + at + 8] == self._key
+                                               for o in range(0, nbytes - proto.HDR_LEN + 1, seg))
 
     def close(self) -> None:
         self.sock.close()

@@ -6,6 +6,7 @@ program and its bcc module."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from nicoffload.errors import InputError
@@ -28,10 +29,14 @@ def state_file(state_dir: Path, netns: str | None, iface: str) -> Path:
 
 
 def save(sf: Path, record: dict) -> None:
-    """Write ``record`` to the state file ``sf`` (a reader sees the old file or the new one)."""
+    """Write ``record`` to the state file ``sf`` (a reader sees the old file or the new one),
+    readable by its owner only: it holds the jobs' keys."""
     sf.parent.mkdir(parents=True, exist_ok=True)
     tmp = sf.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a .tmp left by an older version may have other modes
+        f.write(json.dumps(record))
     tmp.replace(sf)
 
 

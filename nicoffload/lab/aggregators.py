@@ -21,7 +21,7 @@ KINDS = ("xdp", "afxdp", "userspace")
 #: seconds the user-space aggregator may take to say it is ready (imports, first compile)
 START_TIMEOUT = 120.0
 #: the fields of a job the aggregator must know
-AGG_FIELDS = ("job", "port", "group", "slots", "elems", "delivery")
+AGG_FIELDS = ("job", "port", "group", "slots", "elems", "delivery", "key")
 
 
 def on_testbed(tb, spec: JobSpec) -> JobSpec:
@@ -73,13 +73,13 @@ class AggregatorProcess:
             try:
                 for lv in levels:
                     self.agg.add_job(lv.job, len(lv.ranks), lv.group, [ips[r] for r in lv.ranks], slots=s.slots,
-                                     delivery=s.delivery)
+                                     delivery=s.delivery, key=s.key)
             except BaseException:
                 self.agg.close()
                 raise
         else:
             self.agg = Aggregator.load(AggSpec(a.netns, a.iface, len(ips), s.slots, s.elems, s.port, mode,
-                                               s.job, s.group, ips, delivery=s.delivery))
+                                               s.job, s.group, ips, delivery=s.delivery, key=s.key))
         self.mode = self.agg.spec.mode
 
     def _start_userspace(self) -> None:
@@ -159,7 +159,7 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
                 tx: str = "auto", jobs_file: str | None = None) -> dict:
     """Run the AF_XDP engine in this process until SIGTERM/SIGINT (or ``duration`` seconds), with
     one job (``workers`` ranks of ``spec``), or with the jobs listed in ``jobs_file`` (JSON: job
-    id -> job, workers, group, slots, delivery, worker_ips), followed as it changes. ``ready``
+    id -> job, workers, group, slots, delivery, worker_ips, key), followed as it changes. ``ready``
     gets the engine's description once it polls; ``stats_file``: counters written there (JSON)
     every tenth of a second, per job, with the jobs it refused and why. Returns the description
     with the counters of every job together (``stats``), per job (``jobs``) and the engine's
@@ -180,7 +180,7 @@ def serve_afxdp(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None = No
         if jobs_file:
             run.follow()
         else:
-            eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery)
+            eng.add_job(spec.job, workers, spec.slots, spec.group, list(worker_ips), spec.delivery, key=spec.key)
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
         eng.start()
@@ -236,7 +236,7 @@ class _EngineJobs:
             w = want[j]
             try:
                 eng.add_job(int(w["job"]), int(w["workers"]), int(w["slots"]), w["group"], w.get("worker_ips", []),
-                            w.get("delivery", "multicast"))
+                            w.get("delivery", "multicast"), key=int(w.get("key", 0)))
                 self.refused.pop(j, None)
             except NicoffloadError as e:
                 self.refused[j] = str(e)
@@ -265,7 +265,7 @@ def serve_userspace(workers: int, spec: JobSpec = DEFAULT, local_ip: str | None 
     from nicoffload.userspace.aggregator import UserspaceAggregator
 
     agg = UserspaceAggregator(workers, spec.port, spec.slots, spec.elems, spec.job, spec.group, local_ip,
-                              list(worker_ips), delivery=spec.delivery)
+                              list(worker_ips), delivery=spec.delivery, key=spec.key)
 
     def on_term(signum, frame):
         agg.request_stop()

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 from ..jobspec import DEFAULT, JobSpec
 from . import counters
@@ -104,10 +104,13 @@ def run_workers(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], spec
 def run_job(tb, inputs: Sequence[Path], outputs: Sequence[Path | None], aggregator: str = "xdp",
             spec: JobSpec | None = None, *, mode: str = "auto", reps: int = 1, engine: dict | None = None,
             **kw) -> JobResult:
-    """A fresh ``aggregator`` for this job and its workers (see :func:`run_workers`); ``engine``:
-    the afxdp engine's options (spin_us, tx)."""
+    """A fresh ``aggregator`` for this job and its workers (see :func:`run_workers`), with a key
+    of its own unless ``spec`` has one (the ring's records carry none); ``engine``: the afxdp
+    engine's options (spin_us, tx)."""
     fields = {k: kw.pop(k) for k in list(kw) if k in DEFAULT.to_dict()}
     spec = (spec or DEFAULT).replace(**fields)
+    if spec.mode == "aggregator" and not spec.key:
+        spec = spec.replace(key=keys.new_key())
     enable_gro(tb)
     with AggregatorSet(tb, aggregator, spec, mode=mode, **(engine or {})) as ap:
         before = ap.bpf_runtime()

@@ -110,7 +110,7 @@ def run(pair: str, workers: int, size: int, reps: int, multicast: bool = True, p
                  for j, v in enumerate((va, vb))]
         with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, 0, 2 * slots, base.elems, port=tb.port)) as agg:
             for s in specs:
-                agg.add_job(s.job, workers, s.group, ips, slots=slots, delivery=s.delivery)
+                agg.add_job(s.job, workers, s.group, ips, slots=slots, delivery=s.delivery, key=s.key)
             if progress:
                 progress(f"{workers} ranks, {format_size(size)}: {setting or pair} {va} against {vb}, {reps} reps "
                          f"each, interleaved on one aggregator")

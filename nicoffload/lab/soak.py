@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import InputError, NicoffloadError
 from ..jobspec import DEFAULT, JobSpec
+from ..wire import keys
 from . import reference
 from .inputs import format_size
 from .soakreport import (
@@ -95,7 +96,7 @@ class SoakConfig:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(sizes=list(self.sizes), dtypes=list(self.dtypes), spec=self.spec.to_dict(), call_limit=self.limit)
+        d.update(sizes=list(self.sizes), dtypes=list(self.dtypes), spec=self.spec.public(), call_limit=self.limit)
         return d
 
 
@@ -232,7 +233,8 @@ def run(tb, cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> S
     summary = SoakSummary(cfg.to_dict(), world)
     enable_gro(tb)
     comms, ranks = [], None
-    with AggregatorProcess(tb, "xdp", cfg.spec, mode=cfg.mode) as ap:
+    spec = cfg.spec if cfg.spec.key else cfg.spec.replace(key=keys.new_key())  # the job's own key
+    with AggregatorProcess(tb, "xdp", spec, mode=cfg.mode) as ap:
         summary.mode = ap.mode
         try:
             tb.faults.configure(None, drop=cfg.drop, dup=cfg.dup, seed=cfg.seed)

@@ -88,43 +88,89 @@ def _joined(workers: int, slots: int, elems: int, defines: dict | None = None):
         raise
 
 
-def lock_cost(slots: int = 64, elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
-    """What the slot's spin lock costs per record: one rank's one-record frames (each its
-    round's first and last contribution: copy, complete, rewrite) through BPF_PROG_TEST_RUN, on
-    the aggregator with the lock and on one built without it (the test-only mutant
-    AR_MUTANT_NO_SLOT_LOCK, which races under two CPUs: never load it for a job), frame by frame
-    alternately so that the VM's drift enters both alike. Returns each build's median ns per
-    frame and length in instructions, and the median of the per-frame differences (timer
-    overhead cancels in it)."""
+def _paired_builds(defines: dict, what: str, slots: int, elems: int, rounds: int, batch: int = 1) -> dict:
+    """``rounds`` rounds of one rank, in frames of ``batch`` records (each record its round's first
+    and last contribution: copy, complete, rewrite), through BPF_PROG_TEST_RUN on the aggregator
+    and on a test-only build with ``defines`` (one without ``what``), frame by frame alternately
+    (each build first in every other pair) so that the VM's drift and the order enter both alike. Per record: each build's median ns, the median of the
+    paired differences (timer overhead cancels in it) and that median in each fifth of the run
+    (its spread); the builds' lengths in instructions."""
     from nicoffload.packets import generators as gen
 
+    if slots % batch:
+        raise ValueError(f"{slots} slots do not hold whole batches of {batch}")
     arrays = [a & 0x3FFFFFF for a in gen.sample_arrays(1, rounds * elems, seed=1, elems=elems, bound=1 << 20)]
     aggs, epochs = [], []
     try:
-        for defines in (None, {"AR_MUTANT_NO_SLOT_LOCK": 1}):
-            agg, epoch = _joined(1, slots, elems, defines)
+        for d in (None, defines):
+            agg, epoch = _joined(1, slots, elems, d)
             aggs.append(agg)
             epochs.append(epoch)
         fds = [a.prog.fd for a in aggs]
         (tag, insns), (tag_u, insns_u) = (libbpf.prog_code(fd) for fd in fds)
         if tag == tag_u:
-            raise RuntimeError("lock cost: the build without the slot lock loaded the same program as the aggregator")
-        runs = [gen.contributions(arrays, slots=slots, elems=elems, epoch=e, op=proto.OP_SUM64) for e in epochs]
-        ds = np.zeros((2, rounds))
-        for i in range(rounds):
-            for k in range(2):
-                if i and i % slots == 0:  # acknowledge, so that the slots can take the next rounds
-                    libbpf.test_run(fds[k], gen.ack_frame(0, i, epoch=epochs[k]))
-                ds[k, i] = libbpf.test_run(fds[k], runs[k][i]).duration_ns
+            raise RuntimeError(f"{what}: the build without it loaded the same program as the aggregator")
+        runs = []
+        for e in epochs:
+            dgrams = [f[proto.L2L4_LEN:] for f in gen.contributions(arrays, slots=slots, elems=elems, epoch=e,
+                                                                     op=proto.OP_SUM64)]
+            runs.append([gen.batch(dgrams[i:i + batch], 0) for i in range(0, len(dgrams), batch)])
+        n = len(runs[0])
+        ds = np.zeros((2, n))
+        for i in range(n):
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):  # each build first in every other pair
+                if i and (i * batch) % slots == 0:  # acknowledge, so that the slots can take the next rounds
+                    libbpf.test_run(fds[k], gen.ack_frame(0, i * batch, epoch=epochs[k]))
+                ds[k, i] = libbpf.test_run(fds[k], runs[k][i]).duration_ns / batch
         for k, agg in enumerate(aggs):
             done = agg.stats()["completed"]
-            if done != rounds:
-                raise RuntimeError(f"lock cost: {done} of {rounds} rounds completed ({'un' * k}locked build)")
-        return {"locked": float(np.median(ds[0])), "unlocked": float(np.median(ds[1])),
-                "lock_ns": float(np.median(ds[0] - ds[1])), "frames": rounds, "insns": [insns, insns_u]}
+            if done != n * batch:
+                raise RuntimeError(f"{what}: {done} of {n * batch} rounds completed ({'the test-only' if k else 'the'} "
+                                   f"build)")
+        diff = ds[0] - ds[1]
+        return {"with": float(np.median(ds[0])), "without": float(np.median(ds[1])), "diff": float(np.median(diff)),
+                "spread": [float(np.median(part)) for part in np.array_split(diff, 5)], "frames": n, "batch": batch,
+                "insns": [insns, insns_u]}
     finally:
         for agg in aggs:
             agg.close()
+
+
+def lock_cost(slots: int = 64, elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
+    """What the slot's spin lock costs per record: one rank's one-record frames against the
+    test-only mutant AR_MUTANT_NO_SLOT_LOCK (which races under two CPUs: never load it for a job),
+    paired frame by frame (:func:`_paired_builds`). Returns each build's median ns per frame and
+    length in instructions, and the median of the per-frame differences."""
+    r = _paired_builds({"AR_MUTANT_NO_SLOT_LOCK": 1}, "lock cost", slots, elems, rounds)
+    return {"locked": r["with"], "unlocked": r["without"], "lock_ns": r["diff"], "frames": r["frames"],
+            "insns": r["insns"]}
+
+
+#: bytes of a frame BPF_PROG_TEST_RUN hands an XDP program without fragments: a page less the
+#: headroom (256) and the room for skb_shared_info (320)
+TEST_RUN_LINEAR = 4096 - 256 - 320
+
+
+def key_batch(elems: int) -> int:
+    """Records of ``elems`` that one BPF_PROG_TEST_RUN frame holds (a batch, as generic mode sees)."""
+    return (TEST_RUN_LINEAR - proto.L2L4_LEN) // proto.record_size(elems)
+
+
+def key_cost(elems: int = DEFAULT.elems, rounds: int = 2000) -> dict:
+    """What the job's key check costs per record: one rank's frames of one record, and of as many
+    records as a test run's frame holds (key_batch; when more than one), against the test-only
+    build without the check (AR_MUTANT_NO_KEY_CHECK, which takes any key: never load it for a
+    job), paired frame by frame (:func:`_paired_builds`): per record, each build's median, the
+    check's (the median of the paired differences), its share of the checked record's cost, and
+    that median in each fifth of the run."""
+    out = {}
+    for name, batch in (("single", 1), ("batch", key_batch(elems))):
+        if name == "batch" and batch < 2:
+            continue
+        slots = batch * max(1, 64 // batch)
+        r = _paired_builds({"AR_MUTANT_NO_KEY_CHECK": 1}, "key cost", slots, elems, rounds - rounds % batch, batch)
+        out[name] = {**r, "share": r["diff"] / r["with"] if r["with"] else None}
+    return out
 
 
 def live_cost(workers: int = 4, size: int = LIVE_SIZE, elems: int = DEFAULT.elems, mode: str = "auto") -> dict:
@@ -286,6 +332,13 @@ def describe(out: dict) -> str:
         lines.append(f"live {ol['kind']} steps ({ol['params']} parameters, {ol['steps']} steps, kernel bpf stats): "
                      f"{ol['per_record']:.0f} ns per record, {ol['per_element']:.2f} ns per element (the update "
                      f"included), {ol['step_s'] * 1e3:.1f} ms per step")
+    if "key" in out:
+        for name, r in out["key"].items():
+            what = "one-record frames" if r["batch"] == 1 else f"frames of {r['batch']} records"
+            lines.append(f"key check ({r['frames']} {what} of one rank, alternately through each build; median ns per "
+                         f"record): with {r['with']:.1f}, without (test-only build) {r['without']:.1f}; the check: "
+                         f"{r['diff']:.2f} ns per record ({100 * r['share']:.2f}%), by fifths of the run "
+                         f"{', '.join(f'{x:.2f}' for x in r['spread'])}")
     if "lock" in out:
         lk = out["lock"]
         lines.append(f"slot lock ({lk['frames']} one-record frames of one rank, alternately through each build; "

@@ -58,7 +58,8 @@ class AfxdpEngine:
         JobEntry(p.job, req.world, p.group, list(req.workers), delivery=p.delivery).validate()
         port = self._free_port()
         slots = req.slots or p.job_slots
-        got = fallback.hand_off(self.agg, p.job, req.world, p.group, list(req.workers), slots, p.delivery)
+        got = fallback.hand_off(self.agg, p.job, req.world, p.group, list(req.workers), slots, p.delivery,
+                                key=p.key, key_nonce=p.key_nonce)
         self.refresh()
         return Admitted(port, f"handed to the AF_XDP engine (pid {got.get('pid')}; the XDP pool refused it: "
                               f"{p.refused}): {req.world} ranks, {slots} slots of its own, {p.delivery} delivery "
@@ -91,7 +92,8 @@ class AfxdpEngine:
         return JobGrant(job=job, world=h["workers"], aggregator=s.agg_ip, port=s.port, local_port=port,
                         group=h["group"], slot_base=0, slots=h["slots"], elems=s.elems,
                         lease_s=le.lease_s if le else 0.0, delivery=h.get("delivery", "multicast"),
-                        owner=le.owner if le else "", engine=self.name)
+                        owner=le.owner if le else "", engine=self.name,
+                        key_nonce=fallback.key_nonce(s.netns, s.iface, job))
 
     def describe(self, job: int) -> dict:
         """The fields an XDP job's description has (the engine reports no epoch state: epoch and

@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from nicoffload.errors import InputError
 from nicoffload.optim import KINDS, OptimizerSpec
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 #: the API's version, the first part of every path
 PREFIX = "/v1"
@@ -184,6 +184,10 @@ class JobGrant:
     # a request of several lanes: the grants of lanes 1, 2, ... (this grant is lane 0's); removing
     # or renewing lane 0's job removes or renews them all
     lanes: list = field(default_factory=list)
+    # the nonce the job's key derives from (hex; nicoffload.wire.keys.derive with the service's
+    # token): the grant never carries the key itself, so a grant read in the rendezvous store
+    # gives nothing away to whoever lacks the token. "": a job without a key
+    key_nonce: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -207,13 +211,21 @@ class JobGrant:
             raise InputError(f"the service's answer lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def spec(self, timeout: float, shard: int = 0):
-        """The :class:`~nicoffload.jobspec.JobSpec` of this job for its ranks; ``shard``: this
-        job's place among the jobs of one sharded group, each at its own service. Every service
-        numbers its jobs' ports alike (its port + 1 + the job's entry), so the ranks' sockets of
-        shard k sit SHARD_PORT_STRIDE * k ports higher, where no other shard's can be."""
+    def spec(self, timeout: float, shard: int = 0, token: str | bytes | None = None):
+        """The :class:`~nicoffload.jobspec.JobSpec` of this job for its ranks, with the job's key
+        derived from ``token`` (the service's, which every rank reads from its token file);
+        ``shard``: this job's place among the jobs of one sharded group, each at its own
+        service. Every service numbers its jobs' ports alike (its port + 1 + the job's entry), so
+        the ranks' sockets of shard k sit SHARD_PORT_STRIDE * k ports higher, where no other
+        shard's can be."""
         from nicoffload.jobspec import JobSpec
 
+        key = 0
+        if self.key_nonce:
+            if not token:
+                raise InputError(f"job {self.job}'s key derives from the service's token, and this rank has none: "
+                                 f"every rank needs the token file (NICOFFLOAD_TOKEN_FILE)")
+            key = keys.derive(token, self.job, self.key_nonce)
         return JobSpec(job=self.job, port=self.port, group=self.group, slots=self.slots, elems=self.elems,
                        timeout=timeout, local_port=self.local_port + SHARD_PORT_STRIDE * shard,
-                       delivery=self.delivery).validate()
+                       delivery=self.delivery, key=key).validate()

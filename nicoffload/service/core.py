@@ -16,12 +16,13 @@ import numpy as np
 
 from nicoffload.agg.control import Aggregator
 from nicoffload.agg.jobtable import first_free_group
-from nicoffload.errors import CapacityError, InputError, NotFoundError
+from nicoffload.errors import CapacityError, InputError, NotFoundError, SetupError
 from nicoffload.jobspec import DEFAULT
 from nicoffload.service.api import JobGrant, JobRequest
 from nicoffload.service.engine import Admitted, Engine, Placement, UnknownEngine, UnknownJob
 from nicoffload.service.engines import registry
 from nicoffload.service.leases import LeaseBook
+from nicoffload.wire import keys
 
 log = logging.getLogger("nicoffload.service")
 
@@ -39,9 +40,10 @@ class Service:
     (default: one of each registered engine, the XDP pool first) serve its jobs."""
 
     def __init__(self, agg: Aggregator, leases: LeaseBook, config: ServiceConfig | None = None,
-                 engines: list[Engine] | None = None):
+                 engines: list[Engine] | None = None, token: bytes = b""):
         self.agg = agg
         self.leases = leases
+        self.token = token  # the bearer token: every job's key derives from it (and a nonce per job)
         self.config = config or ServiceConfig()
         self.engines: list[Engine] = engines if engines is not None else \
             [registry.create(name, agg, leases) for name in registry.names()]
@@ -104,11 +106,20 @@ class Service:
         used = self._all_jobs()
         job = req.job if req.job is not None else next(j for j in range(1, 1 << 16) if j not in used)
         group = req.group or first_free_group(job, set().union(*(e.groups() for e in self.engines)))
-        e, got = self._admit(Placement(req, job, group, delivery, self.config.job_slots))
+        nonce, key = self._job_key(job)
+        e, got = self._admit(Placement(req, job, group, delivery, self.config.job_slots, key=key, key_nonce=nonce))
         lease = self.config.lease_s if req.lease_s is None else req.lease_s
         self.leases.add(job, lease, req.owner, local_port=got.local_port)
         log.info("job %d %s, lease %gs, owner %r", job, got.summary, lease, req.owner)
         return e.grant(job)
+
+    def _job_key(self, job: int) -> tuple[str, int]:
+        """A fresh nonce for the job and the key it derives from the token (keys.derive): the
+        grant carries the nonce, every rank that holds the token derives the key. The service
+        never registers a job without a key."""
+        if not self.token:
+            raise SetupError("the service has no token to derive the job's key from")
+        return keys.new_nonce(self.token, job)
 
     def _admit(self, p: Placement) -> tuple[Engine, Admitted]:
         """Offer the job to each admitting engine in turn; the first with room takes it (the

@@ -50,6 +50,8 @@ class Placement:
     delivery: str              # multicast or unicast
     job_slots: int             # its share unless the request names one (``--job-slots``)
     refused: str | None = None  # why the engine before this one refused it (one line), None for the first
+    key: int = 0               # the job's key, derived from the service's token and key_nonce
+    key_nonce: str = ""        # what the grant carries instead of the key (hex)
 
 
 class Admitted(NamedTuple):

@@ -6,6 +6,10 @@ the interface's network namespace with ``--netns``), reaps jobs whose lease ran 
 SIGTERM/SIGINT unloads the aggregator and leaves nothing (``--keep-loaded``: leaves it pinned
 with its jobs for the next service, e.g. across an upgrade: running jobs never notice).
 
+``--tls-cert FILE --tls-key FILE``: the API speaks HTTPS (the standard library's ssl); without
+them it is plain HTTP, and a listener on any address but loopback warns at start that the token
+crosses the network in clear.
+
 ``--fallback afxdp``: a job the XDP pool refuses is handed to the AF_XDP engine beside the
 aggregator (one engine process per interface, :mod:`nicoffload.agg.fallback`). Unloading stops
 the engine with the aggregator; ``--keep-loaded`` leaves it running with its jobs, and the next
@@ -18,6 +22,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +66,8 @@ class ServeOptions:
     keep_loaded: bool = False
     multicast: bool = True
     fallback: str | None = None  # "afxdp": jobs the XDP pool refuses go to the AF_XDP engine
+    tls_cert: str | None = None  # the service's certificate chain (PEM): the API speaks HTTPS
+    tls_key: str | None = None   # and its private key (PEM)
 
 
 def read_token(path: str | Path) -> bytes:
@@ -93,6 +100,35 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The server side of TLS (the standard library's ssl) for ``--tls-cert``/``--tls-key``, or
+    None without them; a file that does not load is refused in one line."""
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise InputError("TLS takes both --tls-cert FILE and --tls-key FILE")
+    for option, f in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(f).is_file():
+            raise NotFoundError(f"{option} {f} does not exist")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except PermissionError:
+        raise PrivilegeError(f"--tls-cert {cert} or --tls-key {key} is not readable by this user") from None
+    except (ssl.SSLError, OSError) as e:
+        raise InputError(f"--tls-cert {cert} with --tls-key {key} do not load as a PEM certificate chain and its "
+                         f"private key: {getattr(e, 'reason', None) or e}") from None
+    return ctx
+
+
+def warn_if_clear(host: str, tls: bool) -> None:
+    """Plain HTTP anywhere but on loopback: the token crosses the network in clear."""
+    if not tls and not ipaddress.IPv4Address(host).is_loopback:
+        log.warning("the API on %s speaks plain HTTP: the token crosses the network in clear (and with it every "
+                    "job's key); give --tls-cert FILE --tls-key FILE, or listen on a management network only", host)
+
+
 def lease_file(netns: str | None, iface: str) -> Path:
     return STATE_DIR / f"{netns or 'root'}__{iface}.leases.json"
 
@@ -122,7 +158,7 @@ def open_or_load(o: ServeOptions) -> tuple[Aggregator, bool]:
 
 
 async def _serve(service: Service, sock: socket.socket, token: bytes, url: str,
-                 ready: Callable[[str], None] | None) -> int:
+                 ready: Callable[[str], None] | None, tls: ssl.SSLContext | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -130,7 +166,7 @@ async def _serve(service: Service, sock: socket.socket, token: bytes, url: str,
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nicoffload-service")
     runner = web.AppRunner(make_app(service, token, executor), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.SockSite(runner, sock)
+    site = web.SockSite(runner, sock, ssl_context=tls)
     await site.start()
     log.info("listening on %s", url)
     if ready:
@@ -165,6 +201,7 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
     """Run the service until SIGTERM/SIGINT; returns the exit code."""
     token = read_token(o.token_file)
     host, port = parse_listen(o.listen)
+    tls = tls_context(o.tls_cert, o.tls_key)
     bpf.require_root("nicoffload agg serve")
     if o.fallback is not None and o.fallback not in engines.fallbacks():
         raise InputError(f"--fallback takes {' or '.join(engines.fallbacks())}, not {o.fallback!r}")
@@ -172,7 +209,7 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
     leases = LeaseBook(lease_file(o.netns, o.iface))
     try:
         service = Service(agg, leases, ServiceConfig(lease_s=o.lease_s, job_slots=o.job_slots,
-                                                     multicast=o.multicast, fallback=o.fallback))
+                                                     multicast=o.multicast, fallback=o.fallback), token=token)
         if adopted:
             taken = service.restore()
             log.info("took over the aggregator on %s (%s) with %s, %d leased", o.iface,
@@ -185,8 +222,9 @@ def serve(o: ServeOptions, ready: Callable[[str], None] | None = None) -> int:
         if o.fallback:
             log.info("a job the pool refuses goes to the AF_XDP engine beside the aggregator (--fallback %s)",
                      o.fallback)
-        url = f"http://{host}:{port}"
-        return asyncio.run(_serve(service, sock, token, url, ready))
+        url = f"{'https' if tls else 'http'}://{host}:{port}"
+        warn_if_clear(host, tls is not None)
+        return asyncio.run(_serve(service, sock, token, url, ready, tls))
     finally:
         if o.keep_loaded:
             left = fallback.handed_off(o.netns, o.iface)

@@ -46,7 +46,7 @@ class XdpPool:
                                     f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one")
             slots = min(p.job_slots, largest)
         e = self.agg.add_job(p.job, req.world, p.group, req.workers, slots=slots, optimizer=req.optimizer,
-                             params=req.params, delivery=p.delivery)
+                             params=req.params, delivery=p.delivery, key=p.key, key_nonce=p.key_nonce)
         return Admitted(None, f"admitted: {e.workers} ranks, slots {e.slot_base}..{e.slot_base + e.slot_count - 1}, "
                               f"{e.delivery} delivery (group {e.group})")
 
@@ -62,7 +62,7 @@ class XdpPool:
                         local_port=self.local_port(e.index), group=e.group, slot_base=e.slot_base,
                         slots=e.slot_count, elems=s.elems, lease_s=le.lease_s if le else 0.0,
                         delivery=e.delivery, owner=le.owner if le else "", optimizer=e.optimizer,
-                        params=e.params, engine=self.name)
+                        params=e.params, engine=self.name, key_nonce=e.key_nonce)
 
     def describe(self, job: int) -> dict:
         st = self.agg.job_state(job)

@@ -261,7 +261,8 @@ class OffloadedOptimizer:
     aggregator's job must hold the same initial parameters (``agg job add --optimizer ...
     --params N --init``, or :meth:`nicoffload.agg.Aggregator.add_job`) in the order of
     ``params``. Use it instead of a torch optimizer, on a model that is not wrapped in DDP (the
-    aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's.
+    aggregator does the all-reduce); ``zero_grad`` and ``step`` as torch's. ``key``: the job's key
+    (as ``agg job add`` printed it).
 
     Under the ``"nicoffload"`` torch.distributed backend nothing else is needed:
     ``OffloadedOptimizer(model.parameters(), optimizer=dict(lr=0.05, momentum=0.9))`` (SGD) or
@@ -273,7 +274,7 @@ class OffloadedOptimizer:
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout, rank: int | None = None,
                  world: int | None = None, communicator: Communicator | None = None, optimizer=None,
-                 process_group=None):
+                 process_group=None, key: int = DEFAULT.key):
         from nicoffload import optim
 
         self.params = [p for p in params]
@@ -295,7 +296,8 @@ class OffloadedOptimizer:
                 rank = dist.get_rank() if rank is None else rank
                 world = dist.get_world_size() if world is None else world
             communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port, job=job,
-                                        slots=optim.share(self.n, elems), elems=elems, timeout=timeout, sparse=False)
+                                        slots=optim.share(self.n, elems), elems=elems, timeout=timeout, sparse=False,
+                                        key=key)
         self.comm = communicator
         self.world = communicator.world
         self._grads = torch.zeros(self.n, dtype=torch.float32)

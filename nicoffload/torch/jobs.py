@@ -2,6 +2,11 @@
 others never talk to a service, rank 0 tells them why it could not), every rank builds its
 communicator from the grants, rank 0 renews their leases and removes them when the group ends.
 
+A grant carries the nonce of its job's key, never the key: every rank derives the key from the
+nonce and the service's token, which it reads from its own ``NICOFFLOAD_TOKEN_FILE``
+(:meth:`JobGrant.spec` with ``token``), so the rendezvous store, where the grants travel, holds
+nothing that lets a host write into the job.
+
 Several services (``NICOFFLOAD_SERVICE=URL1,URL2,...``): a job at each, every tensor sharded
 over their aggregators (the port rule is the grant's: :meth:`JobGrant.spec` with ``shard``).
 """
@@ -16,7 +21,7 @@ from nicoffload.collective import Collective
 from nicoffload.communicators import communicator
 from nicoffload.errors import CapacityError, NicoffloadError, NotFoundError, SetupError
 from nicoffload.service.api import JobGrant, JobRequest
-from nicoffload.service.client import ServiceClient
+from nicoffload.service.client import ServiceClient, read_token_file
 from nicoffload.torch.config import BackendConfig
 from nicoffload.torch.rendezvous import Rendezvous
 from nicoffload.worker.comm import Communicator
@@ -42,6 +47,16 @@ class ServiceJobs:
         self._optimizer_jobs = 0
         self._request: tuple[list[str], int] = (list(addresses), 1)
         self._lost: set[int] = set()  # jobs the service no longer had (renewing them stops)
+        self._token: str | None = None
+
+    def token(self) -> str:
+        """The service's token, read by every rank: the jobs' keys derive from it."""
+        if self._token is None:
+            if not self.config.token_file:
+                raise SetupError(f"rank {self.rank}: the job's key derives from the service's token, and "
+                                 f"NICOFFLOAD_TOKEN_FILE is not set here: every rank needs it")
+            self._token = read_token_file(self.config.token_file)
+        return self._token
 
     # --- what rank 0 asks for, every rank gets -------------------------------------------------
     def _clients(self) -> list[ServiceClient]:
@@ -113,7 +128,8 @@ class ServiceJobs:
         the blocks non-zero somewhere."""
         grants = [g.every_lane()[lane] for _c, g in self.held]
         return communicator(rank, world, mode="aggregator", aggregator=",".join(g.aggregator for g in grants),
-                            specs=[g.spec(timeout, shard=k).replace(sparse=False) for k, g in enumerate(grants)],
+                            specs=[g.spec(timeout, shard=k, token=self.token()).replace(sparse=False)
+                                   for k, g in enumerate(grants)],
                             local_ip=local_ip, **self.watch(timeout))
 
     def watch(self, timeout: float) -> dict:
@@ -132,7 +148,7 @@ class ServiceJobs:
         try:
             return communicator(self.rank, self.size, mode="aggregator",
                                 aggregator=",".join(g.aggregator for g in grants),
-                                specs=[g.spec(timeout, shard=k) for k, g in enumerate(grants)],
+                                specs=[g.spec(timeout, shard=k, token=self.token()) for k, g in enumerate(grants)],
                                 local_ip=local_ip, **self.watch(timeout))
         except BaseException:
             if self.rank == 0:
@@ -162,7 +178,8 @@ class ServiceJobs:
         self._optimizer_jobs += 1
         self.held.append((client, grant))
         return Communicator.from_spec(self.rank, self.size, grant.aggregator,
-                                      grant.spec(timeout).replace(sparse=False), local_ip=local_ip,
+                                      grant.spec(timeout, token=self.token()).replace(sparse=False),
+                                      local_ip=local_ip,
                                       # no failover: its state lived in the aggregator (fails naming it)
                                       silence=self.watch(timeout)["silence"])
 

@@ -41,6 +41,8 @@ class UserspaceAggregator(SlotRules, EpochState):
     params: np.ndarray | None = None
     #: how results reach the ranks: one datagram to the group, or one to each rank's address
     delivery: str = "multicast"
+    #: the job's key: every record must carry it (``bad_key`` otherwise); 0: a job without one
+    key: int = 0
 
     def __post_init__(self):
         if self.elems < 2 or self.elems % 2:
@@ -134,6 +136,8 @@ class UserspaceAggregator(SlotRules, EpochState):
             return self._reject("bad_version")
         if int(h["job"]) != self.job:
             return self._reject("bad_job")
+        if int(h["key"]) != self.key:  # before anything else of it: a JOIN, an ACK, a record
+            return self._reject("bad_key")
         rank = int(h["rank"])
         if rank >= self.workers:
             return self._reject("bad_rank")

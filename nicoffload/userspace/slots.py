@@ -4,7 +4,7 @@ retransmission answered from the stored result, a duplicate dropped, the first c
 the round on its set (once every rank has acknowledged the set's previous round), the others
 adding, the last completing it (and, in an optimizer job, applying the update). Mixed into
 :class:`nicoffload.userspace.UserspaceAggregator`, which provides ``workers``, ``job``,
-``slots``, ``elems``, ``stats``, ``live``, ``acks``, ``_sets``, ``_acc``, ``_gate``,
+``slots``, ``elems``, ``key``, ``stats``, ``live``, ``acks``, ``_sets``, ``_acc``, ``_gate``,
 ``_mask_all`` and the optimizer job's ``_opt``, ``_meta`` and ``_hyper``."""
 from __future__ import annotations
 
@@ -169,7 +169,11 @@ class SlotRules:
         flags = int(r["flags"])
         if flags & ~proto.FLAGS_KNOWN:
             return "bad_flags"
-        if int(r["job"]) != self.job or int(r["rank"]) != rank:
+        if int(r["job"]) != self.job:
+            return "bad_mixed"
+        if int(r["key"]) != self.key:
+            return "bad_key"
+        if int(r["rank"]) != rank:
             return "bad_mixed"
         if int(r["slot"]) >= self.slots:
             return "bad_slot"

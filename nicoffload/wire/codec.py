@@ -1,11 +1,11 @@
 """Vectorised encoder/decoder of AllReduce datagrams (UDP payloads) for the worker hot path.
 
-A batch of K datagrams is one numpy structured array: each record is the 40-byte header (big-endian
+A batch of K datagrams is one numpy structured array: each record is the 48-byte header (big-endian
 fields at the offsets of ``nicoffload.wire.proto.FIELDS``, i.e. of the C header) followed by ``elems``
 little-endian int32. Encoding fills the header columns from per-block arrays (or scalars) and the
 payload column from a 2-D int32 array, then returns the records as one contiguous buffer: exactly
 what a UDP socket with ``UDP_SEGMENT = datagram_size(elems)`` sends in one call. There is no Python
-loop per element nor per datagram: the only loop is over the 17 header fields.
+loop per element nor per datagram: the only loop is over the 18 header fields.
 
 Records without a payload (ACK) are a batch with ``elems = 0`` (a 2-D array of shape (K, 0));
 every record of a batch has one size.
@@ -49,7 +49,7 @@ _check_layout()
 
 
 def header_dtype() -> np.dtype:
-    """Structured dtype of the 40-byte header: big-endian fields at the C header's offsets."""
+    """Structured dtype of the 48-byte header: big-endian fields at the C header's offsets."""
     return np.dtype(
         {
             "names": [name for name, _, _ in proto.FIELDS],
@@ -119,6 +119,7 @@ def encode_blocks(
     flags=0,
     detail=0,
     pad=0,
+    key=0,
     type=proto.TYPE_CONTRIB,  # noqa: A002 - wire field name
     magic=proto.MAGIC,
     version=proto.VERSION,
@@ -126,7 +127,8 @@ def encode_blocks(
 ) -> bytearray | memoryview:
     """Encode K datagrams from ``blocks`` (int32, shape (K, elems)) into one contiguous buffer.
 
-    Every header argument is a scalar (same for all K) or an integer array of shape (K,).
+    Every header argument is a scalar (same for all K) or an integer array of shape (K,); ``key``
+    is the job's 64-bit key (0: a job without one).
     ``count`` defaults to ``elems`` (full blocks); it must not exceed ``elems``. Values are checked
     against their wire type's range (no silent wrap). Returns a new ``bytearray`` of
     K * datagram_size(elems) bytes; with ``out`` (a writable buffer at least that long) the
@@ -144,7 +146,7 @@ def encode_blocks(
     values = {
         "magic": magic, "version": version, "type": type, "flags": flags, "set": set, "rank": rank,
         "job": job, "epoch": epoch, "slot": slot, "round": round, "mask": mask, "ack": ack,
-        "count": count, "exp": exp, "op": op, "detail": detail, "pad": pad,
+        "count": count, "exp": exp, "op": op, "detail": detail, "pad": pad, "key": key,
     }
     missing = [n for n in FIELD_NAMES if n not in values]
     if missing:  # a field added to the C header must be added here too

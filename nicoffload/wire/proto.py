@@ -100,6 +100,7 @@ FIELDS: list[tuple[str, int, str]] = [
     ("op", C["AR_OFF_OP"], "B"),
     ("detail", C["AR_OFF_DETAIL"], "B"),
     ("pad", C["AR_OFF_PAD"], "H"),
+    ("key", C["AR_OFF_KEY"], "Q"),
 ]
 #: struct format of the header (network byte order), derived from FIELDS
 HDR_STRUCT = "!" + "".join(code for _, _, code in FIELDS)

@@ -90,6 +90,7 @@ class Communicator:
     silence: float | None = None   # seconds without any answer from the aggregator that mean it is gone
     delivery: str = DEFAULT.delivery  # multicast: results come to ``group``; unicast: to this rank's address
     lanes: int = DEFAULT.lanes     # bits per fixed-point lane of float sums (16: half the bytes); ints: 32
+    key: int = DEFAULT.key         # the job's key: in every record; results without it are foreign
     # small float tensors (up to SPECULATE_BLOCKS blocks) go out scaled by the exponents the last
     # call of their size had, beside this call's exponent round: one round trip where those hold.
     # Every rank of a job must use the same setting.
@@ -108,7 +109,8 @@ class Communicator:
         """A rank of the job ``spec`` describes."""
         return cls(rank, world, aggregator, group=spec.group, local_ip=local_ip, job=spec.job, port=spec.port,
                    slots=spec.slots, window=spec.window, elems=spec.elems, timeout=spec.timeout,
-                   sparse=spec.sparse, local_port=spec.local_port, delivery=spec.delivery, lanes=spec.lanes, **kw)
+                   sparse=spec.sparse, local_port=spec.local_port, delivery=spec.delivery, lanes=spec.lanes,
+                   key=spec.key, **kw)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world <= proto.MAX_WORKERS:
@@ -126,7 +128,7 @@ class Communicator:
                               job=self.job, port=self.port, local_port=self.local_port, slots=self.slots,
                               window=self.window, elems=self.elems,
                               timeout=self.timeout, rto=self.rto, max_rto=self.max_rto, buffers=self._buf,
-                              silence=self.silence, delivery=self.delivery)
+                              silence=self.silence, delivery=self.delivery, key=self.key)
         self._rec = self._s.record_size
         self._guesses = Guesses()  # the last call of each size's metadata (speculation)
         self._cut = None  # the data rounds of the call in flight (final_blocks)
@@ -369,8 +371,7 @@ class Communicator:
         tmpl = self._s.template(proto.TYPE_CONTRIB)
         for p, (_v, op) in enumerate(parts):
             rounds = blocks[p * per:(p + 1) * per]
-            enc.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op,
-                               p * per)
+            enc.encode_int(send, self._rec, E, tmpl, values, rounds, base, self.slots, blocks, masks, op, p * per)
         res = self._buf.get("meta_out", k * E, np.int32)
         self._s.run(base, Rounds(blocks, masks, blocks, self._buf.get("noshift", k, np.int32), send,
                                  pump.KIND_INT32, res))

@@ -18,10 +18,11 @@ def _be32(v: int) -> np.ndarray:
 
 
 class RankRecords:
-    """Record headers with one rank's constant fields (rank, job, epoch), made once and copied."""
+    """Record headers with one rank's constant fields (rank, job, the job's key, epoch), made once
+    and copied."""
 
-    def __init__(self, rank: int, job: int, world: int):
-        self.rank, self.job, self.world = rank, job, world
+    def __init__(self, rank: int, job: int, world: int, key: int = 0):
+        self.rank, self.job, self.world, self.key = rank, job, world, key
         self._cache: dict = {}
 
     def template(self, type_: int, flags: int, epoch: int) -> np.ndarray:
@@ -31,7 +32,7 @@ class RankRecords:
         if t is None:
             t = np.frombuffer(codec.encode_blocks(np.zeros((1, 0), np.int32), rank=self.rank, job=self.job,
                                                   epoch=epoch, slot=0, set=0, round=0, mask=0, count=0,
-                                                  type=type_, flags=flags), dtype=np.uint8).copy()
+                                                  type=type_, flags=flags, key=self.key), dtype=np.uint8).copy()
             self._cache[key] = t
         return t.copy()
 
@@ -39,7 +40,8 @@ class RankRecords:
         """JOIN with this process's 64-bit nonce (low half in ``round``, high half in ``ack``)."""
         return codec.encode_blocks(
             np.zeros((1, proto.JOIN_PAYLOAD // 4), np.int32), rank=self.rank, job=self.job, slot=0, set=0,
-            round=nonce & 0xFFFFFFFF, ack=nonce >> 32, mask=(1 << self.world) - 1, count=0, type=proto.TYPE_JOIN)
+            round=nonce & 0xFFFFFFFF, ack=nonce >> 32, mask=(1 << self.world) - 1, count=0, type=proto.TYPE_JOIN,
+            key=self.key)
 
     def ack(self, epoch: int, head_abs: int, ask: bool = False) -> bytes:
         """ACK of this rank's head; ``ask`` (RETX) also asks the aggregator for the job's gate."""

@@ -49,7 +49,7 @@ class RoundStream:
     def __init__(self, rank: int, world: int, aggregator: str, *, group: str, local_ip: str | None, job: int,
                  port: int, local_port: int | None, slots: int, window: int, elems: int, timeout: float, rto: float,
                  max_rto: float,
-                 buffers: Buffers, silence: float | None = None, delivery: str = "multicast"):
+                 buffers: Buffers, silence: float | None = None, delivery: str = "multicast", key: int = 0):
         self.rank, self.world, self.aggregator, self.job, self.port = rank, world, aggregator, job, port
         self.group = group
         self.slots, self.window, self.elems, self.timeout = slots, window, elems, timeout
@@ -63,7 +63,7 @@ class RoundStream:
         self.delivery = delivery
         self._t = Transport(port if local_port is None else local_port, group if delivery == "multicast" else None,
                             local_ip, self._rec)
-        self._t.expect_from((aggregator, port))
+        self._t.expect_from((aggregator, port), key)  # results from the aggregator, with the job's key
         self._round = 0        # next round of the epoch (unwrapped)
         self._epoch = 0        # 0 until joined
         self._all = (1 << world) - 1
@@ -72,7 +72,7 @@ class RoundStream:
         self._buf = buffers
         self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
         self._acked = 0        # the last head this rank reported (unwrapped)
-        self._records = RankRecords(rank, job, world)
+        self._records = RankRecords(rank, job, world, key)  # every record carries the job's key
         # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
         h = 2 * slots
         self._stash = faulted_in(h * self._rec, np.uint8)

@@ -1,5 +1,6 @@
 """`nicoffload agg bench`: the in-kernel costs it prints come from runs that really completed
-their rounds, the slot lock's cost paired frame by frame against the test-only build without it."""
+their rounds, the slot lock's and the key check's costs paired frame by frame against the
+test-only builds without them."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from nicoffload.lab import xdpbench
 
 def test_agg_bench_reports_costs_and_the_slot_lock():
     r = subprocess.run([sys.executable, "-m", "nicoffload.cli", "agg", "bench", "--workers", "2", "--rounds", "200",
-                        "--lock-cost", "--no-live", "--json"], capture_output=True, text=True, timeout=300)
+                        "--lock-cost", "--key-cost", "--no-live", "--json"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     t, lk = out["test_run_ns"], out["lock"]
@@ -22,3 +24,12 @@ def test_agg_bench_reports_costs_and_the_slot_lock():
     assert unlocked < locked, lk["insns"]  # the second build really lacks the lock's helper calls
 
     assert "slot lock (200 one-record frames" in xdpbench.describe(out)  # what the command prints without --json
+    batch = xdpbench.key_batch(256)
+    assert batch == 3  # 1072-byte records in a test run's 3,520 linear bytes
+    for name, frames in (("single", 200), ("batch", 200 // batch)):
+        k = out["key"][name]
+        assert k["frames"] == frames and k["with"] > 0 and k["without"] > 0 and len(k["spread"]) == 5, k
+        assert abs(k["diff"]) < k["with"] and k["share"] == k["diff"] / k["with"]
+        checked, unchecked = k["insns"]
+        assert unchecked < checked, k["insns"]  # the test-only build really lacks the compare
+    assert "key check (200 one-record frames" in xdpbench.describe(out)

@@ -104,7 +104,7 @@ class Stress:
         for r in range(RANKS):
             buf = bytes(encode_blocks(arrays[r].reshape(rounds, ELEMS), rank=r, job=1, epoch=epoch, slot=slot,
                                       set=set_, round=np.arange(rounds), mask=(1 << RANKS) - 1, ack=self.horizon,
-                                      op=OP))
+                                      op=OP, key=gen.KEY))
             recs = [buf[i:i + size] for i in range(0, len(buf), size)]
             down = r >= half  # the second process walks each generation's rounds downwards
             per_rank.append([gen.batch(recs[g * gen_len:(g + 1) * gen_len][::-1 if down else 1], r)

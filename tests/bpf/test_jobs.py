@@ -30,8 +30,8 @@ def two_jobs(agg):
         agg.remove_job(j)
     agg.reset_slots()
     agg.reset_stats()
-    agg.add_job(1, 2, GROUP_A, IPS_A, slots=8)
-    agg.add_job(2, 3, GROUP_B, IPS_B, slots=16)
+    agg.add_job(1, 2, GROUP_A, IPS_A, slots=8, key=gen.KEY)  # the generators' key: job by job in test_keys
+    agg.add_job(2, 3, GROUP_B, IPS_B, slots=16, key=gen.KEY)
     return agg
 
 
@@ -95,7 +95,7 @@ def test_a_removed_job_is_no_job(two_jobs):
     out = agg.run(gen.frame(rec, src_mac=gen.worker_mac(0), dst_mac=gen.AGG_MAC, src_ip=IPS_B[0], dst_ip=gen.AGG_IP))
     assert out.verdict == XDP_DROP and agg.unattributed()["bad_job"] == 1
     # its share is free again, and a new job there starts clean (no slot state, no epoch)
-    e = agg.add_job(3, 3, GROUP_B, IPS_B, slots=16)
+    e = agg.add_job(3, 3, GROUP_B, IPS_B, slots=16, key=gen.KEY)
     assert (e.slot_base, e.slot_count) == (8, 16)
     assert agg.job_state(3)["epoch"] == 0 and agg.stats(3)["rx"] == 0
     assert not any(s["used"] for i in e.slots for s in agg.slot(i)["sets"])

@@ -35,7 +35,7 @@ def frames_of(rank: int, rows: np.ndarray, *, epoch: int, first_round: int, P: i
         rec = codec.encode_blocks(rows[j:j + 1], rank=rank, job=1, epoch=epoch, slot=r % P, set=(r // P) % 2,
                                   round=r, mask=(1 << W) - 1, count=E if counts is None else int(counts[j]),
                                   exp=int(exps[j]) if np.ndim(exps) else exps, op=op, flags=flags,
-                                  ack=first_round)  # the rank holds every result before these rounds
+                                  ack=first_round, key=gen.KEY)  # it holds every result before these rounds
         out.append(gen.frame(bytes(rec), src_mac=gen.worker_mac(rank), dst_mac=gen.AGG_MAC,
                              src_ip=gen.worker_ip(rank), dst_ip=gen.AGG_IP))
     return out

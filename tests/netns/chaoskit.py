@@ -20,6 +20,7 @@ from nicoffload.errors import NotFoundError
 from nicoffload.lab.jobs import run_workers
 from nicoffload.testbed import state as tbstate
 from nicoffload.testbed.netlink import ipr, list_netns
+from nicoffload.wire import keys
 
 CLI = [sys.executable, "-m", "nicoffload.cli"]
 #: every process a test starts carries this variable, and so do their children: how orphans are found
@@ -199,9 +200,13 @@ def interrupt_verification(p: subprocess.Popen, started: Callable[[], bool], tim
 
 
 # --- jobs -----------------------------------------------------------------------------------------
+#: the key of the job `agg load` registers (given, so that the ranks started later carry it)
+KEY = keys.new_key()
+
+
 def agg_load_args(tb) -> list:
     a = ["agg", "load", "--netns", tb.agg.netns, "--iface", tb.agg.iface, "--workers", len(tb.workers),
-         "--group", tb.mcast_group, "--port", tb.port]
+         "--group", tb.mcast_group, "--port", tb.port, "--key", keys.show(KEY)]
     for w in tb.workers:
         a += ["--worker-ip", w.ip]
     return a
@@ -226,7 +231,7 @@ def start_workers(tb, ins, outs, reps: int, timeout: float) -> list[subprocess.P
     return [tb.popen(w, CLI + ["worker", "--rank", str(w.rank), "--world", str(n), "--aggregator", tb.agg.ip,
                                "--group", tb.mcast_group, "--port", str(tb.port), "--local-ip", w.ip,
                                "--input", str(ins[w.rank]), "--output", str(outs[w.rank]), "--timeout",
-                               str(timeout), "--reps", str(reps)],
+                               str(timeout), "--reps", str(reps), "--key", keys.show(KEY)],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in tb.workers]
 
 
@@ -245,7 +250,7 @@ def wait_running(tb, procs, rounds: int = 200, timeout: float = 60.0) -> None:
 def exact_job(tb, tmp_path: Path, tag: str) -> None:
     """A job on the loaded aggregator (all ranks, a fresh start) gives the exact int32 sum."""
     ins, outs, want = int_inputs(tmp_path, tag, len(tb.workers), 70_001, seed=len(tag))
-    run_workers(tb, ins, outs, timeout=5)
+    run_workers(tb, ins, outs, timeout=5, key=KEY)
     for r, out in enumerate(outs):
         assert np.array_equal(np.load(out), want), f"{tag}: rank {r}'s sum is wrong"
 

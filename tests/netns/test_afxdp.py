@@ -25,7 +25,7 @@ from nicoffload.errors import InputError
 from nicoffload.lab import reference
 from nicoffload.lab.jobs import run_job
 from nicoffload.packets import attacks
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 from nicoffload.worker.comm import Communicator
 
 E = proto.DEFAULT_ELEMS
@@ -139,12 +139,13 @@ def test_hostile_frames_are_counted_one_by_one_and_the_job_stays_exact(make_test
     with contextlib.ExitStack() as stack:
         eng = stack.enter_context(AfxdpEngine(port=tb.port, netns=tb.agg.netns, local_ip=tb.agg.ip))
         assert xsk_fds() == sockets + 1  # one queue, one socket
-        eng.add_job(JOB, W, SLOTS, group, [h.ip for h in ranks])
+        key = keys.new_key()
+        eng.add_job(JOB, W, SLOTS, group, [h.ip for h in ranks], key=key)
         comms = []
         for r, h in enumerate(ranks):
             with tb.in_host(h):
                 comms.append(stack.enter_context(Communicator(r, W, tb.agg.ip, group=group, local_ip=h.ip, job=JOB,
-                                                              port=tb.port, slots=SLOTS, timeout=20)))
+                                                              port=tb.port, slots=SLOTS, timeout=20, key=key)))
         outs, errs = run_ranks(lambda r: comms[r].allreduce(xs[r]), W)
         assert not errs, errs
         epoch = eng.job_state(JOB)["live_epoch"]
@@ -152,7 +153,7 @@ def test_hostile_frames_are_counted_one_by_one_and_the_job_stays_exact(make_test
 
         frames = attacks.attack(job=JOB, epoch=epoch, worker_ips=[h.ip for h in ranks], slots=SLOTS,
                                 attacker_ip=attacker.ip, attacker_mac=attacker.mac, dst_ip=tb.agg.ip,
-                                dst_mac=tb.agg.mac, other_jobs=(JOB + 1, 0, 0xFFFFFFFF))
+                                dst_mac=tb.agg.mac, other_jobs=(JOB + 1, 0, 0xFFFFFFFF), key=key)
         with tb.in_host(attacker):
             raw = stack.enter_context(socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
             raw.bind((attacker.iface, 0))
@@ -182,12 +183,12 @@ def test_hostile_frames_are_counted_one_by_one_and_the_job_stays_exact(make_test
         assert not errs, errs
         assert all(np.array_equal(o, xs[0].astype(np.int64) + xs[1]) for o in outs)
         kinds = Counter(f.kind for f in frames)
-        assert kinds["malformed"] > 10 and kinds["spoofed_rank"] and kinds["wrong_job"], kinds
+        assert kinds["malformed"] > 10 and kinds["spoofed_rank"] and kinds["wrong_job"] and kinds["spoofed_key"], kinds
     assert bpf.xdp_prog_id(tb.agg.iface, tb.agg.netns) is None
     assert xsk_fds() == sockets
 
 
-def run_int32_job(tb, job: int, slots: int, seed: int, local_port: int | None = None) -> None:
+def run_int32_job(tb, job: int, slots: int, seed: int, local_port: int | None = None, key: int = 0) -> None:
     """Job ``job``'s two ranks (the testbed's two workers) sum int32 arrays: exact."""
     rng = np.random.default_rng(seed)
     xs = [rng.integers(-(2**30), 2**30, 30 * E + 5).astype(np.int32) for _ in range(2)]
@@ -196,7 +197,8 @@ def run_int32_job(tb, job: int, slots: int, seed: int, local_port: int | None = 
         for r, w in enumerate(tb.workers):
             with tb.in_host(w):
                 comms.append(Communicator(r, 2, tb.agg.ip, group=tb.topology.group_of(job), local_ip=w.ip,
-                                          port=tb.port, job=job, slots=slots, timeout=20, local_port=local_port))
+                                          port=tb.port, job=job, slots=slots, timeout=20, local_port=local_port,
+                                          key=key))
         outs, errs = run_ranks(lambda r: comms[r].allreduce(xs[r]), 2)
     finally:
         for c in comms:
@@ -227,17 +229,20 @@ def test_jobs_the_xdp_pool_refuses_are_served_by_the_fallback_engine(make_testbe
         assert r.returncode == 0, r.stderr
         two = json.loads(r.stdout)
         assert two["engine"] == "afxdp" and "free range" in two["refused_by_xdp"] and two["copy_mode"]
-        r = add(3, "--fallback", "afxdp")
-        assert r.returncode == 0 and "AF_XDP engine took it" in r.stdout, r.stderr
+        key3 = keys.new_key()
+        r = add(3, "--fallback", "afxdp", "--key", keys.show(key3))
+        assert r.returncode == 0 and "AF_XDP engine took it" in r.stdout and keys.show(key3) in r.stdout, r.stderr
         assert engine_procs() == [two["pid"]]  # one engine for both
-        run_int32_job(tb, 2, 64, seed=8, local_port=tb.port + 2)
-        run_int32_job(tb, 3, 64, seed=9, local_port=tb.port + 3)
+        # each with the key `job add` drew (and printed) or was given
+        run_int32_job(tb, 2, 64, seed=8, local_port=tb.port + 2, key=keys.parse(two["key"]))
+        run_int32_job(tb, 3, 64, seed=9, local_port=tb.port + 3, key=key3)
         run_int32_job(tb, 1, 128, seed=10)  # the XDP aggregator's own job, beside them
         time.sleep(0.3)  # the engine writes its counters every tenth of a second
         listed = json.loads(subprocess.run([*CLI, "agg", "job", "list", *where, "--json"], capture_output=True,
                                            text=True, check=True).stdout)
         assert [h["job"] for h in listed["afxdp"]] == [2, 3]
         assert all(h["alive"] and h["stats"]["completed"] > 0 and h["stats"]["bad_job"] == 0 for h in listed["afxdp"])
+        assert all(h["keyed"] and "key" not in h for h in listed["afxdp"])  # listings never show a key
         assert listed["unattributed"]["bad_job"] == 0  # their frames went to the engine, not to row 0
         st = json.loads(subprocess.run([*CLI, "agg", "stats", *where, "--job", "3", "--json"], capture_output=True,
                                        text=True, check=True).stdout)
@@ -247,7 +252,7 @@ def test_jobs_the_xdp_pool_refuses_are_served_by_the_fallback_engine(make_testbe
         r = subprocess.run([*CLI, "agg", "job", "remove", *where, "--job", "2"], capture_output=True, text=True)
         assert r.returncode == 0 and "AF_XDP engine" in r.stdout, r.stderr
         assert engine_procs() == [two["pid"]]
-        run_int32_job(tb, 3, 64, seed=11, local_port=tb.port + 3)
+        run_int32_job(tb, 3, 64, seed=11, local_port=tb.port + 3, key=key3)
         assert bpf.xdp_prog_id(tb.agg.iface, tb.agg.netns) is not None  # the XDP aggregator stays
         # a job of the pool never takes the group of a job the engine serves
         agg.remove_job(1)

@@ -17,7 +17,7 @@ from nicoffload.lab.aggregators import AggregatorProcess
 from nicoffload.lab.jobs import run_workers
 from nicoffload.lab.links import enable_gro
 from nicoffload.ring.node import unload as ring_unload
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 
 CLI = [sys.executable, "-m", "nicoffload.cli"]
 
@@ -91,8 +91,11 @@ def test_cli_load_outlives_the_process_and_errors_are_one_line(make_testbed):
         st = json.loads(r.stdout)
         # the CLI process is gone; the program stays attached and its maps pinned
         assert bpf.xdp_prog_id(ifc, ns) == st["prog_id"]
+        assert keys.parse(st["key"])  # the job's key, drawn for it and printed once
         r = cli("agg", "status", "--netns", ns, "--iface", ifc, "--json")
-        assert r.returncode == 0 and json.loads(r.stdout)["attached"] is True
+        status = json.loads(r.stdout)
+        assert r.returncode == 0 and status["attached"] is True
+        assert status["jobs"][0]["keyed"] and st["key"] not in r.stdout  # listings never show a key
         r = cli("agg", "slots", "--netns", ns, "--iface", ifc, "--slot", "3", "--json")
         assert r.returncode == 0 and json.loads(r.stdout)[0]["slot"] == 3
         r = cli("agg", "stats", "--netns", ns, "--iface", ifc, "--json")

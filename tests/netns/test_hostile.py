@@ -2,8 +2,9 @@
 int32, 4 MiB each) while a third host of the testbed, registered in no job, floods the
 aggregator through a raw socket with at least 100,000 frames of :func:`attacks.attack`: every
 malformed kind (most from a rank's spoofed address, so that the checks behind the source check
-are reached), foreign traffic, records of jobs that are not registered, and records claiming a
-rank of the job from the attacker's own address. Every result is exact (int32) or within the
+are reached), foreign traffic, records of jobs that are not registered, records claiming a
+rank of the job from the attacker's own address, and everything a rank sends from the rank's own
+address without the job's key (``bad_key``; tests/netns/test_spoofed_key.py on its own). Every result is exact (int32) or within the
 documented bound (float32), and every hostile frame is counted exactly once by its reason, in
 its row (row 0 or the job's), while the job's own traffic counts no bad_* at all.
 
@@ -42,7 +43,7 @@ from nicoffload.ebpf import libbpf
 from nicoffload.lab import reference
 from nicoffload.packets import attacks
 from nicoffload.packets import generators as gen
-from nicoffload.wire import proto
+from nicoffload.wire import keys, proto
 from nicoffload.worker.comm import Communicator
 
 W = 2                     # ranks of the job; one more host attacks
@@ -256,7 +257,7 @@ def test_each_attack_frame_alone_is_counted_by_its_reason():
         frames = attacks.attack(job=JOB, epoch=state["epoch"], worker_ips=ips, slots=8, attacker_ip="10.0.0.9",
                                 attacker_mac="02:00:00:00:00:09", other_jobs=OTHER_JOBS)
         assert {f.reason for f in frames} >= set(BAD) | {"passed"}
-        assert {f.kind for f in frames} == {"malformed", "foreign", "wrong_job", "spoofed_rank"}
+        assert {f.kind for f in frames} == {"malformed", "foreign", "wrong_job", "spoofed_rank", "spoofed_key"}
         wrong = []
         for f in frames:
             agg.reset_stats()
@@ -279,13 +280,14 @@ def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path, delivery):
     ranks, attacker = tb.workers[:W], tb.workers[W]
     group = tb.topology.group_of(JOB)
     inputs = make_inputs(seed=9)
+    key = keys.new_key()
     with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=SLOTS)) as agg, contextlib.ExitStack() as stack:
-        agg.add_job(JOB, W, group, [h.ip for h in ranks], slots=SLOTS, delivery=delivery)
+        agg.add_job(JOB, W, group, [h.ip for h in ranks], slots=SLOTS, delivery=delivery, key=key)
         comms = []
         for r, h in enumerate(ranks):
             with tb.in_host(h):
                 comms.append(stack.enter_context(Communicator(r, W, tb.agg.ip, group=group, local_ip=h.ip, job=JOB,
-                                                              slots=SLOTS, timeout=20, delivery=delivery)))
+                                                              slots=SLOTS, timeout=20, delivery=delivery, key=key)))
         job = stack.enter_context(LiveJob(comms, inputs))
         job.wait(lambda: len(job.done()) >= 1, 30, "the job's first AllReduce")
         epoch = agg.job_state(JOB)["epoch"]
@@ -293,7 +295,7 @@ def test_hostile_traffic_during_a_live_job(make_testbed, tmp_path, delivery):
 
         frames = attacks.attack(job=JOB, epoch=epoch, worker_ips=[h.ip for h in ranks], slots=SLOTS,
                                 attacker_ip=attacker.ip, attacker_mac=attacker.mac, dst_ip=tb.agg.ip,
-                                dst_mac=tb.agg.mac, other_jobs=OTHER_JOBS)
+                                dst_mac=tb.agg.mac, other_jobs=OTHER_JOBS, key=key)
         assert max(len(f.frame) for f in frames) <= 14 + tb.topology.mtu
         path = tmp_path / "frames.pickle"
         path.write_bytes(pickle.dumps([f.frame for f in frames]))

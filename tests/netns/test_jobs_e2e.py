@@ -9,6 +9,7 @@ import threading
 import numpy as np
 
 from nicoffload.agg.control import Aggregator, AggSpec
+from nicoffload.wire import keys
 from nicoffload.worker.comm import Communicator
 
 
@@ -26,7 +27,7 @@ def run_jobs(tb, jobs: list[dict], inputs: dict) -> dict:
             with tb.in_host(h):
                 comms[j["job"], r] = Communicator(r, len(j["hosts"]), tb.agg.ip, group=j["group"],
                                                   local_ip=tb.host(h).ip, job=j["job"], slots=j["slots"],
-                                                  local_port=j.get("local_port"), timeout=20)
+                                                  local_port=j.get("local_port"), timeout=20, key=j.get("key", 0))
 
     def go(key):
         try:
@@ -85,15 +86,16 @@ def test_jobs_on_their_own_hosts_run_at_once_exact_and_apart(make_testbed):
 def test_two_jobs_sharing_hosts_stay_apart(make_testbed):
     tb = make_testbed(2)
     w = [h.name for h in tb.workers]
-    jobs = [dict(job=7, group=tb.topology.group_of(7), hosts=w, slots=128, local_port=5007),
-            dict(job=8, group=tb.topology.group_of(8), hosts=w, slots=128, local_port=5008)]
+    jobs = [dict(job=7, group=tb.topology.group_of(7), hosts=w, slots=128, local_port=5007, key=keys.new_key()),
+            dict(job=8, group=tb.topology.group_of(8), hosts=w, slots=128, local_port=5008, key=keys.new_key())]
     with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=256)) as agg:
-        for j in jobs:
-            agg.add_job(j["job"], 2, j["group"], [tb.host(h).ip for h in j["hosts"]], slots=j["slots"])
+        for j in jobs:  # each with its own key
+            agg.add_job(j["job"], 2, j["group"], [tb.host(h).ip for h in j["hosts"]], slots=j["slots"], key=j["key"])
         for seed in (3, 4):  # twice: a second run of both jobs is exact too
             ins = inputs_for(jobs, 200_000, seed=seed)
             check(jobs, ins, run_jobs(tb, jobs, ins))
         assert agg.stats(7)["epoch_formed"] == agg.stats(8)["epoch_formed"] == 2
+        assert agg.stats(7)["bad_key"] == agg.stats(8)["bad_key"] == 0
 
 
 def test_the_job_commands(make_testbed):
@@ -120,11 +122,14 @@ def test_the_job_commands(make_testbed):
         assert r.returncode == 10 and "largest free range of the pool holds 56" in r.stderr, (r.returncode, r.stderr)
         r = run("job", "add", "--job", "4", "--workers", "1", "--group", tb.topology.group_of(4),
                 "--worker-ip", w[2].ip, "--json")
-        assert r.returncode == 0 and json.loads(r.stdout)["slot_count"] == 56, r.stderr
-        # a job runs through the registered entry (another process, as users run them)
+        added = json.loads(r.stdout)
+        assert r.returncode == 0 and added["slot_count"] == 56, r.stderr
+        # a job runs through the registered entry (another process, as users run them), with the key
+        # `job add` drew for it and printed
+        key = keys.parse(added["key"])
         ins = {(4, 0): np.arange(1000, dtype=np.float32)}
         check([dict(job=4, hosts=[w[2].name])], ins,
-              run_jobs(tb, [dict(job=4, group=tb.topology.group_of(4), hosts=[w[2].name], slots=56)], ins))
+              run_jobs(tb, [dict(job=4, group=tb.topology.group_of(4), hosts=[w[2].name], slots=56, key=key)], ins))
         r = run("job", "list", "--json")
         jobs = {j["job"]: j for j in json.loads(r.stdout)["jobs"]}
         assert set(jobs) == {3, 4} and jobs[4]["stats"]["completed"] > 0 and jobs[3]["stats"]["rx"] == 0

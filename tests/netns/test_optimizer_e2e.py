@@ -12,6 +12,7 @@ from e2ekit import run_ranks
 from nicoffload import optim
 from nicoffload.agg.control import Aggregator, AggSpec
 from nicoffload.optim import OptimizerSpec
+from nicoffload.wire import keys
 from nicoffload.worker.comm import Communicator
 
 SPEC = OptimizerSpec(lr=0.1, momentum=0.9, weight_decay=1e-4)
@@ -19,14 +20,14 @@ ADAMW = OptimizerSpec.adamw(lr=1e-2, weight_decay=1e-2, amsgrad=True)
 N, E = 5000, 256
 
 
-def run_steps(tb, ranks, grads_per_step, slots, timeout=20):
+def run_steps(tb, ranks, grads_per_step, slots, timeout=20, key=0):
     """Every rank does every step (threads, each rank's socket in its namespace): the parameters
     each rank got back, per step."""
     comms = []
     for r, h in enumerate(ranks):
         with tb.in_host(h):
             comms.append(Communicator(r, len(ranks), tb.agg.ip, group=tb.mcast_group, local_ip=h.ip,
-                                      slots=slots, timeout=timeout, sparse=False))
+                                      slots=slots, timeout=timeout, sparse=False, key=key))
     got = [[] for _ in ranks]
     errors = []
 
@@ -154,14 +155,15 @@ def test_the_optimizer_commands(make_testbed, tmp_path):
                 "--lr", "0.1", "--momentum", "0.9", "--params", str(N), "--init", str(tmp_path / "init.npy"),
                 "--worker-ip", ranks[0].ip, "--worker-ip", ranks[1].ip)
         assert r.returncode == 0, r.stderr
+        key = keys.parse(r.stdout.split(" key ")[1].split()[0])  # the key `agg load` drew and printed
         grads = steps(np.random.default_rng(8), 2, 2)
-        run_steps(tb, ranks, grads[:1], P)
+        run_steps(tb, ranks, grads[:1], P, key=key)
         r = run("opt", "show", "--job", "1", "--json")
         shown = json.loads(r.stdout)
         assert shown["updates"] == {"min": 1, "max": 1} and shown["optimizer"]["lr"] == 0.1
         assert run("opt", "set-lr", "--job", "1", "--lr", "0.01").returncode == 0
         assert run("opt", "save", "--job", "1", "--file", str(tmp_path / "ckpt.npz")).returncode == 0
-        run_steps(tb, ranks, grads[1:], P)
+        run_steps(tb, ranks, grads[1:], P, key=key)
         assert run("opt", "params", "--job", "1", "-o", str(tmp_path / "w.npy")).returncode == 0
         model = optim.JobModel(OptimizerSpec(lr=0.1, momentum=0.9), init, 2, E)
         model.step(grads[0])

@@ -5,6 +5,7 @@ metrics, the CLI's ``--service``, and nothing left after SIGTERM."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -16,8 +17,9 @@ from e2ekit import run_ranks
 
 from nicoffload.errors import CapacityError, InputError, PrivilegeError
 from nicoffload.lab.train.torchrun import ServiceProcess, wait_for, write_token
-from nicoffload.service.api import JobRequest
+from nicoffload.service.api import JobGrant, JobRequest
 from nicoffload.service.client import ServiceClient
+from nicoffload.wire import keys
 from nicoffload.worker import Communicator
 
 
@@ -32,13 +34,15 @@ def raw(tb, method: str, url: str, body: bytes | None = None, headers: dict | No
             return e.code, json.loads(e.read() or b"null")
 
 
-def granted_sum(tb, grant, xs: list) -> list:
-    """Every testbed worker's Communicator for the job the service granted sums its xs[r]; the
+def granted_sum(tb, grant, xs: list, token: str, timeout: float = 10.0) -> list:
+    """Every testbed worker's Communicator for the job the service granted (its key derived from
+    the grant's nonce and the service's ``token``, as every rank derives it) sums its xs[r]; the
     results by rank (None where a rank raised)."""
     comms = []
     for r, w in enumerate(tb.workers):
         with tb.in_host(w):
-            comms.append(Communicator.from_spec(r, len(xs), grant.aggregator, grant.spec(10.0), local_ip=w.ip))
+            comms.append(Communicator.from_spec(r, len(xs), grant.aggregator, grant.spec(timeout, token=token),
+                                                local_ip=w.ip))
     try:
         outs, _errs = run_ranks(lambda r: comms[r].allreduce(xs[r]), len(xs), 30)
     finally:
@@ -47,12 +51,36 @@ def granted_sum(tb, grant, xs: list) -> list:
     return outs
 
 
+def check_the_grants_key(tb, g, xs: list, token: str, call) -> int:
+    """The grant carries the nonce of the job's key, never the key: ranks without the token
+    cannot make the job's records (ranks that try anyway are dropped as bad_key). The key."""
+    key = g.spec(10.0, token=token).key
+    assert key and g.key_nonce and keys.show(key) not in json.dumps(g.to_json())
+    with pytest.raises(InputError, match="NICOFFLOAD_TOKEN_FILE"):
+        g.spec(10.0)
+    outs = granted_sum(tb, g, xs, "not-the-token-of-this-service", timeout=2.0)
+    assert outs == [None, None] and call(lambda c: c.stats(g.job))["bad_key"] > 0
+    return key
+
+
+def check_the_clis_key(tb, add: list, token: str, call) -> None:
+    """``agg job add --service`` derives the job's key as every rank does, and prints it; it
+    refuses --no-key (the service registers no job without a key)."""
+    r = tb.run(tb.workers[0], [*add, "--lease", "0", "--json"], capture_output=True, text=True, timeout=60)
+    added = json.loads(r.stdout)
+    assert r.returncode == 0 and keys.parse(added["key"]) == JobGrant.from_json(added).spec(1, token=token).key
+    r = tb.run(tb.workers[0], [*add, "--no-key"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == InputError.exit_code and "refuses a job without one" in r.stderr, r.stderr
+    call(lambda c: c.remove_job(added["job"]))
+
+
 def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path):
     tb = make_testbed(2)
     token_file = write_token(tmp_path)
     token = token_file.read_text().strip()
     svc = ServiceProcess(tb, token_file, lease=3.0, slots=2048).start()
     try:
+        assert any("plain HTTP" in line and "in clear" in line for line in svc.log), svc.log  # not on loopback
         url = svc.url + "/v1/jobs"
         c = ServiceClient(svc.url, token)
 
@@ -85,11 +113,12 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers], owner="t")))
         assert g.slots == 1024 and g.aggregator == tb.agg.ip and g.port == tb.port
         xs = [np.arange(5000, dtype=np.int32) * (r + 1) for r in range(2)]
-        outs = granted_sum(tb, g, xs)
+        key = check_the_grants_key(tb, g, xs, token, call)
+        outs = granted_sum(tb, g, xs, token)
         assert all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
         listed = call(lambda c: c.jobs())["jobs"]
         assert [j["job"] for j in listed] == [g.job] and listed[0]["owner"] == "t"
-        assert listed[0]["stats"]["completed"] > 0
+        assert listed[0]["stats"]["completed"] > 0 and keys.show(key) not in json.dumps(listed)
         # the optimizer's parameters and learning rate through the API
         from nicoffload.optim import OptimizerSpec
 
@@ -108,12 +137,14 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         text = call(lambda c: c.metrics())
         assert f'nicoffload_completions_total{{job="{g.job}"}}' in text
         assert 'nicoffload_dropped_total{job="none",reason="bad_magic"}' in text
+        assert re.search(rf'nicoffload_dropped_total{{job="{g.job}",reason="bad_key"}} [1-9]', text)
         assert "nicoffload_pool_slots" in text and "nicoffload_jobs 2.0" in text
         # the CLI talks to the service too
         cli = [sys.executable, "-m", "nicoffload.cli", "agg"]
         where = ["--service", svc.url, "--token-file", str(token_file)]
         r = tb.run(tb.workers[0], [*cli, "job", "list", *where], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "lease" in r.stdout, r.stderr
+        check_the_clis_key(tb, [*cli, "job", "add", "--workers", "1", *where], token, call)
         r = tb.run(tb.workers[0], [*cli, "job", "remove", "--job", str(o.job), *where], capture_output=True,
                    text=True, timeout=60)
         assert r.returncode == 0 and "removed" in r.stdout, r.stderr
@@ -174,9 +205,9 @@ def test_a_service_without_multicast_grants_unicast_jobs(make_testbed, tmp_path)
         with pytest.raises(InputError, match="every rank's address"):
             call(lambda c: c.create_job(JobRequest(world=2)))
         g = call(lambda c: c.create_job(JobRequest(world=2, workers=[w.ip for w in tb.workers])))
-        assert g.delivery == "unicast" and g.spec(10).delivery == "unicast"
+        assert g.delivery == "unicast" and g.spec(10, token=token_file.read_text().strip()).delivery == "unicast"
         xs = [np.random.default_rng(r).standard_normal(70_000).astype(np.float32) for r in range(2)]
-        outs = granted_sum(tb, g, xs)
+        outs = granted_sum(tb, g, xs, token_file.read_text().strip())
         from nicoffload.lab import reference
 
         want = reference.quantized(xs)
@@ -221,7 +252,7 @@ def test_a_job_the_pool_refuses_is_handed_to_the_afxdp_engine(make_testbed, tmp_
         assert g.local_port == tb.port + 1 + proto.MAX_JOBS != first.local_port
         rng = np.random.default_rng(5)
         xs = [rng.integers(-(2**30), 2**30, 30 * 256 + 5).astype(np.int32) for _ in range(2)]
-        outs = granted_sum(tb, g, xs)
+        outs = granted_sum(tb, g, xs, token_file.read_text().strip())
         want = (xs[0].astype(np.int64) + xs[1]).astype(np.int32)
         assert all(o is not None and np.array_equal(np.asarray(o).astype(np.int32), want) for o in outs)
         assert call(lambda c: c.renew(g.job))["lease_s"] == 30.0

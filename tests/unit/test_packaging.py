@@ -38,7 +38,7 @@ x = proto.xdp_dir().resolve()
 assert where in x.parents, (x, where)
 for f in sys.argv[2].split(","):  # every C file of xdp/: the programs and the headers they splice in
     assert (x / f).is_file(), f
-assert proto.HDR_LEN == 40
+assert proto.HDR_LEN == 48
 build_parser()
 print("ok", nicoffload.__version__)
 """

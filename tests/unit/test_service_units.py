@@ -15,6 +15,10 @@ from nicoffload.errors import InputError, NotFoundError, SetupError
 from nicoffload.service.api import MAX_JSON, JobGrant, JobRequest
 from nicoffload.service.leases import LeaseBook
 from nicoffload.torch.config import BackendConfig
+from nicoffload.wire import keys
+
+#: a service's token (keys derive from it)
+TOKEN = "0123456789abcdef-a-test-token"
 
 
 def test_a_good_request_and_its_defaults():
@@ -239,6 +243,7 @@ class FakeEngine:
 
     def __init__(self, name: str, room: int):
         self.name, self.title, self.room, self.served = name, f"the {name} engine", room, {}
+        self.keys: dict[int, tuple[int, str]] = {}
 
     def refresh(self):
         pass
@@ -262,11 +267,12 @@ class FakeEngine:
         if len(self.served) >= self.room:
             raise CapacityError(f"{self.name} is full")
         self.served[p.job] = p.group
+        self.keys[p.job] = (p.key, p.key_nonce)
         return Admitted(None, f"on {self.name} (after: {p.refused})")
 
     def grant(self, job):
         return JobGrant(job=job, world=1, aggregator="10.0.0.1", port=1, local_port=2, group=self.served[job],
-                        slot_base=0, slots=1, elems=256, lease_s=0, engine=self.name)
+                        slot_base=0, slots=1, elems=256, lease_s=0, engine=self.name, key_nonce=self.keys[job][1])
 
     def describe(self, job):
         return {"job": job, "engine": self.name}
@@ -312,10 +318,16 @@ def test_the_service_asks_each_jobs_engine_and_falls_back_in_order(tmp_path):
         agg = SimpleNamespace(table=SimpleNamespace(free_slots=lambda: 0))
         now = [0.0]
         book = LeaseBook(tmp_path / f"{fallback}.json", clock=lambda: now[0])
-        return Service(agg, book, ServiceConfig(fallback=fallback), engines=[pool, spare]), pool, spare, now
+        return (Service(agg, book, ServiceConfig(fallback=fallback), engines=[pool, spare], token=TOKEN), pool,
+                spare, now)
 
     svc, pool, spare, _ = service(None)
-    assert svc.create_job(JobRequest(world=1)).engine == "xdp"
+    g = svc.create_job(JobRequest(world=1))
+    assert g.engine == "xdp"
+    # the engine got the job's key, the grant only its nonce: the key derives from it and the token
+    key, nonce = pool.keys[g.job]
+    assert key and g.key_nonce == nonce and keys.derive(TOKEN, g.job, nonce) == key == g.spec(1.0, token=TOKEN).key
+    assert str(key) not in json.dumps(g.to_json()) and f"{key:016x}" not in json.dumps(g.to_json())
     with pytest.raises(CapacityError, match="xdp is full"):  # no fallback: the refusal stands
         svc.create_job(JobRequest(world=1))
     svc, pool, spare, now = service("afxdp")

@@ -25,12 +25,13 @@ OUTCOMES = {"aggregated", "retx_answered", "pull_answered", "status_sent", "dup_
 class Harness:
     """A user-space aggregator whose sends are captured instead of leaving through its socket."""
 
-    def __init__(self, workers=W, slots=S, elems=E, job=1):
+    def __init__(self, workers=W, slots=S, elems=E, job=1, key=g.KEY):
         from nicoffload.userspace.aggregator import UserspaceAggregator
 
         # port 0: the constructor binds an ephemeral UDP port, which nothing here sends to
         self.agg = UserspaceAggregator(workers=workers, port=0, slots=slots, elems=elems, job=job,
-                                       group=g.GROUP_IP, worker_ips=[g.worker_ip(r) for r in range(workers)])
+                                       group=g.GROUP_IP, worker_ips=[g.worker_ip(r) for r in range(workers)],
+                                       key=key)
         self.sent: list[tuple[bytes, tuple[str, int]]] = []
         self.agg._send = lambda data, dst, port: self.sent.append((bytes(data), (dst, port)))
         self.workers = workers

@@ -15,7 +15,8 @@ from nicoffload.wire import codec, proto
 
 CODES = {name: code for name, _, code in proto.FIELDS}
 #: wire range of each struct code, written out (not derived from numpy or the codec)
-RANGES = {"B": (0, 0xFF), "H": (0, 0xFFFF), "I": (0, 0xFFFFFFFF), "h": (-0x8000, 0x7FFF)}
+RANGES = {"B": (0, 0xFF), "H": (0, 0xFFFF), "I": (0, 0xFFFFFFFF), "h": (-0x8000, 0x7FFF),
+          "Q": (0, 0xFFFFFFFFFFFFFFFF)}
 #: the smallest valid record header fields (encode_blocks' required keywords)
 BASE = dict(rank=0, job=1, slot=0, set=0, round=0, mask=1)
 
@@ -37,7 +38,8 @@ def batches(draw):
         if draw(st.booleans()):
             fields[name] = draw(st.integers(lo, hi))
         else:
-            fields[name] = np.array(draw(st.lists(st.integers(lo, hi), min_size=k, max_size=k)), dtype=np.int64)
+            dt = np.uint64 if code == "Q" else np.int64
+            fields[name] = np.array(draw(st.lists(st.integers(lo, hi), min_size=k, max_size=k)), dtype=dt)
     return blocks, fields
 
 
@@ -48,39 +50,42 @@ def _row(fields: dict, i: int) -> dict:
 # --- golden bytes (derived by hand from the header's table) -----------------------------------
 
 # An ACK (header only, elems 0): rank 3 of job 1 holds every result below round 0x12345678.
-#   magic 4e58 | version 02 | type 06 (ACK) | flags 00 | set 00 | rank 0003 | job 00000001
+#   magic 4e58 | version 03 | type 06 (ACK) | flags 00 | set 00 | rank 0003 | job 00000001
 #   epoch deadbeef | slot 00000000 | round 00000000 | mask 00000008 | ack 12345678
-#   count 0000 | exp 0000 | op 00 | detail 00 | pad 0000
-GOLDEN_ACK = ("4e58020600000003" "00000001" "deadbeef" "00000000" "00000000" "00000008" "12345678"
-              "0000" "0000" "00" "00" "0000")
+#   count 0000 | exp 0000 | op 00 | detail 00 | pad 0000 | key 0123456789abcdef (big endian)
+GOLDEN_ACK = ("4e58030600000003" "00000001" "deadbeef" "00000000" "00000000" "00000008" "12345678"
+              "0000" "0000" "00" "00" "0000" "0123456789abcdef")
 # A batch of two RESULT records of 2 elements (op SUM64, exp -1), back to back:
 #   record 0: set 00, rank ffff, job 00000007, epoch 00000001, slot 00000003, round 00000003,
-#             mask 00000003, ack 0, count 0002, exp ffff, op 01 | payload [1, 2]
+#             mask 00000003, ack 0, count 0002, exp ffff, op 01, key fedcba9876543210
+#             | payload [1, 2]
 #   record 1: set 01, slot 00000004, round 0000000c (12), count 0001, rest as record 0
 #             | payload [-2, 0]
 GOLDEN_BATCH = (
-    "4e58020200" "00" "ffff" "00000007" "00000001" "00000003" "00000003" "00000003" "00000000"
-    "0002" "ffff" "01" "00" "0000" "01000000" "02000000"
-    "4e58020200" "01" "ffff" "00000007" "00000001" "00000004" "0000000c" "00000003" "00000000"
-    "0001" "ffff" "01" "00" "0000" "feffffff" "00000000"
+    "4e58030200" "00" "ffff" "00000007" "00000001" "00000003" "00000003" "00000003" "00000000"
+    "0002" "ffff" "01" "00" "0000" "fedcba9876543210" "01000000" "02000000"
+    "4e58030200" "01" "ffff" "00000007" "00000001" "00000004" "0000000c" "00000003" "00000000"
+    "0001" "ffff" "01" "00" "0000" "fedcba9876543210" "feffffff" "00000000"
 )
 
 
 def test_golden_ack():
     buf = codec.encode_blocks(np.zeros((1, 0), np.int32), rank=3, job=1, epoch=0xDEADBEEF, slot=0, set=0,
-                              round=0, mask=8, ack=0x12345678, type=proto.TYPE_ACK)
+                              round=0, mask=8, ack=0x12345678, key=0x0123456789ABCDEF, type=proto.TYPE_ACK)
     assert bytes(buf).hex() == GOLDEN_ACK
-    assert len(buf) == proto.HDR_LEN == 40
+    assert len(buf) == proto.HDR_LEN == 48
 
 
 def test_golden_batch():
     buf = codec.encode_blocks(
         np.array([[1, 2], [-2, 0]], np.int32), rank=proto.RANK_AGG, job=7, epoch=1, slot=[3, 4], set=[0, 1],
-        round=[3, 12], mask=3, count=[2, 1], exp=-1, op=proto.OP_SUM64, type=proto.TYPE_RESULT)
+        round=[3, 12], mask=3, count=[2, 1], exp=-1, op=proto.OP_SUM64, key=0xFEDCBA9876543210,
+        type=proto.TYPE_RESULT)
     assert bytes(buf).hex() == GOLDEN_BATCH
     dec = codec.decode_datagrams(bytes.fromhex(GOLDEN_BATCH), None, 2)
     assert dec.fields["round"].tolist() == [3, 12] and dec.fields["exp"].tolist() == [-1, -1]
     assert dec.fields["rank"].tolist() == [0xFFFF] * 2 and dec.fields["count"].tolist() == [2, 1]
+    assert dec.fields["key"].tolist() == [0xFEDCBA9876543210] * 2
     assert dec.payload.tolist() == [[1, 2], [-2, 0]]
 
 
@@ -151,11 +156,12 @@ def test_out_buffer():
     codec.encode_blocks(blocks, **kw, out=np_out)
     assert np_out.tobytes() == bytes(buf)
     # header-only records (ACK) into an offset of a larger buffer
-    big = bytearray(100)
+    end = 10 + 2 * proto.HDR_LEN
+    big = bytearray(end + 10)
     codec.encode_blocks(np.zeros((2, 0), np.int32), **{**kw, "slot": 0, "round": 0}, type=proto.TYPE_ACK,
                         out=memoryview(big)[10:])
-    assert big[:10] == bytes(10) and big[90:] == bytes(10)
-    assert codec.decode_datagrams(big[10:90], None, 0).fields["ack"].tolist() == [7, 7]
+    assert big[:10] == bytes(10) and big[end:] == bytes(10)
+    assert codec.decode_datagrams(big[10:end], None, 0).fields["ack"].tolist() == [7, 7]
 
 
 def test_decode_all_and_views():
@@ -202,8 +208,8 @@ def test_rejects_values_that_would_wrap(name):
     for bad in (lo - 1, hi + 1):
         with pytest.raises(InputError, match=name):
             _encode(**{name: bad})
-        with pytest.raises(InputError, match=name):
-            _encode(**{name: np.array([lo, bad], dtype=np.int64)})
+        with pytest.raises(InputError, match=name):  # 2**64 fits no integer dtype: an object array
+            _encode(**{name: np.array([lo, bad], dtype=None if CODES[name] == "Q" else np.int64)})
 
 
 @pytest.mark.parametrize("over,match", [

@@ -12,7 +12,7 @@ from nicoffload.wire import proto
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 HEADER_TEXT = (proto.xdp_dir() / proto.HEADER_NAME).read_text()
-TYPES = {"u8": "B", "u16": "H", "u32": "I", "i16": "h"}
+TYPES = {"u8": "B", "u16": "H", "u32": "I", "i16": "h", "u64": "Q"}
 
 
 def _c_defines() -> dict[str, int]:

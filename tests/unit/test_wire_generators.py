@@ -105,6 +105,7 @@ def test_defaults_match_the_control_plane():
     params = inspect.signature(aggregator.Aggregator.for_test).parameters
     assert params["agg_ip"].default == g.AGG_IP and params["agg_mac"].default == g.AGG_MAC
     assert params["group"].default == g.GROUP_IP
+    assert params["key"].default == g.KEY and g.KEY  # the generated records carry the test job's key
 
 
 # --- contributions ----------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_expected_results_match_the_reference(op):
         assert {k: h[k] for k in NAMES} == dict(
             magic=0x4E58, version=proto.VERSION, type=proto.TYPE_RESULT, flags=0, set=(i // 2) % 2,
             rank=0xFFFF, job=4, epoch=0xABCDEF, slot=i % 2, round=i, mask=masks[b], ack=0,
-            count=8 if b < 5 else 3, exp=-5, op=op, detail=0, pad=0), b
+            count=8 if b < 5 else 3, exp=-5, op=op, detail=0, pad=0, key=g.KEY), b
         rows = []
         for rank in range(3):
             if masks[b] >> rank & 1:
@@ -284,20 +285,21 @@ def test_expected_results_by_hand():
 
 # --- records of the handshake, pulls, acks and batches -------------------------------------------
 
-# A JOIN of rank 2 of a 4-rank job 9 with nonce 0x0102030405060708, derived by hand:
-#   magic 4e58 | version 02 | type 04 (JOIN) | flags 00 | set 00 | rank 0002 | job 00000009
+# A JOIN of rank 2 of a 4-rank job 9 with nonce 0x0102030405060708 and key 0xa1b2c3d4e5f60718,
+# derived by hand:
+#   magic 4e58 | version 03 | type 04 (JOIN) | flags 00 | set 00 | rank 0002 | job 00000009
 #   epoch 00000000 | slot 00000000 | round 05060708 (nonce low) | mask 0000000f (every rank)
 #   ack 01020304 (nonce high) | count 0000 | exp 0000 | op 00 | detail 00 | pad 0000
-#   then AR_JOIN_PAYLOAD = 256 zero bytes
-GOLDEN_JOIN = ("4e58020400000002" "00000009" "00000000" "00000000" "05060708" "0000000f" "01020304"
-               "0000" "0000" "00" "00" "0000") + "00" * 256
+#   key a1b2c3d4e5f60718 (big endian), then AR_JOIN_PAYLOAD = 256 zero bytes
+GOLDEN_JOIN = ("4e58030400000002" "00000009" "00000000" "00000000" "05060708" "0000000f" "01020304"
+               "0000" "0000" "00" "00" "0000" "a1b2c3d4e5f60718") + "00" * 256
 
 
 def test_join_record_by_hand():
-    rec = g.join_record(2, 4, 0x0102030405060708, job=9)
+    rec = g.join_record(2, 4, 0x0102030405060708, job=9, key=0xA1B2C3D4E5F60718)
     assert rec.hex() == GOLDEN_JOIN
-    assert len(rec) == proto.HDR_LEN + proto.JOIN_PAYLOAD == 296
-    retx = g.join_record(2, 4, 0x0102030405060708, job=9, retx=True, mask=0b0111)
+    assert len(rec) == proto.HDR_LEN + proto.JOIN_PAYLOAD == 304
+    retx = g.join_record(2, 4, 0x0102030405060708, job=9, retx=True, mask=0b0111, key=0xA1B2C3D4E5F60718)
     assert header_of(retx) == {**header_of(rec), "flags": proto.FLAG_RETX, "mask": 0b0111}
     assert retx[proto.HDR_LEN:] == rec[proto.HDR_LEN:]
 
@@ -341,7 +343,7 @@ def test_ack_frame():
     assert len(dgram) == proto.HDR_LEN and (ip, port) == (g.worker_ip(1), proto.DEFAULT_PORT)
     assert header_of(dgram) == dict(magic=proto.MAGIC, version=proto.VERSION, type=proto.TYPE_ACK, flags=0, set=0,
                                rank=1, job=2, epoch=7, slot=0, round=0, mask=0b10, ack=0x10, count=0, exp=0,
-                               op=0, detail=0, pad=0)
+                               op=0, detail=0, pad=0, key=g.KEY)
 
 
 def test_record_and_pull():

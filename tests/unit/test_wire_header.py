@@ -48,8 +48,8 @@ def fields_of(layout: dict) -> list[tuple[str, int, int, bool]]:
     return sorted(((n, *v) for n, v in layout.items() if n != "size"), key=lambda r: r[1])
 
 
-def test_the_c_struct_is_40_bytes_without_gaps(c_layout):
-    assert c_layout["size"] == proto.HDR_LEN == 40
+def test_the_c_struct_is_48_bytes_without_gaps(c_layout):
+    assert c_layout["size"] == proto.HDR_LEN == 48
     end = 0
     for name, off, size, _ in fields_of(c_layout):
         assert off == end, f"gap or overlap before {name}"

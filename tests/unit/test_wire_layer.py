@@ -28,33 +28,34 @@ from nicoffload.wire import proto
 HEADER_TEXT = (proto.xdp_dir() / proto.HEADER_NAME).read_text()
 
 # Derived by hand from the header's table (big-endian fields, little-endian int32 payload):
-#   magic 4e58 | version 02 | type 01 (CONTRIB) | flags 01 (RETX) | set 01 | rank 0002
+#   magic 4e58 | version 03 | type 01 (CONTRIB) | flags 01 (RETX) | set 01 | rank 0002
 #   job 01020304 | epoch 0a0b0c0d | slot 00000005 | round 00000011 (17) | mask 00000007
 #   ack 00000010 (16) | count 0005 (5 elements, computed) | exp fffd (-3) | op 02 (MAX)
-#   detail 00 | pad 0000                                              = 40 bytes
-GOLDEN_HDR = ("4e58020101010002" "01020304" "0a0b0c0d" "00000005" "00000011" "00000007" "00000010"
-              "0005" "fffd" "02" "00" "0000")
+#   detail 00 | pad 0000 | key 1122334455667788 (big endian)           = 48 bytes
+GOLDEN_HDR = ("4e58030101010002" "01020304" "0a0b0c0d" "00000005" "00000011" "00000007" "00000010"
+              "0005" "fffd" "02" "00" "0000" "1122334455667788")
 #   payload [1, -1, 0x01020304, 0x7fffffff, -2**31] as little-endian int32 (20 bytes)
 GOLDEN_PAYLOAD = "01000000" "ffffffff" "04030201" "ffffff7f" "00000080"
 # Ethernet 02:00:00:00:00:03 -> 02:00:00:00:00:fe, type 0800.
-# IPv4 10.0.0.3 -> 10.0.0.254, total length 20 + 8 + 40 + 20 = 88 (0x0058), id 0, no flags,
-#   ttl 64, UDP. Header checksum by hand: 4500 + 0058 + 0000 + 0000 + 4011 + 0a00 + 0003 + 0a00
-#   + 00fe = 9a6a (no carry); ~9a6a = 6595.
-# UDP 48879 -> 48879 (beef), length 8 + 60 = 68 (0x0044). Checksum by hand (RFC 768/1071):
-#   pseudo header 0a00 + 0003 + 0a00 + 00fe + 0011 + 0044          = 0x01556
-#   UDP header    beef + beef + 0044 (+ checksum 0000)              = 0x17e22
-#   record header 4e58 0201 0101 0002 0102 0304 0a0b 0c0d 0000 0005
-#                 0000 0011 0000 0007 0000 0010 0005 fffd 0200 0000 = 0x16da9
+# IPv4 10.0.0.3 -> 10.0.0.254, total length 20 + 8 + 48 + 20 = 96 (0x0060), id 0, no flags,
+#   ttl 64, UDP. Header checksum by hand: 4500 + 0060 + 0000 + 0000 + 4011 + 0a00 + 0003 + 0a00
+#   + 00fe = 9a72 (no carry); ~9a72 = 658d.
+# UDP 48879 -> 48879 (beef), length 8 + 68 = 76 (0x004c). Checksum by hand (RFC 768/1071):
+#   pseudo header 0a00 + 0003 + 0a00 + 00fe + 0011 + 004c          = 0x0155e
+#   UDP header    beef + beef + 004c (+ checksum 0000)              = 0x17e2a
+#   record header 4e58 0301 0101 0002 0102 0304 0a0b 0c0d 0000 0005
+#                 0000 0011 0000 0007 0000 0010 0005 fffd 0200 0000 = 0x16ea9
+#   key           1122 3344 5566 7788                               = 0x11154
 #   payload       0100 0000 ffff ffff 0403 0201 ffff ff7f 0000 0080 = 0x40700
-#   total 0x70821, folded 0821 + 7 = 0828, ~0828 = f7d7.
+#   total 0x81a85, folded 1a85 + 8 = 1a8d, ~1a8d = e572.
 GOLDEN_FRAME = (
     "0200000000fe" "020000000003" "0800"
-    "45000058" "00000000" "40116595" "0a000003" "0a0000fe"
-    "beefbeef" "0044f7d7"
+    "45000060" "00000000" "4011658d" "0a000003" "0a0000fe"
+    "beefbeef" "004ce572"
 ) + GOLDEN_HDR + GOLDEN_PAYLOAD
 VALUES = [1, -1, 0x01020304, 0x7FFFFFFF, -(2**31)]
 FIELDS = dict(type="CONTRIB", flags="RETX", set=1, rank=2, job=0x01020304, epoch=0x0A0B0C0D, slot=5, round=17,
-              mask=7, ack=16, exp=-3, op="MAX")
+              mask=7, ack=16, exp=-3, op="MAX", key=0x1122334455667788)
 
 
 def _csum(data: bytes) -> int:
@@ -98,6 +99,7 @@ def test_golden_parse_back():
     assert ar.type == proto.TYPE_CONTRIB and int(ar.flags) == proto.FLAG_RETX
     assert (ar.set, ar.rank, ar.job, ar.epoch, ar.slot, ar.round, ar.mask, ar.ack, ar.count, ar.exp,
             ar.op, ar.detail, ar.pad) == (1, 2, 0x01020304, 0x0A0B0C0D, 5, 17, 7, 16, 5, -3, proto.OP_MAX, 0, 0)
+    assert ar.key == 0x1122334455667788
     assert payload_array(pkt).tolist() == VALUES
     assert payload_array(pkt).dtype == np.int32
     assert ar.mysummary() == ("AllReduce CONTRIB rank=2 epoch=168496141 slot=5 set=1 round=17 count=5 op=MAX "
@@ -171,7 +173,7 @@ def _unpack(raw: bytes) -> dict:
 def test_computed_fields_and_overrides():
     h = _unpack(bytes(AllReduce() / bytes(12)))
     assert (h["magic"], h["version"], h["count"]) == (proto.MAGIC, proto.VERSION, 3)
-    assert (h["magic"], h["version"]) == (0x4E58, 2)
+    assert (h["magic"], h["version"]) == (0x4E58, 3)
     bad = _unpack(bytes(AllReduce(magic=0x1234, version=9, count=700) / bytes(12)))
     assert (bad["magic"], bad["version"], bad["count"]) == (0x1234, 9, 700)
     zero = _unpack(bytes(AllReduce(magic=0, version=0, count=0) / bytes(12)))

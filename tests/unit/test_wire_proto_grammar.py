@@ -79,13 +79,13 @@ def test_error_names_the_line():
 
 def test_the_real_header_is_consistent():
     c = proto.C
-    assert c["AR_VERSION"] == 2 and c["AR_HDR_LEN"] == 40
+    assert c["AR_VERSION"] == 3 and c["AR_HDR_LEN"] == 48
     offsets = [off for _, off, _ in proto.FIELDS]
     assert offsets == sorted(set(offsets))
     assert [proto.STAT[n] for n in proto.STATS] == list(range(len(proto.STATS)))
     assert len(proto.STATS) == c["AR_STAT__COUNT"]
     assert {f"bad_{r}" for r in ("truncated", "magic", "version", "type", "flags", "job", "rank", "slot",
-                                 "set", "len", "mask", "src", "op", "mixed")} <= set(proto.STATS)
+                                 "set", "len", "mask", "src", "op", "mixed", "key")} <= set(proto.STATS)
     assert sorted(proto.OPS) == list(range(c["AR_OP__COUNT"]))
     assert 0 not in proto.DETAILS  # 0 means "no detail" (a RESULT, a JOINED)
     assert proto.record_size(proto.DEFAULT_ELEMS) == c["AR_HDR_LEN"] + 4 * c["AR_DEFAULT_ELEMS"]

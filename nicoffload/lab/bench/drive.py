@@ -100,7 +100,7 @@ class SharedXdp:
                                               first.port, m))
                 self.aggs.append(agg)
                 for s in every:
-                    agg.add_job(s.job, len(ips), s.group, ips, slots=s.slots, delivery=s.delivery)
+                    agg.add_job(s.job, len(ips), s.group, ips, slots=s.slots, delivery=s.delivery, key=s.key)
         except BaseException:
             self.close()
             raise
@@ -140,7 +140,7 @@ class HandedOff:
         try:
             for a in shared.aggs:
                 self.entries.append((a, fallback.hand_off(a, spec.job, len(ips), spec.group, ips, spec.slots,
-                                                          spec.delivery, tx=tx)))
+                                                          spec.delivery, tx=tx, key=spec.key)))
         except BaseException:
             self.close()
             raise

@@ -136,7 +136,7 @@ class BenchConfig:
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.update(out=str(self.out), spec=self.spec.to_dict())
+        d.update(out=str(self.out), spec=self.spec.public())
         return d
 
 

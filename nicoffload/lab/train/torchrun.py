@@ -52,12 +52,18 @@ class ServiceProcess:
     """``nicoffload agg serve`` for the testbed's aggregator, in the foreground of a child."""
 
     def __init__(self, tb, token_file: Path, *, port: int = SERVICE_PORT, slots: int = 4096,
-                 lease: float = 30.0, extra: list[str] | None = None, ready_timeout: float = 60.0, host=None):
+                 lease: float = 30.0, extra: list[str] | None = None, ready_timeout: float = 60.0, host=None,
+                 tls: tuple[Path, Path, Path] | None = None):
+        """``tls``: (certificate, its key, the CA that signed it): the service speaks HTTPS, and
+        :meth:`env` names the CA for its clients."""
         self.tb, self.token_file, self.port = tb, Path(token_file), port
         agg = host or tb.agg  # the aggregator host it runs on (a testbed may have several)
-        self.url = f"http://{agg.ip}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{agg.ip}:{port}"
+        self.ca_file = Path(tls[2]) if tls else None
         self.argv = [*CLI, *service_args(tb, token_file, port, agg), "--slots", str(slots), "--lease", str(lease),
                      *(extra or [])]
+        if tls:
+            self.argv += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
         self.ready_timeout = ready_timeout
         self.log: list[str] = []
         self.proc: subprocess.Popen | None = None
@@ -109,7 +115,8 @@ class ServiceProcess:
             self.proc.wait()
 
     def env(self) -> dict[str, str]:
-        return {"NICOFFLOAD_SERVICE": self.url, "NICOFFLOAD_TOKEN_FILE": str(self.token_file)}
+        ca = {"NICOFFLOAD_CA_FILE": str(self.ca_file)} if self.ca_file else {}
+        return {"NICOFFLOAD_SERVICE": self.url, "NICOFFLOAD_TOKEN_FILE": str(self.token_file), **ca}
 
     def __enter__(self) -> "ServiceProcess":
         return self.start()
