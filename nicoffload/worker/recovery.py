@@ -68,14 +68,16 @@ class RoundTimer:
         """True once ``timeout`` seconds have passed without a new result: the call fails."""
         return now - self.last_progress > self.timeout
 
-    def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
+    def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float,
+                  limit: int | None = None) -> np.ndarray:
         """Rounds to resend now: those in the window without a result, sent at least one timeout
-        ago, once the oldest of them has waited that long. Each call that returns rounds backs
-        the timeout off (doubling, capped); their send time is reset to ``now``."""
+        ago, once the oldest of them has waited that long; the oldest ``limit`` of them at most
+        (the congestion window). Each call that returns rounds backs the timeout off (doubling,
+        capped); their send time is reset to ``now``."""
         if head >= hi or now - sent_at[head] < self.rto:
             return np.empty(0, np.int64)
         pending = np.flatnonzero(done[head:hi] == 0) + head
-        pending = pending[now - sent_at[pending] >= self.rto]
+        pending = pending[now - sent_at[pending] >= self.rto][:limit]
         sent_at[pending] = now
         self.rto = min(self.rto * 2, max(self.rto_max, self.base_rto))
         return pending
