@@ -54,7 +54,7 @@ def cmd_up(args) -> int:
     port = {} if args.port is None else {"port": args.port}  # default: the topology's (AR_DEFAULT_PORT)
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
                              agg_napi=args.xdp_mode == "native", multicast=not args.no_multicast,
-                             aggregators=args.aggregators, **port)
+                             aggregators=args.aggregators, agg_rate=_agg_rate(args), **port)
     with tbm.Testbed(topo) as tb:
         if args.drop or args.dup:
             tb.faults.configure(_hosts_arg(args.fault_hosts), drop=args.drop, dup=args.dup, seed=args.seed,
@@ -75,6 +75,23 @@ def cmd_up(args) -> int:
     print(f"run a command: nicoffload testbed exec {tb.name} w0 -- CMD ...;  "
           f"take it down: nicoffload testbed down {tb.name}")
     return 0
+
+
+def _agg_rate(args) -> str | None:
+    """--agg-rate as Topology.star takes it: a rate, 'unshaped', or NxRATE ('4x': 4 x --rate)."""
+    text = (args.agg_rate or "").strip().lower()
+    if not text.endswith("x"):
+        return args.agg_rate
+    tbm = _testbed()
+    try:
+        k = float(text[:-1])
+    except ValueError:
+        raise InputError(f"bad --agg-rate {args.agg_rate!r}: a rate (800mbit), 'unshaped', or a multiple of "
+                         f"--rate such as 4x") from None
+    rate = tbm.parse_rate(args.rate)
+    if rate is None or k <= 0:
+        raise InputError(f"--agg-rate {args.agg_rate} needs a positive multiple and a shaped --rate")
+    return tbm.format_rate(int(k * rate))
 
 
 def cmd_exec(args) -> int:
@@ -196,12 +213,18 @@ def _register_up(sub) -> None:
     up = _action(sub, "up", "create a testbed and leave it running",
                  "Create N workers and an aggregator; the testbed stays up until 'nicoffload testbed down NAME'.",
                  ["sudo nicoffload testbed up --workers 4",
+                  "sudo nicoffload testbed up --workers 4 --rate 200mbit --agg-rate 4x   # a dedicated "
+                  "aggregator node: its link N x a worker's",
                   "sudo nicoffload testbed up --workers 8 --rate 100mbit --mtu 3000 --name big",
                   "sudo nicoffload testbed up --workers 2 --drop 0.05 --dup 0.01 --seed 7 --json",
                   "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress"], cmd_up)
     up.add_argument("--workers", "-n", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--rate", default="unshaped", help="per-link rate, both directions: 1gbit, 100mbit, ... "
                                                        "or 'unshaped' (default)")
+    up.add_argument("--agg-rate", default=None, metavar="RATE",
+                    help="each aggregator's link: a rate, 'unshaped', or a multiple of --rate such as 4x "
+                         "(default: --rate, an aggregator with the workers' NIC; the bench's default is "
+                         "N x --rate)")
     up.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500; at most 3506 with "
                                                           "the aggregator's NAPI program)")
     up.add_argument("--queues", type=int, default=1, help="tx/rx queues of every veth (default 1)")
