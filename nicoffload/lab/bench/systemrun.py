@@ -40,6 +40,7 @@ class Bed:
     prog: report.Progress
     meta: dict                      # this testbed's entry of meta.json
     expected: dict = field(default_factory=dict)  # (point, reference kind) -> reference.Expected
+    agg_bps: int | None = None      # the aggregators' links together (shaped; the bound's N x M go through them)
 
     def reference(self, pt: Point, system: str) -> reference.Expected:
         kind = reference_kind(system, self.cfg.spec)
@@ -194,7 +195,7 @@ class SystemRun:
         recs.sort(key=lambda d: d["rank"])
         recs[0].update(window.record())
         b = self.bed
-        self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs)
+        self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs, b.agg_bps)
         b.prog.row(r)
 
     def fail(self, why: str) -> None:
@@ -223,7 +224,7 @@ class SystemRun:
         if len(recs) == self.n:
             b = self.bed
             pt = b.points[d["point"]]
-            self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs)
+            self.rows[pt.index] = r = report.measured_row(self.system, self.n, pt, b.rate, b.rbps, recs, b.agg_bps)
             b.prog.row(r)
 
     def _fail(self, what: str, started: bool) -> None:
@@ -325,7 +326,8 @@ class SystemRun:
         for pt, o in zip(b.points, self.outputs):
             r = self.rows.get(pt.index)
             if r is None:
-                r = report.row(self.system, self.n, pt, b.rate, b.rbps, status="error", reason=self.failure or "no result")
+                r = report.row(self.system, self.n, pt, b.rate, b.rbps, status="error",
+                               reason=self.failure or "no result", agg_bps=b.agg_bps)
                 b.prog.row(r)
             else:
                 self._check(r, pt, o)
