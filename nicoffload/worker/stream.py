@@ -283,7 +283,7 @@ class RoundStream:
             self.last.packets_sent += j_end - x.j_sent
             self._acked = max(self._acked, x.base + x.head)
             x.j_sent = j_end
-        x.sent_at[x.hi:lim] = time.monotonic()
+        x.sent_at[x.hi:lim] = x.sent0[x.hi:lim] = time.monotonic()
         x.hi = lim
 
     def _on_event(self, event: int, x: RunState) -> None:
@@ -306,13 +306,15 @@ class RoundStream:
         """``new`` rounds got their results: move the head, acknowledge, retransmit early what
         a gap of GAP results says is lost."""
         x.ndone += new
-        self._timer.on_results(int(x.newly[new - 1]), x.hi, x.sent_at, now)
+        last = int(x.newly[new - 1])
+        self._timer.on_results(last, x.hi, x.sent_at, now)
         x.head = pump.advance(x.done, x.head, x.K)
         if ack_due(x.base + x.head, self._acked, self.slots, x.dense):
             self._t.send_one(self._records.ack(self._epoch, x.base + x.head), x.dest)
             self._acked = x.base + x.head
             self.last.acks += 1
-        self._cc.on_results(new)
+        # the window's round trip counts from the first send (a resent round's is long, never short)
+        self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
             self._resend(x, self._lost(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now)))
 

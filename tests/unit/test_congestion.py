@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload.worker.congestion import DECREASE, FLOOR, INITIAL, Window
+from nicoffload.worker.congestion import DECREASE, FLOOR, INITIAL, QUEUE_MIN, RECENT, Window
 
 
 def limited(cap: int = 1024, **kw) -> Window:
@@ -81,6 +81,44 @@ def test_a_new_epoch_starts_new_episodes():
     # the numbering started again from 0 (a new epoch): round 10 is not part of the old episode
     assert w.on_loss(10, 50)
     assert w.cuts == 2
+
+
+def measured(w: Window, *rtts: float) -> Window:
+    for rtt in rtts:
+        w.on_results(1, rtt)
+    return w
+
+
+def test_a_loss_without_a_queue_leaves_the_window_where_it_was():
+    # round trips as short as ever (a frame lost at random, a fault): no cut
+    w = measured(limited(1024, initial=512), 0.0005, 0.004, 0.0006, *[0.0007] * RECENT)
+    size = w.size
+    assert not w.queued() and not w.on_loss(100, 200)
+    assert w.size == size and w.cuts == 0 and w.random_losses == 1
+    # the same episode stays answered; a later one behind a standing queue cuts
+    assert not w.on_loss(150, 260)
+    measured(w, *[0.0005 + QUEUE_MIN + 0.010] * RECENT)  # every recent round trip 10 ms longer
+    size = w.size
+    assert w.queued() and w.on_loss(300, 400) and w.size == size // 2
+
+
+def test_one_short_round_trip_among_the_recent_ones_means_no_queue():
+    w = measured(limited(1024), 0.0002, *[0.015] * (RECENT - 1), 0.0003)  # a CPU stall spoils most samples
+    assert not w.queued()
+    measured(w, *[0.015] * RECENT)
+    assert w.queued()
+
+
+def test_a_queue_is_judged_against_the_floor_of_the_round_trip():
+    w = measured(limited(1024), 0.030, *[0.045] * RECENT)  # 30 ms of path: 15 ms more is no queue yet
+    assert not w.queued()
+    measured(w, *[0.061] * RECENT)
+    assert w.queued()
+
+
+def test_without_measurements_every_loss_counts_as_congestion():
+    w = limited(1024, initial=512)
+    assert w.queued() and w.on_loss(1, 2)
 
 
 def test_bad_parameters_are_refused():
