@@ -196,12 +196,16 @@ class Topology:
     def star(cls, name: str, workers: int, *, rate: str | int | None = None, queues: int = 1,
              mtu: int = 1500, port: int = DEFAULT_PORT, subnet: int | None = None,
              agg_napi: bool = False, links: dict[str, Link] | None = None, multicast: bool = True,
-             aggregators: int = 1) -> "Topology":
+             aggregators: int = 1, agg_rate: str | int | None = None) -> "Topology":
         """The usual shape: ``workers`` workers, ``aggregators`` aggregators (one by default),
-        every link at ``rate``."""
+        every link at ``rate``; each aggregator's link at ``agg_rate`` when given ('unshaped':
+        none), which ``links`` may still override per host."""
+        over = {}
+        if agg_rate is not None:
+            over = {a: Link(parse_rate(agg_rate), queues) for a in [AGG] + [f"{AGG}{k}" for k in range(1, aggregators)]}
         return cls(name=name, workers=workers, mtu=mtu, default_link=Link(parse_rate(rate), queues),
-                   links=dict(links or {}), port=port, subnet=subnet, agg_napi=agg_napi, multicast=multicast,
-                   aggregators=aggregators)
+                   links={**over, **(links or {})}, port=port, subnet=subnet, agg_napi=agg_napi,
+                   multicast=multicast, aggregators=aggregators)
 
     def with_subnet(self, subnet: int) -> "Topology":
         return dataclasses.replace(self, subnet=subnet)

@@ -44,6 +44,10 @@ def register(sub) -> None:
                  "--rate unshaped   # torchrun --nproc-per-node 2's placement",
                  "sudo nicoffload bench --workers 1 --ranks-per-host 4 --systems xdp,gloo --sizes 16MiB --sparsity 0 "
                  "--rate unshaped   # one host: shared memory against gloo on loopback",
+                 "sudo nicoffload bench --scaling                  # time against N = 2..16 at 200 Mbit/s and "
+                 "1 Gbit/s, with each system's bound",
+                 "sudo nicoffload bench --scaling --rate 200mbit --sizes 16MiB --systems xdp --agg-rate 1x   "
+                 "# an aggregator with the workers' NIC",
                  "sudo nicoffload bench --soak 1000                # 3 ranks, 2% drop + 2% dup on every link",
                  "sudo nicoffload bench --torch-overhead --workers 4 --sizes 16MiB --reps 40",
                  "sudo nicoffload bench --soak 200 --workers 4 --sizes 64KiB,16MiB --dtypes float64 --drop 0.05 --json")
@@ -95,6 +99,10 @@ def _repetition_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=plan.BenchConfig.out, help="directory for results and plots")
     p.add_argument("--quick", action="store_true",
                    help="a tiny sweep for tests: 2 workers, 4KiB and 256KiB, unshaped and 200mbit, 3 reps")
+    p.add_argument("--scaling", action="store_true",
+                   help="time against N: workers 2,4,8,16, sizes 16MiB,64MiB dense, rates 200mbit,1gbit, systems "
+                        "xdp,xdp16,ring,gloo, 3 reps, 60 s a point at most (any of them can be given too); adds "
+                        "scaling_vs_workers.png: each system's time and bound against N, CPU-bound points marked")
     p.add_argument("--seed", type=int, default=plan.BenchConfig.seed)
     p.add_argument("--mpirun", default=plan.BenchConfig.mpirun, help="the mpirun to use (default: from PATH)")
     p.add_argument("--timeout", type=float, default=None, help="seconds without progress before a rank fails")
@@ -120,7 +128,8 @@ def _nicoffload_arguments(p) -> None:
                    help="aggregator hosts: the xdp, afxdp, userspace and xdpuni jobs are sharded over them "
                         "(default 1)")
     p.add_argument("--agg-rate", default=None, metavar="RATE",
-                   help="each aggregator's link on shaped testbeds (default: N x --rate)")
+                   help="each aggregator's link on shaped testbeds: a rate, or a multiple of --rate (1x: an "
+                        "aggregator with the workers' NIC); default N x --rate (a dedicated aggregator node)")
     p.add_argument("--lanes", type=int, choices=[16, 32], default=32,
                    help="bits per fixed-point lane of xdp, afxdp, userspace, xdpuni and xdptorch (16: half the "
                         "bytes; the system xdp16 is xdp with 16)")
@@ -225,7 +234,7 @@ def _paired(args) -> int:
 #: ranks of a soak unless --workers says
 SOAK_WORKERS = 3
 #: sweep options a soak does not take, and soak options a sweep does not (None or False when not given)
-SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick",
+SWEEP_ONLY = ("rate", "systems", "reps", "warmup", "min_time", "max_reps", "max_point_time", "full", "quick", "scaling",
               "compute", "ranks_per_host")
 SOAK_ONLY = ("drop", "dup", "dtypes", "json")
 
@@ -282,7 +291,10 @@ def _bench(args) -> int:
                  agg_rate=args.agg_rate, afxdp_tx=args.afxdp_tx, zero_run=args.zero_run,
                  spec=DEFAULT.replace(delivery=delivery, layout=args.shard_layout, lanes=args.lanes,
                                       key=keys.new_key(), **_record_args(args)).validate())
-    cfg = (plan.BenchConfig.quick(**given) if args.quick else plan.BenchConfig(**given)).validate()
+    if args.quick and args.scaling:
+        raise InputError("--quick and --scaling are two presets: give one")
+    preset = plan.BenchConfig.quick if args.quick else plan.BenchConfig.scaling if args.scaling else plan.BenchConfig
+    cfg = preset(**given).validate()
     each = f" x {cfg.ranks_per_host} ranks each" if cfg.ranks_per_host > 1 else ""
     print(f"nicoffload bench: workers {cfg.workers}{each}, sizes {cfg.sizes}, sparsity {cfg.sparsities}, "
           f"rates {cfg.rates}, systems {cfg.systems} -> {cfg.out}", file=sys.stderr, flush=True)

@@ -54,7 +54,7 @@ def cmd_up(args) -> int:
     port = {} if args.port is None else {"port": args.port}  # default: the topology's (AR_DEFAULT_PORT)
     topo = tbm.Topology.star(name, args.workers, rate=args.rate, queues=args.queues, mtu=args.mtu,
                              agg_napi=args.xdp_mode == "native", multicast=not args.no_multicast,
-                             aggregators=args.aggregators, **port)
+                             aggregators=args.aggregators, agg_rate=_agg_rate(args), **port)
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise InputError(f"--ranks-per-host must be at least 1, not {args.ranks_per_host}")
     with tbm.Testbed(topo) as tb:
@@ -102,6 +102,21 @@ def _print_torchrun(runs: dict) -> None:
         print("    one host: shared memory only, no service (NICOFFLOAD_SERVICE unset)")
     for h in runs["hosts"]:
         print(f"    {h['host']}: sudo {h['command']}")
+def _agg_rate(args) -> str | None:
+    """--agg-rate as Topology.star takes it: a rate, 'unshaped', or NxRATE ('4x': 4 x --rate)."""
+    text = (args.agg_rate or "").strip().lower()
+    if not text.endswith("x"):
+        return args.agg_rate
+    tbm = _testbed()
+    try:
+        k = float(text[:-1])
+    except ValueError:
+        raise InputError(f"bad --agg-rate {args.agg_rate!r}: a rate (800mbit), 'unshaped', or a multiple of "
+                         f"--rate such as 4x") from None
+    rate = tbm.parse_rate(args.rate)
+    if rate is None or k <= 0:
+        raise InputError(f"--agg-rate {args.agg_rate} needs a positive multiple and a shaped --rate")
+    return tbm.format_rate(int(k * rate))
 
 
 def cmd_exec(args) -> int:
@@ -224,6 +239,8 @@ def _register_up(sub) -> None:
     up = _action(sub, "up", "create a testbed and leave it running",
                  "Create N workers and an aggregator; the testbed stays up until 'nicoffload testbed down NAME'.",
                  ["sudo nicoffload testbed up --workers 4",
+                  "sudo nicoffload testbed up --workers 4 --rate 200mbit --agg-rate 4x   # a dedicated "
+                  "aggregator node: its link N x a worker's",
                   "sudo nicoffload testbed up --workers 8 --rate 100mbit --mtu 3000 --name big",
                   "sudo nicoffload testbed up --workers 2 --drop 0.05 --dup 0.01 --seed 7 --json",
                   "sudo nicoffload testbed up --workers 2 --drop 0.1 --fault-hosts agg --directions egress",
@@ -232,6 +249,10 @@ def _register_up(sub) -> None:
     up.add_argument("--workers", "-n", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--rate", default="unshaped", help="per-link rate, both directions: 1gbit, 100mbit, ... "
                                                        "or 'unshaped' (default)")
+    up.add_argument("--agg-rate", default=None, metavar="RATE",
+                    help="each aggregator's link: a rate, 'unshaped', or a multiple of --rate such as 4x "
+                         "(default: --rate, an aggregator with the workers' NIC; the bench's default is "
+                         "N x --rate)")
     up.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500; at most 3506 with "
                                                           "the aggregator's NAPI program)")
     up.add_argument("--queues", type=int, default=1, help="tx/rx queues of every veth (default 1)")

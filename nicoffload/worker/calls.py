@@ -54,6 +54,7 @@ class CallStats:
     spec_missed: int = 0        # ... whose exponent had changed: sent again at the right scale
     seconds: float = 0.0
     timeouts: int = 0
+    window_cuts: int = 0        # loss episodes the congestion window answered (worker/congestion.py)
     loops: int = 0              # iterations of the send/receive loop
     syscalls: int = 0
     foreign: int = 0            # datagrams from someone other than the aggregator, skipped
@@ -122,6 +123,7 @@ class RunState:
         self.dest = (s.aggregator, s.port)
         self.done = s._buf.get("done", K, np.uint8)
         self.sent_at = s._buf.get("sent_at", K, np.float64)
+        self.sent0 = s._buf.get("sent0", K, np.float64)  # when round i entered the window (never reset)
         self.status = s._buf.get("status", K, np.int64)
         self.newly = s._buf.get("newly", K, np.int64)
         self.pos = s._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1

@@ -8,9 +8,12 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
 
 - The retransmission timeout follows the smoothed time from send to result, as TCP's does:
   rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
-- Rounds complete roughly in order: a round left behind by ``gap`` rounds that completed after
-  it has lost a packet and is resent at once (fast retransmit), once it is older than the base
-  timeout.
+- Rounds complete in order on FIFO paths (a round completes when its last contributor's
+  record arrives, and every rank sends in order): a round left behind by ``gap`` rounds that
+  completed after it has lost a packet and is resent at once (fast retransmit), once it is
+  older than ``REORDER_RTTS`` smoothed round trips (a resent round gets a round trip to come
+  back before it is resent again). Waiting for the whole timeout instead stalled the window
+  behind the lost round once the slot rule let no later round in.
 - When everything sent has its result but the window cannot move (the job's gate holds it), the
   rank asks the aggregator for the gate, at most once per srtt.
 - After ``timeout`` seconds without a new result the call fails; :func:`missing_ranks` names the
@@ -24,6 +27,8 @@ import numpy as np
 MAX_WAIT = 0.05
 #: the shortest interval between two requests for the gate (seconds)
 MIN_ASK_INTERVAL = 0.001
+#: a round overtaken by ``gap`` later results is resent once it is this many srtt old
+REORDER_RTTS = 1.5
 
 
 class RoundTimer:
@@ -53,13 +58,13 @@ class RoundTimer:
 
     def fast_retransmit(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
         """Rounds in [head, hi) without a result that ``gap`` later rounds have overtaken and that
-        are older than the base timeout; their send time is reset to ``now``."""
+        are older than REORDER_RTTS smoothed round trips; their send time is reset to ``now``."""
         later = np.flatnonzero(done[head:hi])
         if not len(later):
             return later
         top = int(later[-1]) + head
         lost = np.flatnonzero(done[head:max(head, top - self.gap)] == 0) + head
-        lost = lost[now - sent_at[lost] > self.base_rto]
+        lost = lost[now - sent_at[lost] > REORDER_RTTS * self.srtt]
         sent_at[lost] = now
         return lost
 
@@ -68,14 +73,16 @@ class RoundTimer:
         """True once ``timeout`` seconds have passed without a new result: the call fails."""
         return now - self.last_progress > self.timeout
 
-    def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
+    def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float,
+                  limit: int | None = None) -> np.ndarray:
         """Rounds to resend now: those in the window without a result, sent at least one timeout
-        ago, once the oldest of them has waited that long. Each call that returns rounds backs
-        the timeout off (doubling, capped); their send time is reset to ``now``."""
+        ago, once the oldest of them has waited that long; the oldest ``limit`` of them at most
+        (the congestion window). Each call that returns rounds backs the timeout off (doubling,
+        capped); their send time is reset to ``now``."""
         if head >= hi or now - sent_at[head] < self.rto:
             return np.empty(0, np.int64)
         pending = np.flatnonzero(done[head:hi] == 0) + head
-        pending = pending[now - sent_at[pending] >= self.rto]
+        pending = pending[now - sent_at[pending] >= self.rto][:limit]
         sent_at[pending] = now
         self.rto = min(self.rto * 2, max(self.rto_max, self.base_rto))
         return pending

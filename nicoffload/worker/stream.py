@@ -2,7 +2,9 @@
 sending records inside the window, collecting results, recovering losses.
 
 Rounds are numbered over the epoch: round i uses slot i mod S, set (i div S) mod 2; a round enters
-the window only when the round S before it has its result (window <= S), and each record carries
+the window only when the round S before it has its result (window <= S) and the congestion window
+(:class:`nicoffload.worker.congestion.Window`: rounds in flight, AIMD on the aggregator's results
+and on losses) has room for it, and each record carries
 this rank's head (every round below it has its result) so the aggregator reuses a set only when
 every rank holds its previous result; a rank that contributes to nothing for a while says so with
 an ACK. Results carry the job's gate (the lowest head of all ranks): no round at or beyond
@@ -25,6 +27,7 @@ from nicoffload.errors import AggregatorReset, MismatchError, ProtocolError, Sil
 from nicoffload.wire import proto, quant
 from nicoffload.worker.join import join_job
 from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
+from nicoffload.worker.congestion import Window
 from nicoffload.worker.records import RankRecords
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
 
@@ -71,6 +74,7 @@ class RoundStream:
         self._bias16 = quant.bias(world, 16)  # 16-bit lanes (op SUM16)
         self._buf = buffers
         self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
+        self._cc = Window(window)  # the congestion window: rounds in flight, at most ``window``
         self._acked = 0        # the last head this rank reported (unwrapped)
         self._records = RankRecords(rank, job, world, key)  # every record carries the job's key
         # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
@@ -257,10 +261,14 @@ class RoundStream:
 
     def _fill_window(self, x: RunState) -> None:
         """Send this rank's records of the rounds that may enter the window: S rounds past the
-        head, and never a round whose set still holds a result some rank has not acknowledged
-        (the aggregator would drop it as early)."""
-        r, cap = x.r, x.cap
-        lim = min(x.K, x.head + self.window, int(self._gate[0]) + 2 * self.slots - x.base)
+        head at most, never a round whose set still holds a result some rank has not acknowledged
+        (the aggregator would drop it as early), and no more rounds without a result than the
+        congestion window holds (counted only while it is below its cap: at the cap the stream
+        runs as with a fixed window of S)."""
+        r, cap, cc = x.r, x.cap, self._cc
+        edge = min(x.K, x.head + self.window, int(self._gate[0]) + 2 * self.slots - x.base)
+        lim = edge if cc.full else min(edge, x.hi + cc.room(x.hi - x.head - int(np.count_nonzero(x.done[x.head:x.hi]))))
+        cc.limited = lim < edge
         if x.hi >= lim:
             return
         j_end = int(np.searchsorted(r.mine, lim)) if not x.dense else lim
@@ -275,7 +283,7 @@ class RoundStream:
             self.last.packets_sent += j_end - x.j_sent
             self._acked = max(self._acked, x.base + x.head)
             x.j_sent = j_end
-        x.sent_at[x.hi:lim] = time.monotonic()
+        x.sent_at[x.hi:lim] = x.sent0[x.hi:lim] = time.monotonic()
         x.hi = lim
 
     def _on_event(self, event: int, x: RunState) -> None:
@@ -298,14 +306,17 @@ class RoundStream:
         """``new`` rounds got their results: move the head, acknowledge, retransmit early what
         a gap of GAP results says is lost."""
         x.ndone += new
-        self._timer.on_results(int(x.newly[new - 1]), x.hi, x.sent_at, now)
+        last = int(x.newly[new - 1])
+        self._timer.on_results(last, x.hi, x.sent_at, now)
         x.head = pump.advance(x.done, x.head, x.K)
         if ack_due(x.base + x.head, self._acked, self.slots, x.dense):
             self._t.send_one(self._records.ack(self._epoch, x.base + x.head), x.dest)
             self._acked = x.base + x.head
             self.last.acks += 1
+        # the window's round trip counts from the first send (a resent round's is long, never short)
+        self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
-            self._resend(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now))
+            self._resend(x, self._lost(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now)))
 
     def _on_idle(self, x: RunState, now: float) -> bool:
         """No progress: fail on timeout or silence, ask for the gate, retransmit what timed out.
@@ -321,12 +332,18 @@ class RoundStream:
             self._t.send_one(self._records.ack(self._epoch, x.base + x.head, ask=True), x.dest)
             self._acked = max(self._acked, x.base + x.head)
             self.last.acks += 1
-        late = timer.timed_out(x.done, x.head, x.hi, x.sent_at, now)
+        late = timer.timed_out(x.done, x.head, x.hi, x.sent_at, now, limit=self._cc.size)
         if len(late):
-            self._resend(x, late)
+            self._resend(x, self._lost(x, late))
             self.last.timeouts += 1
             return True
         return False
+
+    def _lost(self, x: RunState, rounds: np.ndarray) -> np.ndarray:
+        """``rounds`` (ascending) are lost: the congestion window answers; returns them."""
+        if len(rounds) and self._cc.on_loss(x.base + int(rounds[-1]), x.base + x.hi):
+            self.last.window_cuts += 1
+        return rounds
 
     def _resend(self, x: RunState, rounds: np.ndarray) -> None:
         """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the

@@ -41,6 +41,14 @@ def test_a_round_resent_recently_waits_for_its_own_timeout():
     assert t.timed_out(done, 0, 4, sent_at, now=0.07).tolist() == [0, 1, 3]
 
 
+def test_a_timeout_resends_no_more_than_the_congestion_window_oldest_first():
+    t = RoundTimer(0.02, 0.5, 10)
+    done, sent_at = window(8)
+    late = t.timed_out(done, 0, 8, sent_at, now=1.0, limit=3)
+    assert late.tolist() == [0, 1, 2]
+    assert (sent_at[:3] == 1.0).all() and (sent_at[3:] == 0.0).all()  # the rest wait their turn
+
+
 def test_backoff_doubles_and_is_capped():
     t = RoundTimer(0.02, 0.5, 10)
     done, sent_at = window(1)

@@ -53,6 +53,27 @@ def test_hosts_by_name_rank_or_host():
             t.host(bad)
 
 
+def test_the_aggregators_links_take_their_own_rate():
+    t = Topology.star("abc", 4, rate="200mbit", agg_rate="800mbit", aggregators=2,
+                      links={"agg1": Link(rate="1gbit")})
+    assert [t.link_of(h).rate for h in ("agg", "agg1", "w0", "w3")] == [800_000_000, 10**9, 200_000_000, 200_000_000]
+    assert Topology.star("abc", 4, rate="200mbit", agg_rate="unshaped").link_of("agg").rate is None
+    assert Topology.star("abc", 4, rate="200mbit").link_of("agg").rate == 200_000_000  # default: the workers'
+
+
+@pytest.mark.parametrize("given, want", [(None, None), ("1gbit", "1gbit"), ("unshaped", "unshaped"),
+                                         ("4x", "800mbit"), ("2.5x", "500mbit")])
+def test_testbed_up_reads_agg_rate_as_a_rate_or_a_multiple_of_the_workers(given, want):
+    from types import SimpleNamespace
+
+    from nicoffload.cli.testbed import _agg_rate
+
+    assert _agg_rate(SimpleNamespace(agg_rate=given, rate="200mbit")) == want
+    for bad, rate in (("fourx", "200mbit"), ("4x", "unshaped"), ("0x", "1gbit")):
+        with pytest.raises(InputError):
+            _agg_rate(SimpleNamespace(agg_rate=bad, rate=rate))
+
+
 def test_netns_prefix_separates_testbeds_whose_names_share_a_start():
     a, ab = Topology.star("a", 1), Topology.star("ab", 1)
     assert all(ns.startswith(netns_prefix("a")) for ns in a.netns_names())

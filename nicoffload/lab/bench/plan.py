@@ -1,12 +1,18 @@
 """What a ``nicoffload bench`` sweep runs: its configuration, the points of each testbed, the
 rates, and the bounds a shaped link puts on an AllReduce. Pure: no root, no sockets.
 
-Shaped sweeps: every worker link at R, the aggregator's at N x R. An AllReduce of M bytes cannot
-finish sooner than M/R through an aggregator (``bound_agg_s``), nor sooner than 2(N-1)M/(NR)
-through a ring or any host-only algorithm (``bound_ring_s``). Bounds count payload bytes only
-(headers are overhead) and are for dense data: sparse inputs let nicoffload beat M/R.
+Shaped sweeps: every worker link at R, the aggregator's at N x R (a dedicated aggregator node)
+unless ``agg_rate`` says otherwise (a rate, or a multiple of R: ``1x`` is an aggregator with the
+workers' NIC). An AllReduce of M bytes cannot finish sooner than M/R through an aggregator, nor
+sooner than N x M over the aggregators' links together (every contribution crosses one:
+``bound_agg_s`` is the larger), nor sooner than 2(N-1)M/(NR) through a ring or any host-only
+algorithm (``bound_ring_s``). Bounds count payload bytes only (headers are overhead: 1 KiB
+records on a 1500-byte MTU put 1106 bytes on the wire per 1024 of payload, so 92.6% of a bound
+is the most a link can give) and are for dense data: sparse inputs let nicoffload beat M/R.
 With K ranks per host (``--ranks-per-host``) N counts hosts and the bounds are a host's link's:
 the host's ranks reduce inside it, so it moves the tensor once each way (M/R through an aggregator).
+
+``--scaling`` is a preset of the sweep: time against N at fixed worker link rates (SCALING).
 """
 from __future__ import annotations
 
@@ -94,6 +100,15 @@ class BenchConfig:
 
     QUICK = dict(workers=[2], sizes=[4 << 10, 256 << 10], sparsities=[0.0, 0.5], rates=["unshaped", "200mbit"],
                  reps=3, warmup=1, min_time=0.05, max_reps=20, max_point_s=5.0)
+    #: ``--scaling``: time against N at fixed worker link rates, dense, the systems whose bounds
+    #: differ in N (the aggregator's is flat, the ring's grows towards 2M/R)
+    SCALING = dict(workers=[2, 4, 8, 16], sizes=[16 << 20, 64 << 20], sparsities=[0.0], rates=["200mbit", "1gbit"],
+                   systems=["xdp", "xdp16", "ring", "gloo"], reps=3, max_point_s=60.0)
+
+    @classmethod
+    def scaling(cls, **kw) -> "BenchConfig":
+        """The ``--scaling`` preset; ``kw`` overrides."""
+        return cls(**{**copy.deepcopy(cls.SCALING), **kw})
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -108,6 +123,7 @@ class BenchConfig:
             raise InputError("--warmup and --min-time cannot be negative, --max-point-time must be positive")
         if self.zero_run < 1:
             raise InputError(f"--zero-run is a number of blocks, at least 1 (not {self.zero_run})")
+        agg_rate_bps(self.agg_rate, 2, 10**9)  # raises InputError on a bad --agg-rate
         for what, values, known in (("systems", self.systems, SYSTEMS), ("workers", self.workers, None)):
             if not values:
                 raise InputError(f"no {what} to run")
@@ -196,12 +212,35 @@ def rate_label(rate: str) -> str:
     return format_rate(rate_bps(rate))
 
 
-def bounds(nbytes: int, workers: int, rbps: int | None) -> tuple[float | None, float | None]:
-    """(aggregator bound M/R, ring bound 2(N-1)M/(NR)) in seconds; None when unshaped."""
+def agg_rate_bps(agg_rate: str | None, workers: int, rbps: int | None) -> int | None:
+    """Each aggregator's link on a testbed of ``workers`` at ``rbps``: ``agg_rate`` (a rate, or
+    ``Kx``: K x the worker rate), by default N x the worker rate; None when unshaped."""
+    if agg_rate is None:
+        return workers * rbps if rbps else None
+    text = agg_rate.strip().lower()
+    if not text.endswith("x"):
+        rate_bps(agg_rate)  # raises InputError with the accepted forms
+        return rate_bps(agg_rate) if rbps else None
+    try:
+        k = float(text[:-1])
+    except ValueError:
+        raise InputError(f"bad --agg-rate {agg_rate!r}: a rate (800mbit) or a multiple of the worker rate (1x)") \
+            from None
+    if k <= 0:
+        raise InputError(f"--agg-rate {agg_rate}: the multiple must be positive")
+    return int(k * rbps) if rbps else None
+
+
+def bounds(nbytes: int, workers: int, rbps: int | None,
+           agg_bps: int | None = None) -> tuple[float | None, float | None]:
+    """(aggregator bound, ring bound 2(N-1)M/(NR)) in seconds; None when unshaped. The
+    aggregator's is M/R, or N x M through ``agg_bps`` (the aggregators' links together; default
+    N x R, where the two agree) if that is longer."""
     if not rbps:
         return None, None
     t = nbytes * 8 / rbps
-    return t, (2 * (workers - 1) * t / workers if workers > 1 else 0.0)
+    agg = max(t, workers * nbytes * 8 / agg_bps) if agg_bps else t
+    return agg, (2 * (workers - 1) * t / workers if workers > 1 else 0.0)
 
 
 def shape_label(workers: int, ranks_per_host: int = 1) -> str:

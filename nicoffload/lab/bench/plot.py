@@ -1,6 +1,8 @@
 """The bench's plots (PNG, matplotlib): AllReduce time against size, workers and sparsity, one
-panel per link rate, with the shaped bounds; and on shaped links the goodput as a fraction of
-the bound."""
+panel per link rate, with the shaped bounds; on shaped links the goodput as a fraction of the
+bound; and with several worker counts on shaped links (``--scaling``), time against N per size
+and rate with each system's own bound, CPU-bound points marked, and the share of the cores the
+ranks kept busy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ import numpy as np
 
 from nicoffload.lab.bench.plan import (
     BenchConfig,
+    agg_rate_bps,
     bounds,
     centre_workers,
     rate_bps,
@@ -18,6 +21,7 @@ from nicoffload.lab.bench.plan import (
     reference_size,
     tbf_burst_bytes,
 )
+from nicoffload.lab.bench.report import CPU_BOUND
 from nicoffload.lab.inputs import format_size
 
 COLORS = {"xdp": "tab:red", "afxdp": "goldenrod", "userspace": "tab:orange", "ring": "tab:blue",
@@ -33,6 +37,8 @@ PAPER_GAIN = (0.15, 0.36)
 PANEL = (6.2, 4.6)  # inches per panel
 DPI = 110
 FILES = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "shaped_bound_fraction.png"]
+#: time against N at each size and shaped rate (drawn when the sweep has both)
+SCALING = "scaling_vs_workers.png"
 
 
 @dataclass
@@ -46,6 +52,13 @@ class _Sweep:
     ref: int                   # the reference size
     base: float                # the lowest sparsity
     out: Path
+    agg_rate: str | None = None  # BenchConfig.agg_rate
+    aggregators: int = 1
+
+    def agg_bps(self, n: int, rbps: int) -> int | None:
+        """The aggregators' links together on the testbed of ``n`` workers at ``rbps``."""
+        each = agg_rate_bps(self.agg_rate, n, rbps)
+        return each * self.aggregators if each else None
 
 
 @dataclass(frozen=True)
@@ -67,14 +80,14 @@ def _time_plots(s: _Sweep) -> list[_TimePlot]:
         _TimePlot("latency_vs_size.png",
                   f"AllReduce time vs size ({s.nc} workers, sparsity {s.base:g}; median, min..max)",
                   "bytes", "bytes per worker", lambda r: r["workers"] == s.nc and r["sparsity"] == s.base,
-                  lambda m, rb: bounds(m, s.nc, rb), xlog=True, agg_in_title=True),
+                  lambda m, rb: bounds(m, s.nc, rb, s.agg_bps(s.nc, rb)), xlog=True, agg_in_title=True),
         _TimePlot("time_vs_workers.png", f"AllReduce time vs workers ({format_size(s.ref)}, sparsity {s.base:g})",
                   "workers", "workers", lambda r: r["bytes"] == s.ref and r["sparsity"] == s.base,
-                  lambda n, rb: bounds(s.ref, n, rb)),
+                  lambda n, rb: bounds(s.ref, int(n), rb, s.agg_bps(int(n), rb))),
         _TimePlot("time_vs_sparsity.png",
                   f"AllReduce time vs sparsity ({s.nc} workers, {format_size(s.ref)}; fraction of zero 1 KiB blocks)",
                   "sparsity", "sparsity", lambda r: r["bytes"] == s.ref and r["workers"] == s.nc,
-                  lambda _x, rb: bounds(s.ref, s.nc, rb)),
+                  lambda _x, rb: bounds(s.ref, s.nc, rb, s.agg_bps(s.nc, rb))),
     ]
 
 
@@ -94,7 +107,7 @@ def _bound_lines(ax, xs: list, bound: Callable[[float], tuple]) -> None:
     xs = sorted(set(xs))
     if not xs:
         return
-    ax.plot(xs, [bound(x)[0] * 1e3 for x in xs], "k--", lw=1, label="bound M/R (aggregator)")
+    ax.plot(xs, [bound(x)[0] * 1e3 for x in xs], "k--", lw=1, label="bound M/R or NM/R_agg (aggregator)")
     ax.plot(xs, [bound(x)[1] * 1e3 for x in xs], "k:", lw=1.2, label="bound 2(N-1)M/(NR) (ring)")
 
 
@@ -194,6 +207,72 @@ def _draw_ring_gain(plt, s: _Sweep) -> Path:
     return _finish(plt, fig, axes, s.out / RING_GAIN, loc="lower right", ncol=3, fontsize=6, framealpha=0.6)
 
 
+def _agg_label(s: _Sweep) -> str:
+    a = s.agg_rate or "N x"
+    k = f"{s.aggregators} aggregators' links" if s.aggregators > 1 else "aggregator's link"
+    return f"{k} {a}{' the worker rate' if a.endswith('x') else ''}"
+
+
+def _scaling_panel(ax, sel: list[dict], systems: list[str]) -> None:
+    from matplotlib.ticker import ScalarFormatter
+
+    """Time against N of every system in ``sel``, its own bound dashed, CPU-bound points crossed."""
+    for system in systems:
+        rs = sorted((r for r in sel if r["system"] == system), key=lambda r: r["workers"])
+        if not rs:
+            continue
+        n = [r["workers"] for r in rs]
+        y = np.array([r["median_s"] for r in rs])
+        err = [y - [r["min_s"] for r in rs], np.array([r["max_s"] for r in rs]) - y]
+        ax.errorbar(n, y, yerr=err, marker="o", ms=4, capsize=3, label=system, color=COLORS.get(system))
+        ax.plot(n, [r["bound_s"] for r in rs], "--", lw=1, color=COLORS.get(system), alpha=0.8)
+        cpu = [r for r in rs if r.get("limit") == "cpu"]
+        if cpu:
+            ax.plot([r["workers"] for r in cpu], [r["median_s"] for r in cpu], "kx", ms=9, mew=1.5)
+    ax.plot([], [], "k--", lw=1, label="each system's bound (its colour)")
+    ax.plot([], [], "kx", ms=9, mew=1.5, label=f"CPU-bound: ranks kept >= {CPU_BOUND:.0%} of the cores busy")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["workers"] for r in sel}) or [2])
+    ax.get_xaxis().set_major_formatter(ScalarFormatter())
+    ax.set_ylim(bottom=0)
+
+
+def _draw_scaling(plt, s: _Sweep) -> Path:
+    """Rows: one per size (time against N), then the share of the cores the ranks kept busy;
+    columns: the shaped rates."""
+    from matplotlib.ticker import ScalarFormatter
+
+    shaped = [r for r in s.rates if rate_bps(r)]
+    sizes = sorted({r["bytes"] for r in s.rows if r["sparsity"] == s.base}) or [s.ref]
+    fig, axes = plt.subplots(len(sizes) + 1, len(shaped), figsize=(PANEL[0] * len(shaped), PANEL[1] * (len(sizes) + 1)),
+                             squeeze=False)
+    fig.suptitle(f"AllReduce time against the number of workers (sparsity {s.base:g}; median, min..max; "
+                 f"{_agg_label(s)})", fontsize=11)
+    for c, rate in enumerate(shaped):
+        here = [r for r in s.rows if r["rate"] == rate and r["sparsity"] == s.base]
+        for i, size in enumerate(sizes):
+            ax = axes[i][c]
+            _scaling_panel(ax, [r for r in here if r["bytes"] == size], s.systems)
+            ax.set(xlabel="workers N", ylabel="time (s)", title=f"{format_size(size)} per worker, links {rate}")
+        ax = axes[len(sizes)][c]
+        styles = ["-", ":", "-.", "--"]
+        for system in s.systems:
+            for i, size in enumerate(sizes):
+                rs = sorted((r for r in here if r["system"] == system and r["bytes"] == size
+                             and r.get("cpu_share") is not None), key=lambda r: r["workers"])
+                if rs:
+                    ax.plot([r["workers"] for r in rs], [r["cpu_share"] for r in rs], styles[i % len(styles)],
+                            marker="o", ms=3, color=COLORS.get(system), label=f"{system} {format_size(size)}")
+        ax.axhline(CPU_BOUND, color="k", ls="--", lw=1, label=f"CPU-bound from {CPU_BOUND:.0%}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["workers"] for r in here}) or [2])
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
+        top = max([1.1] + [1.05 * r["cpu_share"] for r in here if r.get("cpu_share") is not None])
+        ax.set(xlabel="workers N", ylabel="ranks' CPU / (cores x wall time)", ylim=(0, top),
+               title=f"share of the machine's cores the ranks kept busy, links {rate}")
+    return _finish(plt, fig, [a for row in axes for a in row], s.out / SCALING, ncol=2)
+
+
 def plot(rows: list[dict], cfg: BenchConfig) -> list[Path]:
     """Every plot of the sweep into cfg.out; their paths (in FILES order, then the ring offload's
     gain over the TCP ring when the sweep has both)."""
@@ -203,8 +282,11 @@ def plot(rows: list[dict], cfg: BenchConfig) -> list[Path]:
     import matplotlib.pyplot as plt
 
     s = _Sweep([r for r in rows if r.get("median_s") is not None], list(dict.fromkeys(rate_label(r) for r in cfg.rates)),
-               list(cfg.systems), centre_workers(cfg.workers), reference_size(cfg.sizes), min(cfg.sparsities), cfg.out)
+               list(cfg.systems), centre_workers(cfg.workers), reference_size(cfg.sizes), min(cfg.sparsities), cfg.out,
+               cfg.agg_rate, cfg.aggregators)
     out = [_draw_time(plt, s, p) for p in _time_plots(s)] + [_draw_bound_fraction(plt, s)]
+    if len(set(cfg.workers)) > 1 and any(rate_bps(r) for r in s.rates):
+        out.append(_draw_scaling(plt, s))
     if "ring" in cfg.systems and set(cfg.systems) & {"xdpring", "udpring", "gloo", "mpi"}:
         out.append(_draw_ring_gain(plt, s))
     return out

@@ -26,7 +26,15 @@ import numpy as np
 from nicoffload.ebpf import libbpf
 from nicoffload.lab.aggregators import on_testbed
 from nicoffload.lab.bench import drive, report, systems
-from nicoffload.lab.bench.plan import XDP_AGG_SYSTEMS, BenchConfig, Point, rate_bps, rate_label, sweep_plan
+from nicoffload.lab.bench.plan import (
+    XDP_AGG_SYSTEMS,
+    BenchConfig,
+    Point,
+    agg_rate_bps,
+    rate_bps,
+    rate_label,
+    sweep_plan,
+)
 from nicoffload.lab.bench.plot import plot
 from nicoffload.lab.bench.systemrun import Abort, Bed, Failed, SystemRun
 from nicoffload.lab.inputs import as_int32, make_gradients
@@ -142,8 +150,9 @@ def _meta(cfg: BenchConfig, argv, avail: dict, versions: dict) -> dict:
             "cpus": os.cpu_count(), "kernel": os.uname().release, "testbeds": []}
 
 
-def _skipped(system: str, n: int, points: list[Point], rate: str, rbps, reason: str, prog, k: int = 1) -> list[dict]:
-    rows = [report.row(system, n, pt, rate, rbps, k, status="skipped", reason=reason) for pt in points]
+def _skipped(system: str, n: int, points: list[Point], rate: str, rbps, reason: str, prog, k: int = 1,
+             agg_bps: int | None = None) -> list[dict]:
+    rows = [report.row(system, n, pt, rate, rbps, k, agg_bps, status="skipped", reason=reason) for pt in points]
     for r in rows:
         prog.row(r)
     return rows
@@ -153,16 +162,17 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
                  prog: report.Progress, rows: list[dict]) -> None:
     """Every system on one fresh testbed of ``n`` workers at ``rate``; rows appended to ``rows``
     and written after each system (partial results survive an interruption)."""
-    from nicoffload.testbed.topology import AGG, Link, parse_rate
+    from nicoffload.testbed.topology import AGG, Link
 
     rbps, label = rate_bps(rate), rate_label(rate)
-    agg_bps = (parse_rate(cfg.agg_rate) if cfg.agg_rate else n * rbps) if rbps else None
+    agg_bps = agg_rate_bps(cfg.agg_rate, n, rbps)
     aggs = [AGG] + [f"{AGG}{k}" for k in range(1, cfg.aggregators)]
     links = {a: Link(rate=agg_bps) for a in aggs} if rbps else None
     k = f"{cfg.aggregators} aggregators" if cfg.aggregators > 1 else "aggregator"
     K = cfg.ranks_per_host
     each = f" of {K} ranks each" if K > 1 else ""
     prog.note(f"testbed: {n} workers{each}, links {label}" + (f", {k} at {agg_bps / 1e9:g} Gbit/s" if rbps else ""))
+    total_agg = agg_bps * cfg.aggregators if agg_bps else None  # the bound's: every contribution crosses one
     tbmeta = {"workers": n, "ranks_per_host": K, "rate": label, "agg_rate_bps": agg_bps,
               "aggregators": cfg.aggregators, "links": {}}
     meta["testbeds"].append(tbmeta)
@@ -171,11 +181,11 @@ def _run_testbed(cfg: BenchConfig, rate: str, n: int, points: list[Point], avail
         enable_gro(tb)
         work = Path(d)
         inputs = make_inputs(points, n * K, cfg.seed, work, cfg.spec.elems, cfg.dtype, cfg.zero_run)
-        bed = Bed(tb, cfg, points, inputs, work, label, rbps, prog, tbmeta)
+        bed = Bed(tb, cfg, points, inputs, work, label, rbps, prog, tbmeta, agg_bps=total_agg)
         for group in drive.groups(cfg, n):
             for s in group:
                 if avail[s]:
-                    rows += _skipped(s, n, points, label, rbps, avail[s], prog, K)
+                    rows += _skipped(s, n, points, label, rbps, avail[s], prog, K, total_agg)
             names = [s for s in group if not avail[s]]
             if not names:
                 continue

@@ -41,6 +41,7 @@ class Bed:
     prog: report.Progress
     meta: dict                      # this testbed's entry of meta.json
     expected: dict = field(default_factory=dict)  # (point, reference kind) -> reference.Expected
+    agg_bps: int | None = None      # the aggregators' links together (shaped; the bound's N x M go through them)
 
     def reference(self, pt: Point, system: str) -> reference.Expected:
         kind = reference_kind(system, self.cfg.spec)
@@ -201,7 +202,8 @@ class SystemRun:
         recs.sort(key=lambda d: d["rank"])
         recs[0].update(window.record())
         b = self.bed
-        self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k)
+        self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k,
+                                                      b.agg_bps)
         b.prog.row(r)
 
     def fail(self, why: str) -> None:
@@ -230,7 +232,8 @@ class SystemRun:
         if len(recs) == self.n:
             b = self.bed
             pt = b.points[d["point"]]
-            self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k)
+            self.rows[pt.index] = r = report.measured_row(self.system, self.hosts, pt, b.rate, b.rbps, recs, self.k,
+                                                          b.agg_bps)
             b.prog.row(r)
 
     def _fail(self, what: str, started: bool) -> None:
@@ -332,7 +335,7 @@ class SystemRun:
         for pt, o in zip(b.points, self.outputs):
             r = self.rows.get(pt.index)
             if r is None:
-                r = report.row(self.system, self.hosts, pt, b.rate, b.rbps, self.k, status="error",
+                r = report.row(self.system, self.hosts, pt, b.rate, b.rbps, self.k, b.agg_bps, status="error",
                                reason=self.failure or "no result")
                 b.prog.row(r)
             else:
