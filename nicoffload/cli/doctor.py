@@ -23,7 +23,7 @@ def register(sub) -> None:
                                    "It never changes a setting (docs/doctor.md).")
     add_examples(p, "sudo nicoffload doctor --iface eth1 --role aggregator",
                  "nicoffload doctor --iface eth1 --role worker --json",
-                 "sudo nicoffload doctor --netns nco-tb-agg --iface eth0 --elems 858")
+                 "sudo nicoffload doctor --netns nco-tb-agg --iface eth0 --elems 856")
     p.epilog += "\n\n" + EXIT_CODES
     p.add_argument("--iface", metavar="IF", help="the interface the job's traffic crosses (default: the one of the "
                                                  "default route)")
@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--role", choices=["aggregator", "worker"],
                    help="check for this role only (default: both, with the aggregator's needs)")
     p.add_argument("--elems", type=int, default=DEFAULT.elems,
-                   help=f"int32 elements per record the job will use (default {DEFAULT.elems}; 858: jumbo frames)")
+                   help=f"int32 elements per record the job will use (default {DEFAULT.elems}; 856: jumbo frames)")
     p.add_argument("--json", action="store_true", help="one JSON document instead of lines")
     p.set_defaults(func=_doctor)
 

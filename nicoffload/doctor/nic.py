@@ -16,8 +16,9 @@ NATIVE_XDP_DRIVERS = frozenset({
     "mvneta", "mvpp2", "dpaa2-eth", "fsl_enetc", "fec", "stmmac", "atlantic", "octeontx2-nicpf", "bond",
     "vmxnet3", "ionic", "idpf", "lan743x", "mtk_soc_eth", "netsec", "am65-cpsw-nuss", "cpsw", "tsnep", "txgbe",
 })
-#: records of 858 int32 elements: the largest that fit the 3.5 KB frame native XDP takes without frags
-JUMBO_ELEMS = 858
+#: the most int32 elements per record that fit the 3.5 KB frame native XDP takes without frags
+#: (856 with wire version 3's header)
+JUMBO_ELEMS = proto.max_elems_for_mtu(3500)
 OFFLOADS = {"gro": "rx-gro", "gso": "tx-generic-segmentation", "lro": "rx-lro",
             "rx-udp-gro-forwarding": "rx-udp-gro-forwarding", "tx-udp-segmentation": "tx-udp-segmentation"}
 

@@ -11,6 +11,7 @@ import pytest
 from nicoffload.doctor import host, kernel, nic
 from nicoffload.doctor.link import IFF_MULTICAST, IFF_UP, XDP_ACT, LinkFacts, parse_igmp
 from nicoffload.doctor.report import FAIL, OK, WARN, Report, fail, ok, warn
+from nicoffload.wire import proto
 
 ROOT_CAPS = "CapInh:\t0000000000000000\nCapPrm:\t000001ffffffffff\nCapEff:\t000001ffffffffff\n"
 USER_CAPS = "CapEff:\t0000000000000000\n"
@@ -147,12 +148,14 @@ def test_native_xdp_from_the_netdev_bits_or_the_driver_table():
 
 def test_mtu_against_the_records():
     assert nic.check_mtu(nicfacts(mtu=1500), None, 256).status == OK
-    c = nic.check_mtu(nicfacts(mtu=1500), None, 858)
-    assert c.status == FAIL and "3500" in c.detail and "mtu 3500" in c.fix
+    need = proto.mtu_for_elems(nic.JUMBO_ELEMS)
+    assert need <= 3500 < proto.mtu_for_elems(nic.JUMBO_ELEMS + 1)
+    c = nic.check_mtu(nicfacts(mtu=1500), None, nic.JUMBO_ELEMS)
+    assert c.status == FAIL and str(need) in c.detail and f"mtu {need}" in c.fix
     assert nic.check_mtu(nicfacts(mtu=1000), None, 256).status == FAIL
-    assert nic.check_mtu(nicfacts(mtu=9000), "aggregator", 858).status == WARN  # native XDP without rx-sg
+    assert nic.check_mtu(nicfacts(mtu=9000), "aggregator", nic.JUMBO_ELEMS).status == WARN  # native XDP without rx-sg
     sg = XDP_ACT["basic"] | XDP_ACT["rx-sg"]
-    assert nic.check_mtu(nicfacts(mtu=9000, xdp_features=sg), "aggregator", 858).status == OK
+    assert nic.check_mtu(nicfacts(mtu=9000, xdp_features=sg), "aggregator", nic.JUMBO_ELEMS).status == OK
 
 
 def test_offloads_that_change_what_generic_xdp_sees():
