@@ -108,3 +108,15 @@ def test_every_subpackage_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nicoffload").rglob("__init__.py")}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (tests/ holds no packages: the kits beside them are
+    imported by name), so two folders with one name break collection for the whole suite; a
+    run of tests/unit alone does not collide, and this says so there."""
+    seen: dict[str, Path] = {}
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        if f.name in ("conftest.py", "__init__.py"):
+            continue
+        assert f.name not in seen, f"{f.relative_to(ROOT)} and {seen[f.name].relative_to(ROOT)}: one basename"
+        seen[f.name] = f
