@@ -5,13 +5,14 @@ bits of a run without the failure; after a removal the group goes back to a job 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
 
 import pytest
 
-from nicoffload.lab.launcher import Launch
+from nicoffload.lab.launcher import CLI, Launch
 from nicoffload.lab.train.torchrun import torchrun_specs, wait_for
 from tests.netns.test_torch_backend import JOB, client, service, with_service  # noqa: F401  (fixture)
 
@@ -77,3 +78,25 @@ def test_training_fails_over_bit_for_bit_and_rejoins(service, tmp_path):
             st = d["stats"]
             assert st["failovers"] == 1 and st["on_fallback"] and "Silent" in st["cause"], (name, st)
             assert st["recovered_at"] - acted[0] < 2 + 3, (name, st["recovered_at"] - acted[0])
+
+
+def test_train_demo_kills_its_aggregator_and_the_loss_curve_goes_on(tmp_path):
+    """``train-demo --backend --kill-aggregator-at STEP`` as a user runs it: the aggregator's
+    program detached after STEP steps, every rank fails over once, the run ends with every
+    step's loss, and the summary holds the step times on the aggregator and on the fallback."""
+    steps, at = 40, 15
+    p = subprocess.run([*CLI, "train-demo", "--backend", "--workers", "2", "--steps", str(steps),
+                        "--kill-aggregator-at", str(at), "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=400, env={**os.environ, "NICOFFLOAD_FAILOVER": "2"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    run = s["runs"]["nicoffload-backend"]
+    f = run["failover"]
+    assert f["killed"] and not f["error"] and f["at_step"] == at, f
+    assert f["failovers"] == [1, 1] and "Silent" in f["cause"] and f["on_fallback"], f
+    assert 0 < f["recovery_s"] < 2 + 3, f
+    assert f["step_ms_before"] and f["step_ms_after"] and f["cut_step"] >= at, f
+    assert f["cut_step_ms"] > 1000 * 2 * 0.9 > 10 * f["step_ms_after"], f
+    assert len(run["losses"]) == steps and s["runs"]["gloo"].get("failover") is None
+    # the fallback sums the same integers: the curve is the aggregator's, as close to gloo's as before
+    assert abs(run["final_loss_rel"]) < 0.01, run["final_loss_rel"]

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON report ({rank} in it: the rank's number); parameters go to OUT.npy")
     p.add_argument("--die-at-step", type=int, default=None,
                    help="fault injection: killed (SIGKILL) in this step, after forward, before backward")
+    p.add_argument("--progress", type=Path, default=None,
+                   help="rank 0 writes the number of steps it has finished here after each step (the launcher "
+                        "acts on it, e.g. train-demo --kill-aggregator-at)")
     return p
 
 
@@ -340,11 +343,17 @@ def train(args, report: dict) -> None:
             _step(args, step, model, opt, state, xtr_t[idx], ytr_t[idx], report, shadow)
             if step == 0:
                 report["memory"] = _memory(model, opt)
+            if args.progress is not None and args.rank == 0:
+                tmp = args.progress.with_suffix(".tmp")
+                tmp.write_text(str(step + 1))
+                tmp.replace(args.progress)
         if shadow is not None:
             report["shadow"] = shadow.report(model)
         np.save(params_path(args.out), _evaluate(model, xte, yte, report))
         if state is not None:
             report["hook"] = dict(state.stats.__dict__)
+        if backend == "nicoffload":  # what the group's failover did (train-demo --kill-aggregator-at)
+            report["pg_stats"] = dist.distributed_c10d._get_default_group().stats()
         dist.barrier()  # nobody tears the process group down under a rank still evaluating
     finally:
         if state is not None:

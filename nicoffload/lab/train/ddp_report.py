@@ -71,12 +71,27 @@ def format_summary(s: dict, rows: int = 10) -> str:
         if d is not None:
             lines.append(f"largest parameter difference after {steps} steps, {label} vs {labels[0]}: {d:.3g}")
     for label, r in runs:
+        if r.get("failover"):
+            lines.append(_failover_line(label, r["failover"]))
         if r.get("shadow"):
             sh = r["shadow"]
             name = torch_name(s.get("hyperparameters", {}).get("optimizer", "sgd"))
             lines.append(f"{label}: against float64 {name} on the same gradients {sh['max_diff']:.3g} "
                          f"(derived bound {sh.get('bound', float('nan')):.3g})")
     return "\n".join(lines)
+
+
+def _failover_line(label: str, f: dict) -> str:
+    """--kill-aggregator-at's line: what happened, how long the group took, the step times."""
+    head = f"{label}: the aggregator's program detached after step {f['at_step']}"
+    if not f.get("killed") or f.get("error"):
+        return f"{head}: not done ({f.get('error') or 'the run ended before that step'})"
+    n = sorted(set(f.get("failovers") or []))
+    took = f"{f['recovery_s']:.2f} s from the kill to the first call done on the fallback" \
+        if f.get("recovery_s") is not None else "no failover recorded"
+    return (f"{head}: failovers per rank {n}, cause {f.get('cause')}; {took}; step time "
+            f"{_ms(f.get('step_ms_before'))} on the aggregator, {_ms(f.get('cut_step_ms'))} for the cut step ({f.get('cut_step')}), "
+            f"{_ms(f.get('step_ms_after'))} on the fallback" + ("" if f.get("on_fallback") else " (rejoined)"))
 
 
 def plot(s: dict, path: Path) -> Path:
@@ -95,6 +110,10 @@ def plot(s: dict, path: Path) -> Path:
           title=f"{s.get('wrap', 'ddp').upper()}, {s['workers']} ranks, {s.get('model', 'mlp')}, "
                 f"{s.get('hyperparameters', {}).get('optimizer', 'sgd')}: loss per step")
     b.set(xlabel="step", ylabel="ms", title="time per training step (slowest rank)", yscale="log")
+    for r in s["runs"].values():
+        if (r.get("failover") or {}).get("killed"):
+            for ax in (a, b):
+                ax.axvline(r["failover"]["at_step"], color="red", lw=0.8, ls="-.", label="aggregator killed")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()

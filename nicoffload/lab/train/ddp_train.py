@@ -7,6 +7,7 @@ with the ranks' arguments: the MLP with SGD by default, a transformer with AdamW
 ``--optimizer adamw`` (:mod:`nicoffload.lab.train.transformer`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -21,6 +22,7 @@ from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.lab.aggregators import AggregatorProcess, on_testbed
 from nicoffload.lab.train import ddp_rank, transformer
 from nicoffload.lab.train.ddp_rank import HOOK_FIELDS, MASTER_PORT, TRAIN_TIMEOUT, build_parser, params_path
+from nicoffload.lab.train.kill import AggregatorKiller
 from nicoffload.lab.train.ddp_report import FINAL, WARMUP, format_summary, plot  # noqa: F401 (re-exported)
 from nicoffload.lab.launcher import Launch, Outcome, RankSpec, error_class, failure, program
 from nicoffload.lab.links import enable_gro
@@ -90,6 +92,7 @@ class Run:
     lanes: int = 32                 # 16: gloo with DDP's bf16_compress_hook, nicoffload in 16-bit lanes
     aggregator_memory: dict | None = None  # an offload run's: bytes the aggregator holds for the optimizer
     nproc: int = 1                  # ranks per worker host (torchrun --nproc-per-node)
+    failover: dict | None = None    # --kill-aggregator-at: what the kill did (AggregatorKiller.summary)
 
     @property
     def label(self) -> str:
@@ -166,7 +169,7 @@ def _torchrun_specs(tb, run: Run, workdir: Path, spec: JobSpec, argv: list[str],
 def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps: int = 50, seed: int = 0,
            data: str = "synthetic", deadline: float | None = None, die: dict[int, int] | None = None,
            master_port: int = MASTER_PORT, extra: list[str] | None = None, spec: JobSpec | None = None,
-           nproc: int = 1, **fields) -> Run:
+           nproc: int = 1, kill_at: int | None = None, **fields) -> Run:
     """Train once on testbed ``tb``: one rank process per worker host, started inside its
     namespace, with MASTER_ADDR = worker 0's address and GLOO_SOCKET_IFNAME = the rank's own
     interface; ``nproc`` > 1 (gloo and the backend): ``torchrun --nproc-per-node nproc`` in
@@ -174,13 +177,16 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     ``allreduce="nicoffload"`` a fresh ``aggregator`` (xdp or userspace) runs the job ``spec``
     (``fields`` changed) on the aggregator host for this run.
 
-    ``die``: {rank: step} fault injection. ``deadline``: seconds for the whole run (default
+    ``die``: {rank: step} fault injection. ``kill_at`` (the backend): the aggregator's program
+    detached once rank 0 has finished that many steps (:mod:`nicoffload.lab.train.kill`). ``deadline``: seconds for the whole run (default
     generous); ranks still running then are killed and reported as such. Returns the
     :class:`Run` (failures inside; ``Run.check()`` raises them)."""
     spec = on_testbed(tb, (spec or TRAIN_SPEC).replace(**fields))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     nco = allreduce != "gloo"
+    if kill_at is not None and allreduce != "backend":
+        raise InputError("killing the aggregator mid-run shows the backend's failover: it goes with the backend")
     if nproc > 1 and (die or allreduce not in ("gloo", "backend")):
         raise InputError("several ranks per host (torchrun --nproc-per-node) train through gloo or the backend, "
                          "without fault injection")
@@ -191,6 +197,9 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     world = len(tb.workers) * nproc
     common = ["--world", str(world), "--allreduce", allreduce, "--steps", str(steps), "--seed", str(seed),
               "--data", data, *(extra or [])]
+    progress = workdir / f"{run.label}-progress"
+    if kill_at is not None:
+        common += ["--progress", str(progress)]
     outs = [workdir / f"{run.label}-rank{r}.json" for r in range(world)]
     for out in outs:
         out.unlink(missing_ok=True)
@@ -213,7 +222,8 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
                 run.aggregator_memory = ap.memory()
             elif allreduce == "nicoffload":
                 ap = AggregatorProcess(tb, aggregator, spec)
-        with Launch(tb, ranks) as job:
+        killer = AggregatorKiller(tb, progress, kill_at) if kill_at is not None else None
+        with killer or contextlib.nullcontext(), Launch(tb, ranks) as job:
             processes = job.wait(limit)
     finally:
         if ap is not None:
@@ -221,6 +231,8 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
         if svc is not None:
             svc.stop()
     run.ranks = [_gather(r, out, processes[r // nproc]) for r, out in enumerate(outs)]
+    if killer is not None:
+        run.failover = killer.summary([(r.report or {}).get("pg_stats") or {} for r in run.ranks])
     run.seconds = time.monotonic() - t0
     return run
 
@@ -283,7 +295,8 @@ def rank_args(argv):
 def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, aggregator: str = "xdp",
             seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
             offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp",
-            train_args: list[str] | tuple[str, ...] = (), nproc: int = 1) -> tuple[Run, ...]:
+            train_args: list[str] | tuple[str, ...] = (), nproc: int = 1,
+            kill_at: int | None = None) -> tuple[Run, ...]:
     """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
     (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
     optimizer in each of them) — the offloaded runs also follow the float64 torch optimizer on
@@ -291,7 +304,8 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
     "nicoffload" (no hook; the aggregator as a service); ``wrap``: ddp or fsdp (FSDP2) in both
     runs; ``train_args``: the ranks' model and optimizer arguments (``--optimizer adamw --lr
     3e-4 --d-model 64 ...``, see ``python -m nicoffload.lab.train.ddp_rank --help``); ``nproc``:
-    ranks per host, under torchrun (gloo and the backend)."""
+    ranks per host, under torchrun (gloo and the backend); ``kill_at``: the backend run's
+    aggregator program detached after that many steps (its failover shown)."""
     name = transformer.torch_name(rank_args(train_args).optimizer)
     plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else
                                [("backend", "xdp")] if backend else [("nicoffload", aggregator)])
@@ -306,6 +320,7 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
             progress(f"training {len(tb.workers) * nproc} ranks{where} x {steps} steps with {what} ...")
         runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
                            spec=spec, master_port=MASTER_PORT + i, nproc=nproc,
+                           kill_at=kill_at if kind == "backend" else None,
                            extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap, *train_args]).check())
     return tuple(runs)
 
@@ -336,7 +351,20 @@ def _run_summary(run: Run) -> dict:
             "memory": r0.get("memory"), "aggregator_memory": run.aggregator_memory,
             "shadow": transformer.shadow_bound(r0),
             "param_max": max(r0["param_max"]) if r0.get("param_max") else None,
-            "group": r0.get("group"), "seconds": run.seconds}
+            "group": r0.get("group"), "seconds": run.seconds, "failover": _failover(run)}
+
+
+def _failover(run: Run) -> dict | None:
+    """--kill-aggregator-at: the kill's record, and the step times on the aggregator (before it),
+    in the cut step, and on the fallback (after it)."""
+    if run.failover is None:
+        return None
+    t, at = run.step_seconds(), run.failover["at_step"]
+    if at >= len(t):
+        return {**run.failover, "step_ms_before": _median_ms(t), "cut_step": None}
+    cut = at + int(np.argmax(t[at:]))  # the step that waited out the silence (the kill lands in step at or later)
+    return {**run.failover, "step_ms_before": _median_ms(t[:at]), "cut_step": cut, "cut_step_ms": float(t[cut] * 1e3),
+            "step_ms_after": _median_ms(t[cut + 1:]) if cut + 1 < len(t) else None}
 
 
 def summarize(reference: Run, *others: Run) -> dict:
