@@ -24,7 +24,7 @@ MAX_LEASE = 7 * 24 * 3600.0
 DELIVERIES = ("multicast", "unicast")
 
 _FIELDS = {"world", "workers", "job", "slots", "group", "lease_s", "owner", "optimizer", "params", "delivery",
-           "lanes"}
+           "lanes", "failovers"}
 #: the most lanes one request may ask for (the ranks one host runs)
 MAX_LANES = 64
 _OPT_FIELDS = {"kind", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps", "amsgrad", "maximize"}
@@ -78,6 +78,9 @@ class JobRequest:
     # hosts that run several ranks each: one job per lane (local rank j of every host sums the
     # j-th share of each tensor in job j), granted together and released together
     lanes: int = 1
+    # a group that asks again after failing over: how many failovers it had (the service counts
+    # them, nicoffload_failovers_reported; 0 is left out of the request)
+    failovers: int = 0
 
     @classmethod
     def from_json(cls, d) -> "JobRequest":
@@ -144,13 +147,14 @@ class JobRequest:
             raise InputError("a job of several lanes takes no optimizer and no group of its own (each lane gets one)")
         return cls(world=world, workers=list(workers), job=_int(d, "job", 1, 0xFFFFFFFF),
                    slots=_int(d, "slots", 1, 1 << 20), group=group, lease_s=lease, owner=owner, optimizer=opt,
-                   params=params, delivery=delivery, lanes=lanes)
+                   params=params, delivery=delivery, lanes=lanes,
+                   failovers=_int(d, "failovers", 0, 1 << 30) or 0)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["optimizer"] = self.optimizer.to_dict() if self.optimizer else None
         return {k: v for k, v in d.items() if v is not None and v != [] and not (k == "params" and not v)
-                and not (k == "lanes" and v == 1)}
+                and not (k == "lanes" and v == 1) and not (k == "failovers" and not v)}
 
 
 #: ports between the ranks' sockets of two shards of one group (JobGrant.spec)

@@ -56,6 +56,7 @@ class Service:
                 raise UnknownEngine(f"a job the pool refuses can go to {names}, not {self.config.fallback!r}")
             self.admitting.append(to)
         self.started = time.monotonic()
+        self.failovers_reported = 0  # failovers the groups that asked again reported (JobRequest.failovers)
 
     # --- jobs ---------------------------------------------------------------------------------
     def _refresh(self) -> None:
@@ -83,7 +84,9 @@ class Service:
     def create_job(self, req: JobRequest) -> JobGrant:
         """Admit ``req`` (its ``lanes``: that many jobs, all or none, released as one)."""
         if req.lanes == 1:
-            return self._create_one(req)
+            got = self._create_one(req)
+            self.failovers_reported += req.failovers
+            return got
         grants: list[JobGrant] = []
         try:
             for k in range(req.lanes):
@@ -93,6 +96,7 @@ class Service:
                 self.remove_job(g.job, "removed: another lane of its request was refused")
             raise
         self.leases.link(grants[0].job, [g.job for g in grants[1:]])
+        self.failovers_reported += req.failovers
         return dataclasses.replace(grants[0], lanes=[g.to_json() for g in grants[1:]])
 
     def _create_one(self, req: JobRequest) -> JobGrant:
@@ -241,4 +245,4 @@ class Service:
                  "engine": e.name} for e in self.engines for j in e.jobs()]
         return {"jobs": jobs, "unattributed": self.agg.unattributed(), "slots": self.agg.spec.slots,
                 "free_slots": self.agg.table.free_slots(), "uptime_s": time.monotonic() - self.started,
-                "leases_expired": self.leases.expired_total}
+                "leases_expired": self.leases.expired_total, "failovers_reported": self.failovers_reported}

@@ -84,6 +84,10 @@ class AggregatorCollector:
                                 value=len(s["jobs"]))
         yield CounterMetricFamily("nicoffload_leases_expired", "jobs removed because their lease expired",
                                   value=s["leases_expired"])
+        yield CounterMetricFamily("nicoffload_failovers_reported",
+                                  "failovers the groups that asked again reported (a group that lost its aggregator "
+                                  "trains on its fallback, then reports them with its next request)",
+                                  value=s.get("failovers_reported", 0))
         yield GaugeMetricFamily("nicoffload_service_uptime_seconds", "seconds since the service started",
                                 value=s["uptime_s"])
 

@@ -97,7 +97,8 @@ class ServiceJobs:
         workers, lanes = self._request
         owner = f"torchrun group {self.group_id} (rank 0 at {self.addresses[0]})" + \
             (f", after {failovers} failover(s)" if failovers else "")
-        req = JobRequest(world=len(workers), workers=workers, lease_s=self.config.lease_s, owner=owner, lanes=lanes)
+        req = JobRequest(world=len(workers), workers=workers, lease_s=self.config.lease_s, owner=owner, lanes=lanes,
+                         failovers=failovers)
         got: list[JobGrant] = []
         try:
             for c in clients:

@@ -106,6 +106,7 @@ class GroupMeter:
         """An offloaded call: timed, with what the communicator counted meanwhile (:meth:`_count`)."""
         comm = self.pg.comm
         before, last0 = _counts(getattr(comm, "stats", None)), getattr(comm, "last", None)
+        failovers = getattr(comm, "failovers", 0)
         ran = self.pg.error is None  # else it is refused at once for the earlier error
         delta = _Delta()
         with self.metrics.timed(self.labels, what, self.path(), _nbytes(result), delta):
@@ -114,6 +115,10 @@ class GroupMeter:
             except BaseException:
                 _count(delta, comm, before, last0, failed=ran)
                 raise
+            finally:
+                if getattr(comm, "failovers", 0) > failovers:  # this call went over to the fallback
+                    cause = (getattr(comm, "cause", None) or "unknown").split(":")[0]
+                    self.metrics.failovers.labels(*self.labels, what, cause).inc(comm.failovers - failovers)
             _count(delta, comm, before, last0, failed=False)
 
     def gloo(self, name: str, args: tuple, fut) -> None:

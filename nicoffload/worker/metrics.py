@@ -93,6 +93,8 @@ class RankMetrics:
         self.errors = Counter("nicoffload_rank_errors", "calls that failed otherwise, by error", WHY, registry=r)
         self.fallbacks = Counter("nicoffload_rank_fallbacks", "reductions that took the gloo path, by reason "
                                  "(group, dtype, op, shape)", WHY, registry=r)
+        self.failovers = Counter("nicoffload_rank_failovers", "times the group left a lost aggregator for its "
+                                 "fallback (the torch backend's failover), by cause", WHY, registry=r)
         self.info = Gauge("nicoffload_rank_info", "1 per group of this process: its world size and path",
                           BASE + ("world", "path"), registry=r)
         self.server = None

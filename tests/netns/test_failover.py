@@ -62,6 +62,10 @@ def test_training_fails_over_bit_for_bit_and_rejoins(service, tmp_path):
     for d in got.values():
         st = d["stats"]
         assert st["failovers"] >= 1 and st["rejoins"] >= 1 and not st["on_fallback"], st
+    # the group's request after its failover told the service: nicoffload_failovers_reported
+    m = with_service(c, tb, lambda c: c.metrics())
+    assert any(ln.startswith("nicoffload_failovers_reported_total") and float(ln.split()[-1]) >= 1
+               for ln in m.splitlines()), [ln for ln in m.splitlines() if "failover" in ln]
 
     # the aggregator's link cut, then its program detached: every later call on the fallback,
     # the cut call done within NICOFFLOAD_FAILOVER (2 s) and a few seconds of agreeing

@@ -147,3 +147,14 @@ def test_the_backends_meter_reads_what_each_kind_of_communicator_counts():
     assert value(text, "nicoffload_rank_fallbacks_total", **me, collective="allreduce", reason="group") == 1
     assert value(text, "nicoffload_rank_bytes_total", **me, collective="allreduce", path="fallback") == 32
     assert value(text, "nicoffload_rank_errors_total", **me, collective="broadcast", reason="RuntimeError") == 1
+
+    # a failover during a call (the torch backend's Failover wrapper): counted once, by its cause
+    fo = SimpleNamespace(stats=_Stats(), last=_Stats(), failovers=0, cause="", on_fallback=False)
+    meter4 = GroupMeter(m, _group(fo))
+    with meter4.call("allreduce", [torch.zeros(2)]):
+        fo.failovers, fo.cause, fo.on_fallback = 1, "SilentAggregator: rank 1: ... not answered anything", True
+    with meter4.call("allreduce", [torch.zeros(2)]):
+        pass  # on the fallback already: no new failover
+    text = m.text().decode()
+    assert value(text, "nicoffload_rank_failovers_total", **me, collective="allreduce",
+                 reason="SilentAggregator") == 1

@@ -40,6 +40,7 @@ def test_a_good_request_and_its_defaults():
     ({"world": 1, "slots": 0}, "slots"), ({"world": 1, "job": -1}, "job"), ({"world": 1, "x": 1}, "unknown"),
     ({"world": 1, "lease_s": 10 ** 400}, "finite"), ({"world": 1, "params": 1, "optimizer": {"kind": []}}, "kind"),
     ({"world": 1, "params": 1, "optimizer": {"lr": -10 ** 400}}, "finite"),
+    ({"world": 1, "failovers": -1}, "failovers"),
 ])
 def test_bad_requests_are_refused_naming_the_field(body, words):
     with pytest.raises(InputError, match=words):
@@ -133,7 +134,8 @@ class FakeService:
     job = set_lr = remove_job
 
     def snapshot(self):
-        return {"jobs": [], "unattributed": {}, "slots": 8, "free_slots": 8, "uptime_s": 1.0, "leases_expired": 0}
+        return {"jobs": [], "unattributed": {}, "slots": 8, "free_slots": 8, "uptime_s": 1.0, "leases_expired": 0,
+                "failovers_reported": 3}
 
 
 def test_the_http_layer_token_and_limits():
@@ -164,7 +166,8 @@ def test_the_http_layer_token_and_limits():
             r = await cl.get("/v1/nothing-here", headers=ok)
             assert r.status == 404 and "error" in await r.json()
             r = await cl.get("/metrics")
-            assert r.status == 200 and "nicoffload_jobs 0.0" in await r.text()
+            text = await r.text()
+            assert r.status == 200 and "nicoffload_jobs 0.0" in text and "nicoffload_failovers_reported_total 3.0" in text
             # hostile requests: a 4xx with its reason, never a 500
             for path in ("/v1/jobs/%C2%B2", "/v1/jobs/" + "9" * 5000, "/v1/jobs/0x10"):
                 r = await cl.get(path, headers=ok)
@@ -322,8 +325,9 @@ def test_the_service_asks_each_jobs_engine_and_falls_back_in_order(tmp_path):
                 spare, now)
 
     svc, pool, spare, _ = service(None)
-    g = svc.create_job(JobRequest(world=1))
-    assert g.engine == "xdp"
+    g = svc.create_job(JobRequest(world=1, failovers=2))  # a group back from its fallback says so
+    assert g.engine == "xdp" and svc.failovers_reported == 2
+    assert "failovers" not in JobRequest(world=1).to_json()  # an older service is asked as before
     # the engine got the job's key, the grant only its nonce: the key derives from it and the token
     key, nonce = pool.keys[g.job]
     assert key and g.key_nonce == nonce and keys.derive(TOKEN, g.job, nonce) == key == g.spec(1.0, token=TOKEN).key
