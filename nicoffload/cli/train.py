@@ -27,6 +27,7 @@ def register(sub) -> None:
                  "sudo nicoffload train-demo --backend --workers 4        # init_process_group('nicoffload')",
                  "sudo nicoffload train-demo --backend --fsdp",
                  "sudo nicoffload train-demo --backend --workers 3 --steps 60 --kill-aggregator-at 20   # failover",
+                 "sudo nicoffload train-demo --workers 3 --steps 60 --kill-aggregator-at 20   # the DDP hook's",
                  "sudo nicoffload train-demo --backend --workers 2 --nproc-per-node 2   # torchrun, 2 hosts x 2 ranks",
                  "sudo nicoffload train-demo --lanes 16   # 16-bit lanes against gloo with DDP's bf16_compress_hook",
                  "sudo nicoffload train-demo --offload --optimizer adamw   # a transformer, AdamW in the aggregator",
@@ -53,9 +54,9 @@ def register(sub) -> None:
                    help="the nicoffload run uses the torch.distributed backend 'nicoffload' as its process group "
                         "(no hook; nicoffload agg serve on the aggregator host grants the job)")
     p.add_argument("--kill-aggregator-at", type=int, default=None, metavar="STEP",
-                   help="with --backend: detach the aggregator's XDP program once rank 0 has finished STEP steps; "
-                        "the group fails over to gloo over the same fixed-point integers and training goes on "
-                        "(NICOFFLOAD_FAILOVER seconds of silence; the summary shows the step times before and after)")
+                   help="detach the aggregator's XDP program once rank 0 has finished STEP steps; the group (with "
+                        "--backend) or the DDP hook (failover=3) fails over to gloo over the same fixed-point "
+                        "integers and training goes on; the summary shows the step times before and after")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
                    help="ranks per worker host, started by torchrun --nproc-per-node K in each (with --backend: "
                         "the group reduces inside a host through shared memory, each local rank's share across "
@@ -94,9 +95,13 @@ def _train_demo(args) -> int:
         raise InputError(f"--nproc-per-node must be at least 1, and workers x it at most {proto.MAX_WORKERS}")
     if args.nproc_per_node > 1 and not args.backend:
         raise InputError("--nproc-per-node goes with --backend (the DDP hook and --offload take one rank per host)")
-    if args.kill_aggregator_at is not None and not (args.backend and 1 <= args.kill_aggregator_at < args.steps):
-        raise InputError(f"--kill-aggregator-at goes with --backend and takes a step in 1..{args.steps - 1} "
-                         f"(--steps {args.steps}), not {args.kill_aggregator_at}")
+    if args.kill_aggregator_at is not None:
+        if not 1 <= args.kill_aggregator_at < args.steps:
+            raise InputError(f"--kill-aggregator-at takes a step in 1..{args.steps - 1} (--steps {args.steps}), "
+                             f"not {args.kill_aggregator_at}")
+        if args.offload or args.aggregator not in (None, "xdp") or args.nproc_per_node > 1 and not args.backend:
+            raise InputError("--kill-aggregator-at shows a failover: the backend's (--backend) or the DDP hook's "
+                             "through the XDP aggregator, not --offload (its state lived in the aggregator)")
     if args.betas is not None and args.optimizer != "adamw":
         raise InputError("--betas goes with --optimizer adamw")
     train_args = _train_args(args)

@@ -59,6 +59,7 @@ from nicoffload.collective import Collective
 from nicoffload.worker.comm import Communicator
 from nicoffload.communicators import communicator as make_communicator
 from nicoffload.torch.device import path as devicepath  # nicoffload-gpu (issue 34)
+from nicoffload.torch import hookfailover
 
 #: dtypes the Communicator sums as they are; others (float16, bfloat16) go through float32
 _NATIVE = (torch.float32, torch.float64)
@@ -81,6 +82,7 @@ class HookStats:
     spec_blocks: int = 0       # blocks sent speculatively (Communicator.speculate) ...
     spec_missed: int = 0       # ... and of those, sent again because their exponent had changed
     input_absmax: float = 0.0  # largest |gradient| handed to the hook (before averaging); resettable
+    failovers: int = 0         # times the hook left a lost aggregator for gloo (failover=SECONDS)
 
 
 class NicoffloadHookState:
@@ -96,16 +98,22 @@ class NicoffloadHookState:
     ``communicator`` may be given instead (already built; the state then owns it and closes it).
     ``lanes``: bits per fixed-point lane of the sums, 16 (half the bytes on the wire: the
     counterpart of DDP's ``bf16_compress_hook``) or 32; None (the default): 16 for bfloat16 and
-    float16 buckets, 32 for float32 ones."""
+    float16 buckets, 32 for float32 ones. ``failover``: seconds of the aggregator's silence
+    after which every rank finishes the call, and the later ones, through gloo summing the same
+    fixed point (bit for bit; :mod:`nicoffload.torch.hookfailover`); 0 (the default): none, a
+    silent aggregator fails the call after ``timeout``."""
 
     def __init__(self, aggregator: str | None = None, *, mode: str = "aggregator", peers=None,
                  group: str = DEFAULT.group,
                  local_ip: str | None = None, port: int = DEFAULT.port, job: int = DEFAULT.job,
                  slots: int = DEFAULT.slots, elems: int = DEFAULT.elems, timeout: float = DEFAULT.timeout,
                  rank: int | None = None, world: int | None = None, overlap: bool = True,
-                 communicator: Collective | None = None, lanes: int | None = None, **communicator_kwargs: Any):
+                 communicator: Collective | None = None, lanes: int | None = None, failover: float = 0.0,
+                 **communicator_kwargs: Any):
         if lanes not in (None, 16, 32):
             raise NicoffloadError(f"lanes must be 16 or 32 (None: 16 for bfloat16/float16 buckets), not {lanes!r}")
+        if failover and mode == "ring":
+            raise NicoffloadError("failover= is for the aggregator mode: the ring has no aggregator to lose")
         if lanes == 16 and mode == "ring":
             raise NicoffloadError("lanes=16 is for the aggregator mode: the ring sums in 32-bit lanes")
         self.lanes, self._ring = lanes, mode == "ring"
@@ -125,9 +133,19 @@ class NicoffloadHookState:
                 communicator = make_communicator(rank, world, peers=peers, spec=spec, **communicator_kwargs)
             else:
                 assert aggregator is not None  # checked above
+                if failover:
+                    communicator_kwargs.update(hookfailover.watch(failover, timeout))
                 communicator = Communicator(rank, world, aggregator, group=group, local_ip=local_ip, port=port,
                                             job=job, slots=slots, elems=elems, timeout=timeout,
                                             **communicator_kwargs)
+                if failover:
+                    try:
+                        communicator = hookfailover.with_failover(communicator, elems, timeout)
+                    except BaseException:
+                        communicator.close()
+                        raise
+        elif failover:
+            raise NicoffloadError("failover= goes with a Communicator the hook builds (mode='aggregator')")
         self.comm: Collective = communicator
         self.rank, self.world = communicator.rank, communicator.world
         self.stats = HookStats()
@@ -171,6 +189,7 @@ class NicoffloadHookState:
             st.blocks_skipped += getattr(last, "blocks_skipped", 0)
             st.spec_blocks += getattr(last, "spec_blocks", 0)  # the ring's stats have none
             st.spec_missed += getattr(last, "spec_missed", 0)
+            st.failovers = getattr(self.comm, "failovers", 0)
             if not direct:
                 buf.copy_(work)
             return buf

@@ -104,3 +104,25 @@ def test_train_demo_kills_its_aggregator_and_the_loss_curve_goes_on(tmp_path):
     assert len(run["losses"]) == steps and s["runs"]["gloo"].get("failover") is None
     # the fallback sums the same integers: the curve is the aggregator's, as close to gloo's as before
     assert abs(run["final_loss_rel"]) < 0.01, run["final_loss_rel"]
+
+
+def test_the_ddp_hook_fails_over_bit_for_bit(tmp_path):
+    """The DDP hook (``NicoffloadHookState(..., failover=3)``) of three ranks whose XDP
+    aggregator's program is detached mid-run: every rank fails over once, and the parameters
+    at the end are the bits of the same run without the failure."""
+    import numpy as np
+
+    from nicoffload.lab.jobs import testbed
+    from nicoffload.lab.train.ddp_train import TRAIN_SPEC, launch
+
+    steps, at = 30, 10
+    with testbed(3, TRAIN_SPEC.elems) as tb:
+        ref = launch(tb, "nicoffload", tmp_path / "ref", steps=steps, extra=["--failover", "3"]).check()
+        cut = launch(tb, "nicoffload", tmp_path / "cut", steps=steps, kill_at=at).check()
+    f = cut.failover
+    assert f["killed"] and not f["error"] and f["failovers"] == [1, 1, 1] and f["on_fallback"], f
+    assert "Silent" in f["cause"] and 0 < f["recovery_s"] < 3 + 3, f
+    for r in range(3):
+        assert ref.ranks[r].params is not None and ref.ranks[r].report["pg_stats"]["failovers"] == 0
+        assert np.asarray(cut.ranks[r].params).tobytes() == np.asarray(ref.ranks[r].params).tobytes(), \
+            f"rank {r}: the parameters differ from the run without a failover"

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON report ({rank} in it: the rank's number); parameters go to OUT.npy")
     p.add_argument("--die-at-step", type=int, default=None,
                    help="fault injection: killed (SIGKILL) in this step, after forward, before backward")
+    p.add_argument("--failover", type=float, default=0.0, metavar="SECONDS",
+                   help="with --allreduce nicoffload: the hook fails over to gloo (the same bits) after this many "
+                        "seconds of the aggregator's silence (0: no failover)")
     p.add_argument("--progress", type=Path, default=None,
                    help="rank 0 writes the number of steps it has finished here after each step (the launcher "
                         "acts on it, e.g. train-demo --kill-aggregator-at)")
@@ -213,7 +216,7 @@ def _hook_state(args, model):
     spec = JobSpec.from_args(args)
     state = NicoffloadHookState(args.aggregator, group=spec.group, local_ip=args.local_ip, port=spec.port,
                                 job=spec.job, slots=spec.slots, elems=spec.elems, timeout=spec.timeout,
-                                lanes=spec.lanes)
+                                lanes=spec.lanes, failover=args.failover)
     model.register_comm_hook(state, nicoffload_hook)
     return state
 
@@ -354,6 +357,10 @@ def train(args, report: dict) -> None:
             report["hook"] = dict(state.stats.__dict__)
         if backend == "nicoffload":  # what the group's failover did (train-demo --kill-aggregator-at)
             report["pg_stats"] = dist.distributed_c10d._get_default_group().stats()
+        elif args.allreduce == "nicoffload" and state is not None:  # the hook's, with --failover
+            from nicoffload.torch.hookfailover import stats as failover_stats
+
+            report["pg_stats"] = failover_stats(state.comm)
         dist.barrier()  # nobody tears the process group down under a rank still evaluating
     finally:
         if state is not None:

@@ -185,8 +185,9 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     nco = allreduce != "gloo"
-    if kill_at is not None and allreduce != "backend":
-        raise InputError("killing the aggregator mid-run shows the backend's failover: it goes with the backend")
+    if kill_at is not None and not (allreduce == "backend" or (allreduce == "nicoffload" and aggregator == "xdp")):
+        raise InputError("killing the aggregator mid-run shows a failover: the backend's, or the DDP hook's through "
+                         "the XDP aggregator")
     if nproc > 1 and (die or allreduce not in ("gloo", "backend")):
         raise InputError("several ranks per host (torchrun --nproc-per-node) train through gloo or the backend, "
                          "without fault injection")
@@ -199,7 +200,7 @@ def launch(tb, allreduce: str, workdir: Path, *, aggregator: str = "xdp", steps:
               "--data", data, *(extra or [])]
     progress = workdir / f"{run.label}-progress"
     if kill_at is not None:
-        common += ["--progress", str(progress)]
+        common += ["--progress", str(progress)] + (["--failover", "3"] if allreduce == "nicoffload" else [])
     outs = [workdir / f"{run.label}-rank{r}.json" for r in range(world)]
     for out in outs:
         out.unlink(missing_ok=True)
@@ -320,7 +321,7 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
             progress(f"training {len(tb.workers) * nproc} ranks{where} x {steps} steps with {what} ...")
         runs.append(launch(tb, kind, workdir, aggregator=agg or aggregator, steps=steps, seed=seed, data=data,
                            spec=spec, master_port=MASTER_PORT + i, nproc=nproc,
-                           kill_at=kill_at if kind == "backend" else None,
+                           kill_at=kill_at if kind in ("backend", "nicoffload") else None,
                            extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap, *train_args]).check())
     return tuple(runs)
 
