@@ -6,4 +6,4 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NICOFFLOAD_EXTRAS="${NICOFFLOAD_EXTRAS:-test,bench,torch}" bash "$here/scripts/setup.sh"
 cd "$here"
-exec "$here/.venv/bin/python" -m pytest -q "$@"
+exec "$here/.venv/bin/python" -m pytest -q --durations=15 "$@"

@@ -316,6 +316,18 @@ def subgroups(rank: int, world: int) -> None:
         check("shapes-disagree", "not given tensors of the same shape" in err and time.perf_counter() - t0 < 10,
               err[:300])
     dist.destroy_process_group(sub)
+    if world >= 3:  # every rank but the last: with several ranks per host, hosts of unequal shares
+        part = dist.new_group(ranks=list(range(world - 1)))
+        if rank < world - 1:
+            ti = torch.arange(70001, dtype=torch.int32) * (rank + 1) - 7 * rank
+            dist.all_reduce(ti, group=part)
+            want = sum(torch.arange(70001, dtype=torch.int32) * (r + 1) - 7 * r for r in range(world - 1))
+            xs, e = expect("part", world - 1, (3000,), torch.float32)
+            t = xs[rank].clone()
+            dist.all_reduce(t, group=part)
+            ok = e.check(t.numpy()).within_bound or host_sum([x.numpy() for x in xs]).check(t.numpy()).within_bound
+            check("new_group-all-but-last", torch.equal(ti, want) and ok, repr(part))
+        dist.destroy_process_group(part)
 
 
 def collectives(rank: int, world: int) -> None:
