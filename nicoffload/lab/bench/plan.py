@@ -7,8 +7,8 @@ workers' NIC). An AllReduce of M bytes cannot finish sooner than M/R through an 
 sooner than N x M over the aggregators' links together (every contribution crosses one:
 ``bound_agg_s`` is the larger), nor sooner than 2(N-1)M/(NR) through a ring or any host-only
 algorithm (``bound_ring_s``). Bounds count payload bytes only (headers are overhead: 1 KiB
-records on a 1500-byte MTU put 1106 bytes on the wire per 1024 of payload, so 92.6% of a bound
-is the most a link can give) and are for dense data: sparse inputs let nicoffload beat M/R.
+records on a 1500-byte MTU put 1114 bytes on the wire per 1024 of payload with wire version 3's
+48-byte header, so 91.9% of a bound is the most a link can give) and are for dense data: sparse inputs let nicoffload beat M/R.
 With K ranks per host (``--ranks-per-host``) N counts hosts and the bounds are a host's link's:
 the host's ranks reduce inside it, so it moves the tensor once each way (M/R through an aggregator).
 
