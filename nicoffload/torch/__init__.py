@@ -14,6 +14,10 @@ torch.distributed backend ``"nicoffload"``:
     rendezvous  how a group's ranks meet in torchrun's store: addresses, the job rank 0 gets from
                 the service, heartbeats, leaving
     liveness    the heartbeat watcher that fails the offload naming a rank that is gone
+    placement   which ranks share a host; paths: the path a group takes (the offload, shared
+                memory and lanes, or gloo) and why
+    failover    the group going on without its aggregator (fixedgloo: gloo summing the
+                aggregator's fixed point, the same bits); hookfailover: the DDP hook's
     config      the ``NICOFFLOAD_*`` environment
     metrics     every rank's Prometheus metrics (``NICOFFLOAD_METRICS_PORT``): the server and
                 the hooks of the backend and the gloo path
