@@ -15,7 +15,9 @@ still in the call, or every rank holds all of its results. Each rank says in the
 store which blocks of its output are final (``final_blocks``; an in-place call's other blocks
 still hold its input), or that it has already returned from the call. Then every rank takes
 each block from the lowest rank that has it, and sums the blocks nobody has through the
-fallback, from the inputs still there: every rank ends with the same bits.
+fallback, from the inputs still there: every rank ends with the same bits. Ranks are at most
+one call apart: when a rank had returned from the cut call, the others take the next call
+through the same agreement too (the returned rank is in it on the primary until it is cut).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class Failover:
         self.rejoin_ready = 0        # rank 0: the generation of a grant published for rejoining
         self._gen = 0                # the generation this rank runs
         self._aborted: BaseException | None = None  # the group's abort (liveness)
+        self._follow = -1            # a call on the fallback that other ranks may have begun on the primary
 
     @property
     def generation(self) -> int:
@@ -89,6 +92,11 @@ class Failover:
                   lanes: int | None = None) -> np.ndarray:
         n = self.calls
         self.calls += 1
+        if self.on_fallback and n == self._follow:  # a rank may be in this call on the primary: agree on it
+            if out is None:
+                out = np.empty_like(array)
+            self._agree(n, array, out, op, lanes, None)
+            return out
         if self.on_fallback:
             self._maybe_rejoin()
         if self.on_fallback:
@@ -126,26 +134,41 @@ class Failover:
              lanes: int | None) -> np.ndarray:
         store, key = self.rdv.store, self.rdv.key
         first = self._first_cut(n)
-        for v in range(first, n):  # calls this rank returned from: every rank holds their results
+        # calls this rank returned from, where another rank may still be: every rank holds their
+        # results (ranks are at most one call apart, so n - 1 is one even when the store's lowest
+        # cut is still this rank's own n: another rank may cut n - 1 after this one read it)
+        for v in sorted({*range(first, n), n - 1} - {-1}):
             store.set(key(f"failover/{v}/done"), "1")
         final = getattr(self.primary, "final_blocks", lambda: None)()
-        E = quant.block_elems(self.elems, 16 if lanes == 16 else 32) if op == "sum" else self.elems
-        nb = -(-array.size // E)
-        store.set(key(f"failover/{n}/have/{self.rank}"), _pack(final))
         self.on_fallback, self.cause = True, f"{type(e).__name__}: {str(e).splitlines()[0]}"
         self.failovers += 1
         log.warning("group %s, rank %d: the aggregator is lost in call %d (%s); this call and the following ones "
                     "take the fallback path (gloo summing the aggregator's fixed point, the same bits)",
                     self.group, self.rank, n, self.cause)
+        self._agree(n, array, out, op, lanes, final)
+        self.recovered_at = time.time()  # the cut call's result in hand (wall clock, for the logs and tests)
+        return out
+
+    def _agree(self, n: int, array: np.ndarray, out: np.ndarray, op: str, lanes: int | None,
+               final: np.ndarray | None) -> None:
+        """Call ``n`` on every rank from what each holds of it (``final``: this rank's final
+        blocks; None: none). When a rank has already returned from it, every rank holds its
+        results, and that rank is now in call n + 1 on the primary, where it will be cut: this
+        rank takes call n + 1 through the same agreement (with nothing of it), not as a plain
+        fallback call that the other would never join."""
+        store, key = self.rdv.store, self.rdv.key
+        E = quant.block_elems(self.elems, 16 if lanes == 16 else 32) if op == "sum" else self.elems
+        nb = -(-array.size // E)
+        store.set(key(f"failover/{n}/have/{self.rank}"), _pack(final))
         haves = self._haves(n, nb)
+        if haves is None:
+            self._follow = n + 1
         t = time.perf_counter()
         try:
             if haves is not None:
                 self._recover(array, out, op, lanes, E, nb, haves)
         finally:
             self.fallback_s += time.perf_counter() - t
-        self.recovered_at = time.time()  # the cut call's result in hand (wall clock, for the logs and tests)
-        return out
 
     def _first_cut(self, n: int) -> int:
         """The first call any rank lost (the store keeps the lowest): this rank's ``n`` or lower."""
