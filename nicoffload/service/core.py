@@ -85,8 +85,13 @@ class Service:
         """Admit ``req`` (its ``lanes``: that many jobs, all or none, released as one)."""
         if req.lanes == 1:
             got = self._create_one(req)
-            self.failovers_reported += req.failovers
-            return got
+        else:
+            got = self._create_lanes(req)
+        self.failovers_reported += req.failovers
+        return got
+
+    def _create_lanes(self, req: JobRequest) -> JobGrant:
+        """A request of several lanes: a job per lane, all or none, linked to be released as one."""
         grants: list[JobGrant] = []
         try:
             for k in range(req.lanes):
@@ -96,7 +101,6 @@ class Service:
                 self.remove_job(g.job, "removed: another lane of its request was refused")
             raise
         self.leases.link(grants[0].job, [g.job for g in grants[1:]])
-        self.failovers_reported += req.failovers
         return dataclasses.replace(grants[0], lanes=[g.to_json() for g in grants[1:]])
 
     def _create_one(self, req: JobRequest) -> JobGrant:

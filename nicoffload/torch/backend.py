@@ -136,9 +136,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         f = self.comm
         d: dict = {"path": self.path}
         if isinstance(f, Failover):
-            d |= {"offloaded_calls": f.calls, "failovers": f.failovers, "rejoins": f.rejoins,
-                  "on_fallback": f.on_fallback, "cause": f.cause, "fallback_s": f.fallback_s,
-                  "recovered_at": f.recovered_at}
+            d |= f.summary()
         return d
 
     # --- running calls ------------------------------------------------------------------------

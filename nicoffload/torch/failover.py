@@ -79,6 +79,12 @@ class Failover:
     def capabilities(self):
         return self.primary.capabilities
 
+    def summary(self) -> dict:
+        """What the failover did: the backend's ``stats()`` and the DDP hook's report carry it."""
+        return {"offloaded_calls": self.calls, "failovers": self.failovers, "rejoins": self.rejoins,
+                "on_fallback": self.on_fallback, "cause": self.cause, "fallback_s": self.fallback_s,
+                "recovered_at": self.recovered_at}
+
     @property
     def stats(self):
         return getattr(self.primary, "stats", None)

@@ -44,7 +44,4 @@ def with_failover(comm, elems: int, timeout: float) -> Failover:
 
 def stats(comm) -> dict:
     """What the failover did (the backend's ``stats()`` fields), or {} without one."""
-    if not isinstance(comm, Failover):
-        return {}
-    return {"failovers": comm.failovers, "on_fallback": comm.on_fallback, "cause": comm.cause,
-            "fallback_s": comm.fallback_s, "recovered_at": comm.recovered_at}
+    return comm.summary() if isinstance(comm, Failover) else {}
