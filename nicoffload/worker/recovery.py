@@ -109,11 +109,18 @@ def ack_due(head_abs: int, acked_abs: int, window: int, dense: bool) -> bool:
     return not dense and head_abs - acked_abs >= max(1, window // 2)
 
 
-def missing_ranks(world: int, masks: np.ndarray, heard: np.ndarray) -> list[int]:
-    """Ranks that some incomplete round expects (``masks``) and the aggregator has not heard
-    from (``heard``: its contributor bitmap of that round, from a STATUS answer; -1 unknown)."""
+def missing_ranks(world: int, masks: np.ndarray, heard: np.ndarray) -> tuple[list[int], list[int]]:
+    """Ranks that incomplete rounds expect (``masks``) and the aggregator has not heard from
+    (``heard``: its contributor bitmap of each round, from a STATUS answer; -1 unknown), as
+    ``(blocking, behind)``: those missing from the oldest such round (ranks in ascending round
+    order), which hold every later round up; and those missing only from later rounds, which are
+    usually alive and waiting with a full window (each rank's window is its own size)."""
     known = heard >= 0
-    missing = 0
+    first = later = 0
     for m, b in zip(masks[known], heard[known]):
-        missing |= int(m) & ~int(b)
-    return [r for r in range(world) if missing >> r & 1]
+        gap = int(m) & ~int(b)
+        if gap and not first:
+            first = gap
+        later |= gap
+    later &= ~first
+    return ([r for r in range(world) if first >> r & 1], [r for r in range(world) if later >> r & 1])

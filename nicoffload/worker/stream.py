@@ -377,11 +377,13 @@ class RoundStream:
         heard = status[pending]
         where = f"aggregator {self.aggregator}:{self.port}"
         if (heard >= 0).any():
-            ranks = missing_ranks(self.world, masks[pending], heard)
+            ranks, behind = missing_ranks(self.world, masks[pending], heard)
+            also = (f" (later rounds also lack rank(s) {', '.join(map(str, behind))}: "
+                    f"behind, their windows held by those)") if behind else ""
             raise TimeoutError_(
                 f"rank {self.rank}: allreduce timed out after {self.timeout:g}s without progress; "
                 f"{len(pending)} round(s) incomplete at the {where}: no contribution from rank(s) "
-                f"{', '.join(map(str, ranks)) or '(none: results lost)'}")
+                f"{', '.join(map(str, ranks)) or '(none: results lost)'}{also}")
         raise TimeoutError_(
             f"rank {self.rank}: allreduce timed out after {self.timeout:g}s: the {where} did not answer "
             f"({len(pending)} round(s) outstanding); is the aggregator loaded and the job configured "

@@ -118,8 +118,17 @@ def test_acks_are_due_for_sparse_ranks_after_half_a_window():
 def test_missing_ranks_are_those_expected_and_not_heard():
     masks = np.array([0b1111, 0b0110, 0b1111])
     heard = np.array([0b0111, 0b0010, -1])   # the third round's state is unknown
-    assert missing_ranks(4, masks, heard) == [2, 3]
-    assert missing_ranks(4, masks, np.array([0b1111, 0b0110, -1])) == []
+    assert missing_ranks(4, masks, heard) == ([3], [2])
+    assert missing_ranks(4, masks, np.array([0b1111, 0b0110, -1])) == ([], [])
+
+
+def test_a_rank_held_by_its_window_is_not_blamed_for_the_rank_that_stopped():
+    """Rank 2 stopped at round 1; rank 1's window (smaller than rank 0's) ends at round 3: the
+    rounds past it lack rank 1 too, but the oldest incomplete round names only rank 2."""
+    masks = np.full(5, 0b111)
+    heard = np.array([0b011, 0b011, 0b011, 0b001, 0b001])
+    assert missing_ranks(3, masks, heard) == ([2], [1])
+    assert missing_ranks(3, masks[:3], np.array([-1, 0b001, 0b001])) == ([1, 2], [])
 
 
 def test_join_replies_are_read_for_this_rank_and_nonce_only():
