@@ -5,6 +5,8 @@ hosts run several ranks each (``torchrun --nproc-per-node K``).
              soon as every rank has them mapped), the futex barrier, a dead local rank noticed
     futex    futex wait and wake on a word of shared memory
     fixed    the aggregator's fixed point, bit for bit: quantize, add as integers, decode
+    fixedsum :class:`~nicoffload.local.fixedsum.FixedSum`: that fixed point summed over any exact
+             int32 collective (the failovers' paths: gloo, the ring)
     host     :class:`~nicoffload.local.host.HostCommunicator`: reduce inside the host through
              shared memory, each local rank's share across hosts through its lane
 """

@@ -222,7 +222,7 @@ class Failover:
                 own_idx = _elements(owned[sel], E, flat.size)
                 pos = np.searchsorted(idx, own_idx)
                 mine.reshape(-1, per)[pos] = words.reshape(-1, per)[own_idx]
-            self.fallback._gloo(mine, dist.ReduceOp.SUM)
+            self.fallback.reduce_int32(mine, "sum")
             words.reshape(-1, per)[idx] = mine.reshape(-1, per)
         if len(lost):  # nobody has them: every rank's input is still there, summed anew
             idx = _elements(lost, E, flat.size)

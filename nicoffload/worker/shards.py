@@ -13,7 +13,8 @@ Layouts (``layout``):
 avoids.
 
 A shard whose aggregator fails fails the call with that communicator's error, which names the
-aggregator; the other shards' rounds are their own aggregators' and cannot mix with it.
+aggregator; the other shards' rounds are their own aggregators' and cannot mix with it. Built
+with a fallback (``communicator(..., fallback="ring")``), each shard fails over alone.
 """
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ def shard_specs(spec: JobSpec, k: int) -> list[JobSpec]:
 
 class ShardedCommunicator:
     """The API of :class:`Communicator` (``allreduce``, ``step``, ``barrier``, ``close``, context manager)
-    over ``aggregators`` (one address each, the job ``specs[k]`` on aggregator k)."""
+    over ``aggregators`` (one address each, the job ``specs[k]`` on aggregator k). ``make(k,
+    aggregator, spec)``, where given, builds shard k's communicator (the factory's failover wraps
+    each shard alone); else a :class:`Communicator` with ``kw``."""
 
     capabilities = collective.AGGREGATOR
 
     def __init__(self, rank: int, world: int, aggregators: Sequence[str], specs: Sequence[JobSpec] | JobSpec,
-                 local_ip: str | None = None, layout: str = "contiguous", **kw):
+                 local_ip: str | None = None, layout: str = "contiguous", make=None, **kw):
         aggregators = list(aggregators)
         if not aggregators:
             raise InputError("a sharded job needs at least one aggregator")
@@ -66,8 +69,9 @@ class ShardedCommunicator:
         self.timeout = max(s.timeout for s in specs)
         self.comms: list[Communicator] = []
         try:
-            for a, s in zip(aggregators, specs):
-                self.comms.append(Communicator.from_spec(rank, world, a, s, local_ip=local_ip, **kw))
+            for k, (a, s) in enumerate(zip(aggregators, specs)):
+                self.comms.append(make(k, a, s) if make is not None else
+                                  Communicator.from_spec(rank, world, a, s, local_ip=local_ip, **kw))
         except BaseException:
             self.close()
             raise

@@ -27,12 +27,12 @@ class Gloo:
 
     def allreduce(self, array, out=None, op="sum", lanes=None):
         out = array if out is None else out
-        self._gloo(array, None)
+        self.reduce_int32(array, "sum")
         if out is not array:
             out[...] = array
         return out
 
-    def _gloo(self, a, _op):
+    def reduce_int32(self, a, _op):
         self.parts[threading.get_ident()] = a.copy()
         self.barrier.wait()
         total = sum(self.parts.values())

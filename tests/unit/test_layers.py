@@ -17,7 +17,7 @@ LAYER = {
     "wire": "base", "ebpf": "base", "xdp": "base",
     "datapath": "datapath",
     "agg": "agg", "ring": "ring", "userspace": "userspace", "worker": "worker", "afxdp": "afxdp", "local": "local",
-    "communicators": "factory", "service": "service", "torch": "torch", "ddp": "torch",
+    "communicators": "factory", "fallback": "factory", "service": "service", "torch": "torch", "ddp": "torch",
     "packets": "packets", "testbed": "testbed",
     "lab": "lab", "cli": "cli", "doctor": "doctor",
 }
@@ -37,7 +37,7 @@ ALLOWED = {
     # the ranks of one host: shared memory, and the communicator over it and its lanes
     "local": {"base", "datapath", "local"},
     # the communicator factory (communicator(mode=...)), one floor above what it builds
-    "factory": {"base", "datapath", "worker", "ring", "factory"},
+    "factory": {"base", "datapath", "worker", "ring", "local", "factory"},
     # integrations: the aggregator service (over the XDP control plane), the torch backend (a
     # client of the service, over both communicators)
     "service": {"base", "agg", "service"},

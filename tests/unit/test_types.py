@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGETS = ["nicoffload/torch", "nicoffload/service", "nicoffload/collective.py", "nicoffload/communicators.py"]
+TARGETS = ["nicoffload/torch", "nicoffload/service", "nicoffload/collective.py", "nicoffload/communicators.py",
+           "nicoffload/fallback.py", "nicoffload/local/fixedsum.py"]
 
 pytest.importorskip("mypy", reason="the test extra installs mypy")
 pytest.importorskip("torch", reason="nicoffload/torch needs the torch extra")
