@@ -61,6 +61,10 @@ def register(sub) -> None:
                    help="ranks per worker host, started by torchrun --nproc-per-node K in each (with --backend: "
                         "the group reduces inside a host through shared memory, each local rank's share across "
                         "hosts through its own lane; gloo runs with the same placement; default 1)")
+    p.add_argument("--pairs", type=int, default=1, metavar="N",
+                   help="run the two systems N times each, the order alternating, and report each pair's step-time "
+                        "ratio with the median and quartiles (drift between runs cancels; the curves are the first "
+                        "pair's)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 (fully_shard) instead of DDP in both runs (with --backend)")
     p.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
@@ -75,7 +79,7 @@ def register(sub) -> None:
 
 def _train_demo(args) -> int:
     from nicoffload.ebpf import loader as bpf
-    from nicoffload.lab.train import ddp_train
+    from nicoffload.lab.train import ddp_train, pairs
     from nicoffload.lab.train.ddp_rank import resolve_data
     from nicoffload.lab.jobs import tempdir, testbed
 
@@ -102,6 +106,10 @@ def _train_demo(args) -> int:
         if args.offload or args.aggregator not in (None, "xdp") or args.nproc_per_node > 1 and not args.backend:
             raise InputError("--kill-aggregator-at shows a failover: the backend's (--backend) or the DDP hook's "
                              "through the XDP aggregator, not --offload (its state lived in the aggregator)")
+    if args.pairs < 1:
+        raise InputError(f"--pairs must be at least 1, not {args.pairs}")
+    if args.pairs > 1 and (args.kill_aggregator_at is not None or args.offload and not args.aggregator):
+        raise InputError("--pairs compares two runs: not with --kill-aggregator-at, and --offload needs --aggregator")
     if args.betas is not None and args.optimizer != "adamw":
         raise InputError("--betas goes with --optimizer adamw")
     train_args = _train_args(args)
@@ -117,18 +125,21 @@ def _train_demo(args) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     with testbed(args.workers, spec.elems) as tb, tempdir() as d:
-        runs = ddp_train.compare(tb, Path(d), spec, steps=args.steps, aggregator=args.aggregator or "xdp",
-                                 seed=args.seed, data=data, progress=say,
-                                 offload=_offload(args), backend=args.backend,
-                                 wrap="fsdp" if args.fsdp else "ddp", train_args=train_args,
-                                 nproc=args.nproc_per_node, kill_at=args.kill_aggregator_at)
+        runs, rows = pairs.interleaved(
+            lambda **kw: ddp_train.compare(tb, spec=spec, **kw), Path(d), args.pairs, progress=say,
+            steps=args.steps, aggregator=args.aggregator or "xdp", seed=args.seed, data=data,
+            offload=_offload(args), backend=args.backend, wrap="fsdp" if args.fsdp else "ddp",
+            train_args=train_args, nproc=args.nproc_per_node, kill_at=args.kill_aggregator_at)
     s = ddp_train.summarize(*runs)
+    s["pairs"], s["pair_ratio"] = rows, pairs.summary(rows)
     s["png"] = str(ddp_train.plot(s, args.out / "train_demo.png"))
     (args.out / "train_demo.json").write_text(json.dumps(s, indent=1))
     if args.json:
         print(json.dumps(s))
     else:
         print(ddp_train.format_summary(s))
+        if args.pairs > 1:
+            print(pairs.line(rows))
         print(f"curves: {s['png']}; numbers: {args.out / 'train_demo.json'}")
     return 0
 

@@ -4,6 +4,7 @@
                  the nicoffload DDP hook, the optimizer in the aggregator, or the backend "nicoffload"
     ddp_train    N ranks on a testbed, gloo against nicoffload, summarized (``train-demo``)
     ddp_report   the summary as text and as a PNG
+    pairs        ``train-demo --pairs N``: the two systems interleaved, paired step-time ratios
     data         the MLP's data (seeded synthetic, or scikit-learn's digits) and each rank's batch
     kill         ``train-demo --kill-aggregator-at STEP``: the aggregator's program detached mid-run
     transformer  the transformer and its sorting task; the ranks' optimizer (SGD or AdamW) and its

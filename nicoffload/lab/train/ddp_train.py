@@ -297,7 +297,7 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
             seed: int = 0, data: str = "synthetic", progress: Callable[[str], None] | None = None,
             offload: tuple[str, ...] = (), backend: bool = False, wrap: str = "ddp",
             train_args: list[str] | tuple[str, ...] = (), nproc: int = 1,
-            kill_at: int | None = None) -> tuple[Run, ...]:
+            kill_at: int | None = None, reverse: bool = False) -> tuple[Run, ...]:
     """Runs on testbed ``tb`` with the same seeds, each checked (a failed rank raises, naming it):
     (gloo, nicoffload through ``aggregator``), or with ``offload`` (aggregators), (gloo, the
     optimizer in each of them) — the offloaded runs also follow the float64 torch optimizer on
@@ -306,12 +306,14 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
     runs; ``train_args``: the ranks' model and optimizer arguments (``--optimizer adamw --lr
     3e-4 --d-model 64 ...``, see ``python -m nicoffload.lab.train.ddp_rank --help``); ``nproc``:
     ranks per host, under torchrun (gloo and the backend); ``kill_at``: the backend run's
-    aggregator program detached after that many steps (its failover shown)."""
+    aggregator program detached after that many steps (its failover shown); ``reverse``: the
+    runs in the opposite order (returned in the usual one: gloo first)."""
     name = transformer.torch_name(rank_args(train_args).optimizer)
     plan = [("gloo", None)] + ([("offload", a) for a in offload] if offload else
                                [("backend", "xdp")] if backend else [("nicoffload", aggregator)])
     runs = []
-    for i, (kind, agg) in enumerate(plan):
+    order = list(enumerate(plan))
+    for i, (kind, agg) in (order[::-1] if reverse else order):
         if progress:
             half = " (bf16_compress_hook)" if spec.lanes == 16 else ""
             what = {"gloo": f"{wrap.upper()} over gloo{half}, {name} on every rank",
@@ -323,7 +325,7 @@ def compare(tb, workdir: Path, spec: JobSpec = TRAIN_SPEC, *, steps: int = 50, a
                            spec=spec, master_port=MASTER_PORT + i, nproc=nproc,
                            kill_at=kill_at if kind in ("backend", "nicoffload") else None,
                            extra=(["--shadow"] if kind == "offload" else []) + ["--wrap", wrap, *train_args]).check())
-    return tuple(runs)
+    return tuple(runs[::-1] if reverse else runs)
 
 
 # --- the comparison ---------------------------------------------------------------------------
