@@ -21,7 +21,7 @@ PNGS = ["latency_vs_size.png", "time_vs_workers.png", "time_vs_sparsity.png", "s
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
-def run_bench(out: Path, *extra: str, timeout: float = 170) -> subprocess.CompletedProcess:
+def run_bench(out: Path, *extra: str, timeout: float = 420) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nicoffload.cli", "bench", "--quick", "--out", str(out), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 

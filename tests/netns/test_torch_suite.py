@@ -1,7 +1,9 @@
 """PyTorch's own distributed tests against the backend (tests/netns/torchsuite.py), gloo beside
 it as the reference: a trimmed selection here (the whole one: ``python tests/netns/torchsuite.py
---select core ...``, docs/torchrun.md). Every test gloo passes, the backend must pass: with one
-rank per testbed host, and with two ranks on each of two hosts (shared memory + lanes)."""
+--select core ...``, docs/torchrun.md). Every test gloo passes (one rank per testbed host), the
+backend must pass with two ranks on each of two hosts (shared memory + lanes). One rank per host
+goes through the same calls in test_torch_backend (torchrun_checks: coalesced, barriers,
+broadcast, DDP), so the suite is not run a third time for it."""
 from __future__ import annotations
 
 import subprocess
@@ -36,10 +38,8 @@ def test_the_suite_passes_what_gloo_passes(make_testbed, tmp_path):
     spaces = [w.netns for w in tb.workers]
     with ServiceProcess(tb, write_token(tmp_path / "tok")) as svc:
         gloo = suite("gloo", spaces, {})
-        ours = suite("nicoffload", spaces, svc.env())
         two = suite("nicoffload", [spaces[0], spaces[0], spaces[1], spaces[1]], svc.env())
     passed = sorted(n for n, r in gloo.items() if r == "passed")
     assert len(passed) >= 6, gloo
     for name in passed:
-        assert ours[name] == "passed", (name, ours[name])
         assert two[name] == "passed", (name, "2 ranks per host", two[name])
