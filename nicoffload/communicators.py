@@ -75,8 +75,13 @@ def _failover_s(failover: float | None) -> float:
 
 
 def _ring(rank: int, world: int, *, peers=None, spec: JobSpec = DEFAULT, aggregator: str | None = None,
-          local_ip: str | None = None, specs=None, **kw) -> Collective:
+          local_ip: str | None = None, specs=None, fallback: str | None = None, failover: float | None = None,
+          **kw) -> Collective:
     from nicoffload.ring.comm import RingCommunicator
+
+    if fallback not in (None, "none") or failover is not None:
+        raise InputError("the ring mode has no aggregator to lose: fallback and failover go with the "
+                         "aggregator mode")
 
     if not peers:
         raise InputError("the ring mode needs every rank's address (peers)")

@@ -116,5 +116,7 @@ def test_the_fallback_needs_the_ranks_and_a_known_path():
         communicator(0, 2, fallback="ring", **base)
     with pytest.raises(InputError, match="no failover"):
         communicator(0, 40, fallback="ring", peers=[f"10.0.1.{i}" for i in range(40)], **base)
+    with pytest.raises(InputError, match="the ring mode has no aggregator to lose"):
+        communicator(0, 2, mode="ring", fallback="ring", peers=["10.0.0.2", "10.0.0.3"], **base)
     with pytest.raises(InputError, match="positive number of seconds"):
         communicator(0, 2, fallback="ring", failover=0, peers=["10.0.0.2", "10.0.0.3"], **base)
