@@ -124,17 +124,11 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         nsh[j] = (u64)relu((s64)bit_length(max63(sv, ag)) - 31);
         u64 s1 = sv >> nsh[j], g1 = ag >> nsh[j];
         t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
-        r[j] = 0;
     }
-    /* the square roots, interleaved: ADAM_CHUNK independent dependency chains */
-    u64 bit = 1ULL << 60;
+    /* the square roots: ADAM_CHUNK independent dependency chains */
 #pragma unroll
-    for (int n = 0; n < 31; n++) {
-#pragma unroll
-        for (int j = 0; j < ADAM_CHUNK; j++)
-            ISQRT_DIGIT(t[j], r[j], bit);
-        bit >>= 2;
-    }
+    for (int j = 0; j < ADAM_CHUNK; j++)
+        r[j] = isqrt62(t[j]);
     /* the step */
 #pragma unroll
     for (int j = 0; j < ADAM_CHUNK; j++) {
