@@ -31,12 +31,15 @@ C = constants()
 
 
 def bit_length(t: np.ndarray) -> np.ndarray:
-    """fixed.h's bit_length: bits of each uint64 (0 for 0)."""
-    n, v = np.zeros(t.shape, U), t.copy()
-    for k in (32, 16, 8, 4, 2, 1):
-        sh = (v >> U(k) != 0).astype(U) * U(k)
-        v, n = v >> sh, n + sh
-    return n + v
+    """fixed.h's bit_length: bits of each uint64 (0 for 0), the bits below the highest set and
+    counted."""
+    v = t.copy()
+    for k in (1, 2, 4, 8, 16, 32):
+        v |= v >> U(k)
+    v -= (v >> U(1)) & U(0x5555555555555555)
+    v = (v & U(0x3333333333333333)) + ((v >> U(2)) & U(0x3333333333333333))
+    v = (v + (v >> U(4))) & U(0x0F0F0F0F0F0F0F0F)
+    return (v * U(0x0101010101010101)) >> U(56)
 
 
 def seed(u: np.ndarray) -> np.ndarray:
@@ -121,6 +124,13 @@ def test_newton_leaves_at_most_one_to_correct_at_the_ends_of_each_seed(e):
     d = isqrt62(t, corrected=False).astype(np.int64) - s.astype(np.int64)
     assert d.min() >= 0 and d.max() <= 1
     assert np.array_equal(isqrt62(t), s)
+
+
+def test_bit_length_of_any_u64():
+    v = [0, 1, 2, 3] + [(1 << i) + d for i in range(2, 64) for d in (-1, 0, 1)] + [(1 << 64) - 1]
+    v += [int(x) for x in np.random.default_rng(64).integers(0, 1 << 63, 1000, dtype=np.uint64)]
+    got = bit_length(np.array(v, dtype=U))
+    assert got.tolist() == [x.bit_length() for x in v]
 
 
 def test_random_operands():
