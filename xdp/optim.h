@@ -5,8 +5,8 @@
  * phase in adamw_chunk) and leaves the updated parameters as the round's int32 result lanes.
  * nicoffload/optim/ holds the models this arithmetic follows bit for bit (docs/optimizer.md).
  *
- *   mulfrac .. bit_length   branch-free fixed-point helpers (no conditional moves in BPF)
- *   isqrt64, pow_fixed      integer square root and powers, once per block
+ *   fixed.h                 branch-free fixed-point helpers and integer square roots
+ *   pow_fixed               powers, once per block
  *   adamw_constants         AdamW's per-step constants (bias corrections, step size)
  *   adamw_chunk, ar_sgd     the per-element update (bpf_loop callback)
  *   sgd_apply               runs it on a round (AR_OPT_SLOTS > 1: an aggregator with optimizer state)
@@ -15,38 +15,7 @@
 #define NICOFFLOAD_OPTIM_H
 
 #include "agg_maps.h"
-
-
-/* floor(x * c / 2^AR_OPT_FRAC) for |x| < 2^62 and 0 <= c <= 2^AR_OPT_FRAC, exactly (no 128-bit
- * product: x = xh * 2^32 + xl with 0 <= xl < 2^32). */
-static __always_inline s64 mulfrac(s64 x, u64 c)
-{
-    s64 xh = x >> 32;
-    u64 xl = (u64)x & 0xffffffffULL;
-    return xh * (s64)c + (s64)((xl * c) >> 32);
-}
-
-/* Branch-free helpers for values below 2^63 (BPF has no conditional moves: a branch per element
- * would multiply the paths the verifier walks). The empty asm hides the sign mask from clang,
- * which would otherwise see through it and emit a compare and branch. */
-#define opaque(x) asm volatile("" : "+r"(x))
-static __always_inline u64 signmask(s64 x) { opaque(x); return (u64)(x >> 63); }
-static __always_inline u64 nonzero63(u64 v) { s64 n = -(s64)v; opaque(n); return (u64)n >> 63; }
-static __always_inline u64 min63(u64 a, u64 b) { u64 d = a - b; return b + (d & signmask((s64)d)); }
-static __always_inline u64 max63(u64 a, u64 b) { u64 d = a - b; return a - (d & signmask((s64)d)); }
-static __always_inline s64 relu(s64 x) { return x & ~(s64)signmask(x); }
-/* Bits needed to hold v (0 for 0), any u64: each test sees a value below 2^32 */
-static __always_inline u64 bit_length(u64 v)
-{
-    u64 n = 0, sh;
-    sh = nonzero63(v >> 32) << 5; v >>= sh; n += sh;
-    sh = nonzero63(v >> 16) << 4; v >>= sh; n += sh;
-    sh = nonzero63(v >> 8) << 3; v >>= sh; n += sh;
-    sh = nonzero63(v >> 4) << 2; v >>= sh; n += sh;
-    sh = nonzero63(v >> 2) << 1; v >>= sh; n += sh;
-    sh = nonzero63(v >> 1); v >>= sh; n += sh;
-    return n + v;
-}
+#include "fixed.h"
 
 /* An update in progress: what the per-element callback needs. A per-CPU scratch value, not the
  * callback's context: bcc rewrites an exported function's parameters, and reading r2 by asm is
@@ -73,27 +42,6 @@ BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
 /* elements per callback: the lookups and the call are paid once per chunk */
 #define SGD_CHUNK 8
 #define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
-
-/* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
- * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */
-#define ISQRT_DIGIT(t, r, bit) do {                    \
-        u64 c_ = (r) + (bit);                          \
-        u64 ge_ = ~signmask((s64)((t) - c_));          \
-        (t) -= c_ & ge_;                               \
-        (r) = ((r) >> 1) + ((bit) & ge_);              \
-    } while (0)
-
-/* floor(sqrt(t)) for t <= 2^62 (32 result bits; a loop: once per block) */
-static __always_inline u64 isqrt64(u64 t)
-{
-    u64 r = 0, bit = 1ULL << 62;
-#pragma nounroll
-    for (int i = 0; i < 32; i++) {
-        ISQRT_DIGIT(t, r, bit);
-        bit >>= 2;
-    }
-    return r;
-}
 
 #define ADAM_CHUNK 2
 #define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)
@@ -176,17 +124,11 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         nsh[j] = (u64)relu((s64)bit_length(max63(sv, ag)) - 31);
         u64 s1 = sv >> nsh[j], g1 = ag >> nsh[j];
         t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
-        r[j] = 0;
     }
-    /* the square roots, interleaved: ADAM_CHUNK independent dependency chains */
-    u64 bit = 1ULL << 60;
+    /* the square roots: ADAM_CHUNK independent dependency chains */
 #pragma unroll
-    for (int n = 0; n < 31; n++) {
-#pragma unroll
-        for (int j = 0; j < ADAM_CHUNK; j++)
-            ISQRT_DIGIT(t[j], r[j], bit);
-        bit >>= 2;
-    }
+    for (int j = 0; j < ADAM_CHUNK; j++)
+        r[j] = isqrt62(t[j]);
     /* the step */
 #pragma unroll
     for (int j = 0; j < ADAM_CHUNK; j++) {

@@ -1,8 +1,9 @@
 """AdamW in the XDP aggregator (BPF_PROG_TEST_RUN): each completed round of a block applies
 torch.optim.AdamW's update to its master weights and moments exactly as nicoffload.optim.adamw
 computes it (bit for bit, with amsgrad and maximize, across a learning-rate change and a
-checkpoint restored into a fresh job), and the parameters stay within the derived bound of
-float64 AdamW on the same gradients over many steps, small gradients near eps included."""
+checkpoint restored into a fresh job, from second moments of every size), and the parameters
+stay within the derived bound of float64 AdamW on the same gradients over many steps, small
+gradients near eps included."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,6 +69,34 @@ def test_updates_are_the_models_bit_for_bit(adam, joined):
                           ("smax", np.concatenate([s.smax for s in model.states])[:N])):
             assert np.array_equal(st[name], arr), (step, name, np.flatnonzero(st[name] != arr)[:5])
     assert agg.stats(1)["updated"] == 8 * optim.blocks(N, E)
+
+
+def test_second_moments_across_the_whole_range_are_the_models(adam, joined):
+    """s restored from 0 to just below 2^62 (every bit length) with m of its size, then updates of
+    adversarial gradients: the square root's operand spans [0, 2^62) (normalised from the
+    largest s and |g| down to tiny ones) and every lane, w, m, s and s_max stay the model's."""
+    agg, spec = adam
+    rng = np.random.default_rng(8)
+    init = rng.uniform(-1, 1, N)
+    fresh(agg, spec, init)
+    model = optim.JobModel(spec, init, W, E)
+    nb = optim.blocks(N, E)
+    bits = rng.permutation(np.arange(nb * E) % 63)
+    s = (rng.integers(0, 1 << 62, nb * E, dtype=np.uint64) >> (62 - bits).astype(np.uint64)).astype(np.int64)
+    s[N:] = 0  # the padding stays 0
+    m = (s >> rng.integers(0, 4, nb * E)) * rng.choice([-1, 1], nb * E)
+    for b, st in enumerate(model.states):
+        blk = slice(b * E, (b + 1) * E)
+        st.m, st.s, st.smax, st.steps = m[blk].copy(), s[blk].copy(), s[blk].copy(), 3
+    agg.maps.write_state(agg.table.get(1), E, model.w, m, np.full(nb, 3), s, s)
+    ep = joined(agg, W)
+    for step in range(3):
+        grads = adversarial(rng, step)
+        assert_results(run_step(agg, ep, step, grads), model.step(grads)[0], step)
+        st = agg.maps.read_state(agg.table.get(1), E, full=True)
+        for name in ("w", "m", "s", "smax"):
+            want = np.concatenate([getattr(x, name) for x in model.states])[:N]
+            assert np.array_equal(st[name], want), (step, name, np.flatnonzero(st[name] != want)[:5])
 
 
 def test_a_checkpoint_restores_every_moment(adam, joined, tmp_path):

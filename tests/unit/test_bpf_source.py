@@ -30,7 +30,7 @@ def test_every_program_is_one_file_for_bcc():
         left = [m for m in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M) if (xdp / m).is_file()]
         assert not left, f"{c.name}: {left} not spliced"
     agg = main_file((xdp / "aggregator.c").read_text(), "aggregator.c")
-    for h in ("parse.h", "agg_maps.h", "optim.h", "slots.h", "sender.h", "verdict.h", "join.h", "contrib.h"):
+    for h in ("parse.h", "agg_maps.h", "optim.h", "fixed.h", "slots.h", "sender.h", "verdict.h", "join.h", "contrib.h"):
         assert agg.count(f'#line 1 "{h}"\n') == 1, h
     # the callbacks and every map access are in the text bcc compiles as its main file
     assert re.search(r"^long ar_record\(u64 i\)$", agg, re.M) and re.search(r"^long ar_sgd\(u64 i\)$", agg, re.M)
