@@ -146,4 +146,4 @@ class RunState:
         self.j_sent = 0    # this rank's records [0, j_sent) have been sent
         self.j_enc = 0 if r.encode is not None else len(mine)  # ... and [0, j_enc) are written
         s._timer.start(time.monotonic())
-        self.heard_at = time.monotonic()
+        self.heard_at = self.wake_by = time.monotonic()  # wake_by: when the loop meant to look again

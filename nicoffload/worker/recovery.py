@@ -124,3 +124,15 @@ def missing_ranks(world: int, masks: np.ndarray, heard: np.ndarray) -> tuple[lis
         later |= gap
     later &= ~first
     return ([r for r in range(world) if first >> r & 1], [r for r in range(world) if later >> r & 1])
+
+
+#: a loop that wakes this much later than it meant to was not running (descheduled, or another
+#: thread of the process held the GIL): that time is not the aggregator's silence
+LATE_S = 0.1
+
+
+def unheard(heard_at: float, wake_by: float, now: float) -> float:
+    """``heard_at`` moved forward by the time the loop woke late (over LATE_S past ``wake_by``),
+    so that a rank starved of its CPU never takes that for a silent aggregator and fails over."""
+    late = now - wake_by
+    return heard_at + late if late > LATE_S else heard_at

@@ -29,7 +29,7 @@ from nicoffload.worker.join import join_job
 from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
 from nicoffload.worker.congestion import Window
 from nicoffload.worker.records import RankRecords
-from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks
+from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, unheard
 
 
 #: the outputs a stream does not write (decode_results takes all three kinds)
@@ -177,6 +177,8 @@ class RoundStream:
             f"with --no-multicast)")
 
     def _check_silence(self, heard_at: float, doing: str) -> None:
+        """Silence: ``silence`` seconds without any answer while this rank was asking (the
+        loops move ``heard_at`` past the time the thread did not run: :func:`unheard`)."""
         if self.silence is not None and time.monotonic() - heard_at > self.silence:
             raise SilentAggregator(
                 f"rank {self.rank}: {doing} job {self.job}: the aggregator {self.aggregator}:{self.port} has not "
@@ -206,6 +208,8 @@ class RoundStream:
                                            K, self.slots, r.blocks, r.shifts, x.bias, r.kind, x.out_i, x.out_f32,
                                            x.out_f64, x.done, x.status, x.newly, *x.stash, self._gate)
             now = time.monotonic()
+            x.heard_at = unheard(x.heard_at, x.wake_by, now)
+            x.wake_by = now
             if n > self._t.foreign - foreign0:
                 x.heard_at = now
                 if self._gate[2] >= NO_GROUP_AFTER and not self._gate[1] and self.delivery == "multicast":
@@ -218,7 +222,9 @@ class RoundStream:
             # No progress (datagrams that brought nothing new do not count): the timers decide.
             if self._on_idle(x, now) or n:
                 continue
-            self._t.wait(self._timer.wait(x.head, x.hi, x.sent_at, now))
+            wait = self._timer.wait(x.head, x.hi, x.sent_at, now)
+            x.wake_by = now + wait
+            self._t.wait(wait)
         st.rounds += K
 
     #: the first wait for the gate's answer in :meth:`confirm`; it doubles up to the rto (seconds)
@@ -238,7 +244,7 @@ class RoundStream:
             self._t.send_one(self._records.ack(self._epoch, end_abs, ask=True), dest)
             self._acked = max(self._acked, end_abs)
             self.last.acks += 1
-            until = time.monotonic() + every
+            until = wake_by = time.monotonic() + every
             while self._gate[0] < end_abs:
                 foreign0 = self._t.foreign
                 n, _new, _event = pump.pump_recv(*rx, self._rec, self.elems, self.job, self._epoch, self.rank,
@@ -246,11 +252,13 @@ class RoundStream:
                                                  pump.KIND_INT32, _NONE_I32, _NONE_F32, _NONE_F64, _NONE_U8, one,
                                                  one, self._stash, self._stash_round, self._gate)
                 now = time.monotonic()
+                heard_at, wake_by = unheard(heard_at, min(wake_by, until), now), now
                 if n > self._t.foreign - foreign0:
                     heard_at = now
                 elif now >= until:
                     break
                 elif not n:
+                    wake_by = until
                     self._t.wait(until - now)
             self._check_abort()
             self._check_silence(heard_at, "confirming a call of")

@@ -33,13 +33,14 @@ def calls(seed: int) -> list[list[np.ndarray]]:
 
 def job(tb, data, cut_at: int | None = None, victim: int = 0):
     """Every call of ``data`` on comms with the ring fallback; with ``cut_at``, aggregator
-    ``victim``'s program is unloaded while call ``cut_at`` is in flight. Returns (outputs by
-    rank, each rank's communicator summaries)."""
+    ``victim``'s program is unloaded while call ``cut_at`` is in flight (or, on a machine that
+    finishes it first, before the next call begins). Returns (outputs by rank, each rank's
+    communicator summaries)."""
     aggs = [Aggregator.load(AggSpec(a.netns, a.iface, WORLD, slots=64, port=tb.port, group=tb.mcast_group,
                                     worker_ips=[w.ip for w in tb.workers])) for a in tb.aggs]
     spec = DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64, timeout=30)
     peers = [w.ip for w in tb.workers]
-    comms, started = [], threading.Event()
+    comms, started, killed = [], threading.Event(), threading.Event()
     try:
         for r, w in enumerate(tb.workers):
             with tb.in_host(w):
@@ -52,6 +53,8 @@ def job(tb, data, cut_at: int | None = None, victim: int = 0):
                 if r == 0 and n == cut_at:
                     started.set()
                 got.append(comms[r].allreduce(xs[r].copy()))
+                if n == cut_at:  # the next call starts only once the program is gone: a fast machine
+                    killed.wait(60)  # may finish this one first, and then the next one is cut
             return got
 
         killer = None
@@ -60,6 +63,7 @@ def job(tb, data, cut_at: int | None = None, victim: int = 0):
                 started.wait(60)
                 time.sleep(0.02)
                 aggs[victim].close()
+                killed.set()
             killer = threading.Thread(target=kill, daemon=True)
             killer.start()
         outs, errs = run_ranks(rank, WORLD, timeout=120)

@@ -8,7 +8,7 @@ import pytest
 from nicoffload.packets import generators as gen
 from nicoffload.wire import codec, proto
 from nicoffload.worker.records import RankRecords, read_join_reply
-from nicoffload.worker.recovery import MAX_WAIT, RoundTimer, ack_due, missing_ranks
+from nicoffload.worker.recovery import MAX_WAIT, RoundTimer, ack_due, missing_ranks, unheard
 
 
 def window(K: int, sent: float = 0.0):
@@ -150,3 +150,10 @@ def test_join_and_ack_records_carry_the_nonce_and_head():
                         count=1)[0]
     assert (int(ack["type"]), int(ack["epoch"]), int(ack["ack"]), int(ack["mask"])) == (proto.TYPE_ACK, 9, 7, 0b100)
     assert int(ack["flags"]) & proto.FLAG_RETX
+
+
+def test_time_a_rank_did_not_run_is_not_the_aggregators_silence():
+    """A loop that meant to look again at t=1.0 and woke at t=3.0 (descheduled, or the GIL held
+    by another thread) moves the last answer forward by those 2 s; a wake-up on time does not."""
+    assert unheard(0.5, 1.0, 3.0) == pytest.approx(2.5)
+    assert unheard(0.5, 1.0, 1.05) == 0.5
