@@ -176,37 +176,14 @@ class FailoverCommunicator:
             # lo < n: a rank still in call n - 1; it returns from it (above) and comes to this one
         half = lanes == 16 and x.dtype.kind == "f"
         E = quant.block_elems(self.elems, 16 if half else 32) if op == "sum" else self.elems
-        flat, res = x.reshape(-1), out.reshape(-1)
-        nb = -(-flat.size // E)
+        nb = -(-x.size // E)
         if not nb:
             return
-        owner = np.zeros(nb, np.int32)  # world - the lowest rank holding the block's result; 0: nobody
+        holds = np.zeros(nb, np.int32)  # world - the lowest rank holding the block's result; 0: nobody
         if final is not None:
-            owner[final[:nb]] = self.world - self.rank
-        fb.reduce_int32(owner, "max")
-        owned, lost = np.flatnonzero(owner > 0), np.flatnonzero(owner == 0)
-        if len(owned):  # the owner's bits, everyone else's zeros: an int32 SUM is a broadcast
-            idx = _elements(owned, E, flat.size)
-            per = res.dtype.itemsize // 4
-            words = res.view(np.int32).reshape(-1, per)
-            mine = np.zeros((len(idx), per), np.int32)
-            sel = owner[owned] == self.world - self.rank
-            if sel.any():
-                own_idx = _elements(owned[sel], E, flat.size)
-                mine[np.searchsorted(idx, own_idx)] = words[own_idx]
-            fb.reduce_int32(mine.reshape(-1), "sum")
-            words[idx] = mine
-        if len(lost):  # nobody has them: every rank's input is still there, summed anew
-            idx = _elements(lost, E, flat.size)
-            part = np.ascontiguousarray(flat[idx])
-            fb.allreduce(part, out=part, op=op, lanes=lanes)
-            res[idx] = part
-
-
-def _elements(blocks: np.ndarray, E: int, n: int) -> np.ndarray:
-    """The flat indices of the elements of ``blocks`` (E elements each; the last may be short)."""
-    idx = (blocks[:, None] * E + np.arange(E)[None, :]).reshape(-1)
-    return idx[idx < n]
+            holds[final[:nb]] = self.world - self.rank
+        fb.reduce_int32(holds, "max")
+        fb.settle(x, out, op, lanes, E, self.world - holds)
 
 
 def ring_fallback(rank: int, world: int, peers, spec, port: int, offload: bool | None, W: int) -> RingFixed:

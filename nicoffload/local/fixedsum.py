@@ -84,6 +84,30 @@ class FixedSum:
         self._reduce(words, "sum")
         fixed.decode(words, E, gexp, top, self.W * bias, bits == 16, 0, nb, n, out)
 
+    def settle(self, array: np.ndarray, out: np.ndarray, op: str, lanes: int | None, E: int,
+               owner: np.ndarray) -> None:
+        """A cut call's output on every rank (the failovers' last step): block b (E elements)
+        from rank ``owner[b]``, which holds its final result (an int32 SUM of its bits and
+        everyone else's zeros is a broadcast), and the blocks nobody holds (``owner`` = world)
+        summed anew from the inputs, which are still there."""
+        flat, res = array.reshape(-1), out.reshape(-1)
+        owned, lost = np.flatnonzero(owner < self.world), np.flatnonzero(owner >= self.world)
+        if len(owned):
+            idx = block_elements(owned, E, flat.size)
+            words = res.view(np.int32).reshape(-1, res.dtype.itemsize // 4)
+            mine = np.zeros((len(idx), words.shape[1]), np.int32)
+            sel = owner[owned] == self.rank
+            if sel.any():
+                own_idx = block_elements(owned[sel], E, flat.size)
+                mine[np.searchsorted(idx, own_idx)] = words[own_idx]
+            self.reduce_int32(mine.reshape(-1), "sum")
+            words[idx] = mine
+        if len(lost):
+            idx = block_elements(lost, E, flat.size)
+            part = np.ascontiguousarray(flat[idx])
+            self.allreduce(part, out=part, op=op, lanes=lanes)
+            res[idx] = part
+
     def barrier(self) -> None:
         self._reduce(np.zeros(1, np.int32), "max")
 
@@ -98,3 +122,9 @@ class FixedSum:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def block_elements(blocks: np.ndarray, E: int, n: int) -> np.ndarray:
+    """The flat indices of the elements of ``blocks`` (E elements each; the last may be short)."""
+    idx = (blocks[:, None] * E + np.arange(E)[None, :]).reshape(-1)
+    return idx[idx < n]

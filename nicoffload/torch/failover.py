@@ -207,28 +207,10 @@ class Failover:
 
     def _recover(self, array, out, op, lanes, E: int, nb: int, haves: list[np.ndarray]) -> None:
         """Every block from the lowest rank that holds it; the others summed by the fallback."""
-        flat, res = array.reshape(-1), out.reshape(-1)
         owner = np.full(nb, self.world, np.int64)
         for r in range(self.world - 1, -1, -1):
             owner[haves[r]] = r
-        owned, lost = np.flatnonzero(owner < self.world), np.flatnonzero(owner == self.world)
-        if len(owned):  # the owner's bits, everyone else's zeros: an int32 SUM is a broadcast
-            idx = _elements(owned, E, flat.size)
-            words = res.view(np.int32) if res.dtype.itemsize == 4 else res.view(np.int64).view(np.int32)
-            per = res.dtype.itemsize // 4
-            mine = np.zeros(len(idx) * per, np.int32)
-            sel = np.flatnonzero(owner[owned] == self.rank)
-            if len(sel):
-                own_idx = _elements(owned[sel], E, flat.size)
-                pos = np.searchsorted(idx, own_idx)
-                mine.reshape(-1, per)[pos] = words.reshape(-1, per)[own_idx]
-            self.fallback.reduce_int32(mine, "sum")
-            words.reshape(-1, per)[idx] = mine.reshape(-1, per)
-        if len(lost):  # nobody has them: every rank's input is still there, summed anew
-            idx = _elements(lost, E, flat.size)
-            part = np.ascontiguousarray(flat[idx])
-            self.fallback.allreduce(part, out=part, op=op, lanes=lanes)
-            res[idx] = part
+        self.fallback.settle(array, out, op, lanes, E, owner)
 
     # --- back to an aggregator ------------------------------------------------------------------
     def publish_rejoin(self, grant_json: str) -> None:
@@ -262,8 +244,3 @@ class Failover:
         log.warning("group %s, rank %d: back on the aggregator (job granted again) from call %d", self.group,
                     self.rank, self.calls - 1)
 
-
-def _elements(blocks: np.ndarray, E: int, n: int) -> np.ndarray:
-    """The flat indices of the elements of ``blocks`` (E elements each; the last may be short)."""
-    idx = (blocks[:, None] * E + np.arange(E)[None, :]).reshape(-1)
-    return idx[idx < n]

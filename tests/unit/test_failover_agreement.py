@@ -13,29 +13,25 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nicoffload.errors import SilentAggregator  # noqa: E402
+from nicoffload.local.fixedsum import FixedSum  # noqa: E402
 from nicoffload.torch.failover import Failover  # noqa: E402
 from nicoffload.torch.rendezvous import Rendezvous  # noqa: E402
 
 W, N, ELEMS = 3, 1000, 256
 
 
-class Gloo:
-    """Every rank's array summed across the threads (what FixedGloo's gloo calls give)."""
+class Gloo(FixedSum):
+    """Rank ``rank``'s int32 SUM across the threads (what FixedGloo's gloo calls give); its
+    int32 allreduce is that sum, as FixedSum's."""
 
-    def __init__(self):
-        self.barrier, self.parts = threading.Barrier(W, timeout=10), {}
-
-    def allreduce(self, array, out=None, op="sum", lanes=None):
-        out = array if out is None else out
-        self.reduce_int32(array, "sum")
-        if out is not array:
-            out[...] = array
-        return out
+    def __init__(self, rank, shared):
+        super().__init__(rank, W, W, ELEMS)
+        self.barrier, self.parts = shared
 
     def reduce_int32(self, a, _op):
-        self.parts[threading.get_ident()] = a.copy()
+        self.parts[self.rank] = a.copy()
         self.barrier.wait()
-        total = sum(self.parts.values())
+        total = sum(self.parts[r] for r in range(W))
         self.barrier.wait()
         a[...] = total
 
@@ -74,7 +70,7 @@ def test_a_rank_a_call_behind_joins_the_agreement_on_the_next_call():
     rng = np.random.default_rng(3)
     inputs = [[rng.integers(-1000, 1000, N).astype(np.int32) for _ in range(3)] for _ in range(W)]
     want = [sum(inputs[r][n] for r in range(W)) for n in range(3)]
-    store, gloo = torch.distributed.HashStore(), Gloo()
+    store, shared = torch.distributed.HashStore(), (threading.Barrier(W, timeout=10), {})
     # rank 0 lost call 0 holding all of it; ranks 1 and 2 returned from call 0 and lost call 1
     # with one and two of its four blocks back
     plans = {0: (0, 4), 1: (1, 1), 2: (1, 2)}
@@ -82,7 +78,7 @@ def test_a_rank_a_call_behind_joins_the_agreement_on_the_next_call():
 
     def rank(r):
         try:
-            f = Failover(Primary(r, want, *plans[r]), gloo, Rendezvous(store, r, W, 10.0), "t", ELEMS,
+            f = Failover(Primary(r, want, *plans[r]), Gloo(r, shared), Rendezvous(store, r, W, 10.0), "t", ELEMS,
                          wait_s=10.0)
             got[r] = [f.allreduce(inputs[r][n].copy(), out=inputs[r][n].copy()) for n in range(3)]
             got[r].append((f.failovers, f.on_fallback))
