@@ -210,5 +210,31 @@ def _mpi_abort() -> None:
         pass
 
 
+def _profiled(argv: list[str] | None = None) -> int:
+    """``main`` under cProfile when NICOFFLOAD_BENCH_PROFILE names a folder: each rank writes
+    ``<system>-rank<R>.prof`` there (read it with ``python -m pstats``)."""
+    where = os.environ.get("NICOFFLOAD_BENCH_PROFILE")
+    if not where:
+        return main(argv)
+    import cProfile
+    import signal
+
+    # the sweep ends driven ranks with SIGTERM: leave through ``finally`` so the profile is written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    args = sys.argv[1:] if argv is None else argv
+
+    def flag(f: str, default: object) -> object:
+        return args[args.index(f) + 1] if f in args[:-1] else default
+
+    name = f"{flag('--system', 'rank')}-rank{flag('--rank', os.getpid())}"
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(main, argv)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the dump short
+        os.makedirs(where, exist_ok=True)
+        prof.dump_stats(os.path.join(where, f"{name}.prof"))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_profiled())
