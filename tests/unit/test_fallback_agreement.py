@@ -5,66 +5,17 @@ bits, whichever call each lost and whatever part of it each held; and the wrong 
 refused with a reason."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from nicoffload.communicators import communicator
-from nicoffload.errors import InputError, SilentAggregator
+from nicoffload.errors import InputError
 from nicoffload.fallback import FailoverCommunicator
 from nicoffload.jobspec import DEFAULT
-from nicoffload.local.fixedsum import FixedSum
 
-W, N, ELEMS = 3, 1000, 256
+from failover_standins import W, LosingAggregator, ThreadSum, run_ranks, shared_state
 
-
-class Threads(FixedSum):
-    """The ring's int32 SUM and MAX across the threads of one test."""
-
-    def __init__(self, rank, shared):
-        super().__init__(rank, W, W, ELEMS)
-        self.shared, self.mode, self.calls = shared, "threads", 0
-
-    def reduce_int32(self, a, op):
-        barrier, parts = self.shared
-        self.calls += 1
-        parts[self.rank] = a.copy()
-        barrier.wait()
-        total = (np.sum if op == "sum" else np.max)(np.stack([parts[r] for r in range(W)]), axis=0)
-        barrier.wait()
-        a[...] = total.astype(np.int32)
-
-
-class Primary:
-    """Rank ``rank``'s aggregator: calls below ``lost_at`` return the sum; call ``lost_at`` is
-    lost after ``final`` of its blocks came back."""
-
-    def __init__(self, rank, want, lost_at, final):
-        self.rank, self.world, self.elems, self.want = rank, W, ELEMS, want
-        self.lost_at, self.final, self.calls, self.aggregator = lost_at, final, 0, "10.0.0.1"
-        self.capabilities = None
-
-    def allreduce(self, array, out=None, op="sum", lanes=None):
-        n, self.calls = self.calls, self.calls + 1
-        assert n <= self.lost_at, "the aggregator is asked again after it was lost"
-        if n < self.lost_at:
-            out[...] = self.want[n]
-            return out
-        self.mask = np.zeros(-(-array.size // ELEMS), bool)
-        self.mask[self.final] = True
-        for b in np.flatnonzero(self.mask):
-            out[b * ELEMS:(b + 1) * ELEMS] = self.want[n][b * ELEMS:(b + 1) * ELEMS]
-        raise SilentAggregator(f"rank {self.rank}: the aggregator has not answered anything")
-
-    def final_blocks(self):
-        return self.mask
-
-    def close(self):
-        pass
-
-    def abort(self, error):
-        pass
+N = 1000
 
 
 def run(plans, calls=4):
@@ -72,23 +23,14 @@ def run(plans, calls=4):
     inputs = [[rng.integers(-2 ** 31, 2 ** 31 - 1, N, dtype=np.int64).astype(np.int32) for _ in range(calls)]
               for _ in range(W)]
     want = [np.sum([inputs[r][n] for r in range(W)], axis=0, dtype=np.int64).astype(np.int32) for n in range(calls)]
-    shared, got, errors = (threading.Barrier(W, timeout=10), {}), {}, []
+    shared = shared_state()
 
     def rank(r):
-        try:
-            f = FailoverCommunicator(Primary(r, want, *plans[r]), Threads(r, shared))
-            got[r] = [f.allreduce(inputs[r][n], out=inputs[r][n].copy() if n % 2 else inputs[r][n])
-                      for n in range(calls)]
-            got[r].append(f.summary())
-        except BaseException as e:  # noqa: BLE001  (reported below, by rank)
-            errors.append((r, repr(e)))
+        f = FailoverCommunicator(LosingAggregator(r, want, *plans[r]), ThreadSum(r, shared))
+        return [f.allreduce(inputs[r][n], out=inputs[r][n].copy() if n % 2 else inputs[r][n])
+                for n in range(calls)] + [f.summary()]
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors and len(got) == W, (errors, sorted(got))
+    got = run_ranks(rank)
     for r in range(W):
         for n in range(calls):
             assert np.array_equal(got[r][n], want[n]), (r, n)
