@@ -11,7 +11,8 @@ an ACK. Results carry the job's gate (the lowest head of all ranks): no round at
 gate + 2S is sent, and results that arrive before their stream are stashed and replayed. Lost
 records are retransmitted (rounds this rank contributes to) or pulled (the others); when and
 which is decided by :class:`nicoffload.worker.recovery.RoundTimer`. After ``timeout`` seconds without
-progress the call fails naming the ranks the aggregator has not heard from.
+progress the call fails naming the ranks the aggregator has not heard from. Behind a slow link
+the loop takes results in batches (:class:`nicoffload.worker.moderation.Moderation`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from nicoffload.wire import proto, quant
 from nicoffload.worker.join import join_job
 from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
 from nicoffload.worker.congestion import Window
+from nicoffload.worker.moderation import Moderation
 from nicoffload.worker.records import RankRecords
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, unheard
 
@@ -75,6 +77,7 @@ class RoundStream:
         self._buf = buffers
         self._timer = RoundTimer(rto, max_rto, timeout, self.GAP)
         self._cc = Window(window)  # the congestion window: rounds in flight, at most ``window``
+        self._mod = Moderation()  # the loop's pauses behind a slow link (results taken in batches)
         self._acked = 0        # the last head this rank reported (unwrapped)
         self._records = RankRecords(rank, job, world, key)  # every record carries the job's key
         # results of rounds beyond the current stream (see pump.decode_results): up to 2S rounds
@@ -121,17 +124,9 @@ class RoundStream:
     def close(self) -> None:
         self._t.close()
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def record_size(self) -> int:
-        return self._rec
-
-    @property
-    def syscalls(self) -> int:
-        return self._t.syscalls
+    epoch = property(lambda self: self._epoch)
+    record_size = property(lambda self: self._rec)
+    syscalls = property(lambda self: self._t.syscalls)
 
     @property
     def foreign(self) -> int:
@@ -200,6 +195,7 @@ class RoundStream:
         result, recover losses; return when every round has its result."""
         x = self.last_run = RunState(self, base, r)
         st, K = self.last, x.K
+        self._mod.start()
         while x.ndone < K:
             st.loops += 1
             self._fill_window(x)
@@ -218,6 +214,7 @@ class RoundStream:
                 self._on_event(event, x)
             if new:
                 self._on_results(x, new, now)
+                x.wake_by = self._mod.rest(new, x.hi - x.head, now)  # behind a slow link: a short pause
                 continue
             # No progress (datagrams that brought nothing new do not count): the timers decide.
             if self._on_idle(x, now) or n:
