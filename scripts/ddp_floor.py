@@ -56,7 +56,8 @@ def main() -> None:
     a = p.parse_args()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.workers, a.steps, a.rank_args, not a.no_step, q)) for r in range(a.workers)]
+    procs = [ctx.Process(target=_rank, args=(r, a.workers, a.steps, a.rank_args, not a.no_step, q))
+             for r in range(a.workers)]
     for pr in procs:
         pr.start()
     got = dict(q.get(timeout=300) for _ in procs)
@@ -65,7 +66,8 @@ def main() -> None:
     per_step = [max(got[r][s] for r in got) for s in range(3, a.steps)]
     each = {r: sorted(t[3:])[len(t[3:]) // 2] * 1e3 for r, t in sorted(got.items())}
     slowest = sorted(per_step)[len(per_step) // 2] * 1e3
-    print(json.dumps({"workers": a.workers, "rank_args": a.rank_args, "step": not a.no_step, "rank_median_ms": each, "slowest_rank_median_ms": slowest}))
+    print(json.dumps({"workers": a.workers, "rank_args": a.rank_args, "step": not a.no_step,
+                      "rank_median_ms": each, "slowest_rank_median_ms": slowest}))
 
 
 if __name__ == "__main__":

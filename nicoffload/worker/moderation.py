@@ -31,8 +31,6 @@ class Moderation:
     def __init__(self):
         self.rate = 0.0          # results per second (0: not known yet)
         self._last: float | None = None
-        self.pauses = 0          # pauses taken over the stream's life
-        self.paused_s = 0.0
 
     def start(self) -> None:
         """A new call: the first batch's interval would include the time between calls."""
@@ -51,14 +49,14 @@ class Moderation:
         self.on_results(new, now)
         p = self.pause(new, inflight)
         if p:
-            self.pauses += 1
-            self.paused_s += p
             sleep(p)
         return now + p
 
     def pause(self, new: int, inflight: int) -> float:
         """Seconds to pause after a pass that found ``new`` results with ``inflight`` rounds
-        still without one (0: look again at once)."""
+        still without one (0: look again at once). The stream passes its window's width (head
+        to edge), which counts a round that completed past a lost one as still in flight: then
+        the pause is still at most MAX_PAUSE, and the loss's recovery waits that much longer."""
         if new >= BATCH or inflight < 4 * BATCH or self.rate <= 0.0:
             return 0.0
         p = min((BATCH - new) / self.rate, inflight / (4 * self.rate), MAX_PAUSE)

@@ -124,9 +124,17 @@ class RoundStream:
     def close(self) -> None:
         self._t.close()
 
-    epoch = property(lambda self: self._epoch)
-    record_size = property(lambda self: self._rec)
-    syscalls = property(lambda self: self._t.syscalls)
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def record_size(self) -> int:
+        return self._rec
+
+    @property
+    def syscalls(self) -> int:
+        return self._t.syscalls
 
     @property
     def foreign(self) -> int:
@@ -172,8 +180,7 @@ class RoundStream:
             f"with --no-multicast)")
 
     def _check_silence(self, heard_at: float, doing: str) -> None:
-        """Silence: ``silence`` seconds without any answer while this rank was asking (the
-        loops move ``heard_at`` past the time the thread did not run: :func:`unheard`)."""
+        """``silence`` s unanswered while asking (``heard_at`` skips unrun time: :func:`unheard`)."""
         if self.silence is not None and time.monotonic() - heard_at > self.silence:
             raise SilentAggregator(
                 f"rank {self.rank}: {doing} job {self.job}: the aggregator {self.aggregator}:{self.port} has not "
@@ -219,8 +226,7 @@ class RoundStream:
             # No progress (datagrams that brought nothing new do not count): the timers decide.
             if self._on_idle(x, now) or n:
                 continue
-            wait = self._timer.wait(x.head, x.hi, x.sent_at, now)
-            x.wake_by = now + wait
+            x.wake_by = now + (wait := self._timer.wait(x.head, x.hi, x.sent_at, now))
             self._t.wait(wait)
         st.rounds += K
 

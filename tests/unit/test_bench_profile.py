@@ -37,7 +37,30 @@ def test_a_rank_stopped_with_sigterm_leaves_its_profile(tmp_path):
             p.kill()
             p.wait()
     st = _loads(tmp_path / "prof" / "xdp-rank3.prof")
-    assert any(fn[2] == "main" and fn[0].endswith("ranks.py") for fn in st.stats)
+    assert any(fn[2] == "_run" and fn[0].endswith("ranks.py") for fn in st.stats)
+
+
+def test_a_sigterm_during_the_dump_does_not_cut_it_short(tmp_path, monkeypatch):
+    """The launcher's SIGTERM can come while a rank that has finished writes its profile."""
+    import cProfile
+
+    from nicoffload.lab.bench import ranks
+
+    dump = cProfile.Profile.dump_stats
+
+    def dump_with_a_sigterm(self, path):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, before the first byte is written
+        dump(self, path)
+
+    monkeypatch.setattr(ranks, "_run", lambda args: 0)
+    monkeypatch.setattr(cProfile.Profile, "dump_stats", dump_with_a_sigterm)
+    monkeypatch.setenv("NICOFFLOAD_BENCH_PROFILE", str(tmp_path / "prof"))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert ranks.main(["--system", "xdp", "--plan", "unused.json", "--rank", "2"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    _loads(tmp_path / "prof" / "xdp-rank2.prof")
 
 
 def test_a_rank_that_fails_still_writes_its_profile(tmp_path):

@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", type=Path, required=True)
     p.add_argument("--rank", type=int, default=None, help="(not for mpi: the rank comes from MPI)")
     args = p.parse_args(argv)
+    where = os.environ.get("NICOFFLOAD_BENCH_PROFILE")
+    return _profiled(args, where) if where else _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     plan = json.loads(args.plan.read_text())
     loop = None
     try:
@@ -210,31 +215,23 @@ def _mpi_abort() -> None:
         pass
 
 
-def _profiled(argv: list[str] | None = None) -> int:
-    """``main`` under cProfile when NICOFFLOAD_BENCH_PROFILE names a folder: each rank writes
-    ``<system>-rank<R>.prof`` there (read it with ``python -m pstats``)."""
-    where = os.environ.get("NICOFFLOAD_BENCH_PROFILE")
-    if not where:
-        return main(argv)
+def _profiled(args: argparse.Namespace, where: str) -> int:
+    """The rank under cProfile (NICOFFLOAD_BENCH_PROFILE names the folder): it writes
+    ``<system>-rank<R>.prof`` there (read it with ``python -m pstats``), also when the sweep
+    ends it with SIGTERM, as it ends driven ranks, and when it fails."""
     import cProfile
     import signal
 
-    # the sweep ends driven ranks with SIGTERM: leave through ``finally`` so the profile is written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    args = sys.argv[1:] if argv is None else argv
-
-    def flag(f: str, default: object) -> object:
-        return args[args.index(f) + 1] if f in args[:-1] else default
-
-    name = f"{flag('--system', 'rank')}-rank{flag('--rank', os.getpid())}"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave through ``finally``
     prof = cProfile.Profile()
     try:
-        return prof.runcall(main, argv)
+        return prof.runcall(_run, args)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the dump short
         os.makedirs(where, exist_ok=True)
-        prof.dump_stats(os.path.join(where, f"{name}.prof"))
+        rank = args.rank if args.rank is not None else os.getpid()
+        prof.dump_stats(os.path.join(where, f"{args.system}-rank{rank}.prof"))
 
 
 if __name__ == "__main__":
-    sys.exit(_profiled())
+    sys.exit(main())
