@@ -191,8 +191,12 @@ def test_ring_cli_load_status_stats_unload_and_testbed_clean(make_testbed, tmp_p
     assert st["attached"] and st["rank"] == 0 and st["world"] == 2 and st["capacity"] == 64 and st["mode"] == "generic"
     ins, outs = save(tmp_path, ints(2, 5 * E))
     run_workers(tb, ins, outs, ring_spec(tb))
-    stats = json.loads(cli("ring", "stats", "--netns", w0.netns, "--iface", w0.iface, "--json").stdout)
-    assert stats["reduced"] + stats["final"] > 0 and stats["gathered"] > 0
+    # a node whose host stages after its peer's records arrive parks them (its host adds them),
+    # so on a loaded machine one node's program may have reduced nothing; the node that staged
+    # first reduced its peer's records in XDP, and together the two did the call's work
+    both = [json.loads(cli("ring", "stats", "--netns", w.netns, "--iface", w.iface, "--json").stdout)
+            for w in tb.workers]
+    assert sum(s["reduced"] + s["final"] for s in both) > 0 and sum(s["gathered"] for s in both) > 0, both
     assert "call 2" in cli("ring", "status", "--netns", w0.netns, "--iface", w0.iface).stdout
     cli("ring", "unload", "--netns", w0.netns, "--iface", w0.iface)
     gone = cli("ring", "status", "--netns", w0.netns, "--iface", w0.iface, check=False)
