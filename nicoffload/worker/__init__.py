@@ -8,6 +8,7 @@
                rounds)
     stream     :class:`~nicoffload.worker.stream.RoundStream`: rounds through the slot pool,
                window, results, loss recovery, timeouts naming the silent ranks
+    confirm    the end of a call with ``confirm``: waiting for the job's gate to pass its rounds
     recovery   the decisions of loss recovery (RTO, fast retransmission, pulls, giving up), pure
     records    the records a rank sends besides its data (JOIN, ACK, pulls) and JOIN answers
     shards     :class:`ShardedCommunicator`: one job spread over several aggregators

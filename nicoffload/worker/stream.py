@@ -28,15 +28,11 @@ from nicoffload.errors import AggregatorReset, MismatchError, ProtocolError, Sil
 from nicoffload.wire import proto, quant
 from nicoffload.worker.join import join_job
 from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
+from nicoffload.worker.confirm import confirm_gate
 from nicoffload.worker.congestion import Window
 from nicoffload.worker.moderation import Moderation
 from nicoffload.worker.records import RankRecords
 from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, unheard
-
-
-#: the outputs a stream does not write (decode_results takes all three kinds)
-_NONE_I32, _NONE_F32, _NONE_F64 = np.empty(0, np.int32), np.empty(0, np.float32), np.empty(0, np.float64)
-_NONE_U8 = np.zeros(1, np.uint8)
 
 
 #: this many results taken only as answers, none as a first delivery: the group's frames do not
@@ -230,45 +226,10 @@ class RoundStream:
             self._t.wait(wait)
         st.rounds += K
 
-    #: the first wait for the gate's answer in :meth:`confirm`; it doubles up to the rto (seconds)
-    CONFIRM_POLL = 0.0002
-
     def confirm(self, end_abs: int) -> None:
-        """Return once the job's gate reaches ``end_abs``: every rank holds every result before
-        it (a failover then never needs a result a rank has already handed back). Asks the
-        aggregator for the gate, quickly at first (the last rank to finish is usually a few
-        hundred microseconds behind), then every rto; silence, abort and the timeout apply."""
-        if self._gate[0] >= end_abs:
-            return
-        dest, every = (self.aggregator, self.port), self.CONFIRM_POLL
-        start = heard_at = time.monotonic()
-        rx, one = self._t.recv_args(), np.zeros(1, np.int64)
-        while self._gate[0] < end_abs:
-            self._t.send_one(self._records.ack(self._epoch, end_abs, ask=True), dest)
-            self._acked = max(self._acked, end_abs)
-            self.last.acks += 1
-            until = wake_by = time.monotonic() + every
-            while self._gate[0] < end_abs:
-                foreign0 = self._t.foreign
-                n, _new, _event = pump.pump_recv(*rx, self._rec, self.elems, self.job, self._epoch, self.rank,
-                                                 end_abs, 0, self.slots, one, _NONE_I32, self._bias,
-                                                 pump.KIND_INT32, _NONE_I32, _NONE_F32, _NONE_F64, _NONE_U8, one,
-                                                 one, self._stash, self._stash_round, self._gate)
-                now = time.monotonic()
-                heard_at, wake_by = unheard(heard_at, min(wake_by, until), now), now
-                if n > self._t.foreign - foreign0:
-                    heard_at = now
-                elif now >= until:
-                    break
-                elif not n:
-                    wake_by = until
-                    self._t.wait(until - now)
-            self._check_abort()
-            self._check_silence(heard_at, "confirming a call of")
-            if time.monotonic() - start > self.timeout:
-                raise TimeoutError_(f"rank {self.rank}: job {self.job}: the gate did not reach round {end_abs} "
-                                    f"within {self.timeout:g}s: a rank has not acknowledged this call's results")
-            every = min(2 * every, self.rto)
+        """Return once the job's gate reaches ``end_abs``: every rank holds every result before it
+        (:func:`nicoffload.worker.confirm.confirm_gate`)."""
+        confirm_gate(self, end_abs)
 
     def _fill_window(self, x: RunState) -> None:
         """Send this rank's records of the rounds that may enter the window: S rounds past the
