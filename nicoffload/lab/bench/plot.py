@@ -5,6 +5,7 @@ and rate with each system's own bound, CPU-bound points marked, and the share of
 ranks kept busy."""
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -111,9 +112,15 @@ def _bound_lines(ax, xs: list, bound: Callable[[float], tuple]) -> None:
     ax.plot(xs, [bound(x)[1] * 1e3 for x in xs], "k:", lw=1.2, label="bound 2(N-1)M/(NR) (ring)")
 
 
+def _suptitle(fig, title: str, columns: int, **kw) -> None:
+    """The figure's title, wrapped to the width of its ``columns`` panels (about 10 characters
+    per inch at 11 points), so that a one-column figure does not crop it."""
+    fig.suptitle("\n".join(textwrap.wrap(title, int(PANEL[0] * max(1, columns) * 10))), **kw)
+
+
 def _panels(plt, n: int, title: str, **kw):
     fig, axes = plt.subplots(1, max(1, n), figsize=(PANEL[0] * max(1, n), PANEL[1]), squeeze=False)
-    fig.suptitle(title, **kw)
+    _suptitle(fig, title, n, **kw)
     return fig, axes[0]
 
 
@@ -246,8 +253,8 @@ def _draw_scaling(plt, s: _Sweep) -> Path:
     sizes = sorted({r["bytes"] for r in s.rows if r["sparsity"] == s.base}) or [s.ref]
     fig, axes = plt.subplots(len(sizes) + 1, len(shaped), figsize=(PANEL[0] * len(shaped), PANEL[1] * (len(sizes) + 1)),
                              squeeze=False)
-    fig.suptitle(f"AllReduce time against the number of workers (sparsity {s.base:g}; median, min..max; "
-                 f"{_agg_label(s)})", fontsize=11)
+    _suptitle(fig, f"AllReduce time against the number of workers (sparsity {s.base:g}; median, min..max; "
+                   f"{_agg_label(s)})", len(shaped), fontsize=11)
     for c, rate in enumerate(shaped):
         here = [r for r in s.rows if r["rate"] == rate and r["sparsity"] == s.base]
         for i, size in enumerate(sizes):
