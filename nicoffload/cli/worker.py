@@ -109,12 +109,7 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--dup", type=float, default=0.0, help="duplication probability on every link")
     p.add_argument("--seed", type=int, default=1)
     JobSpec.add_arguments(p, only=("elems", "timeout", "mode", "delivery", "layout", "lanes"), delivery=None)
-    p.add_argument("--no-multicast", action="store_true",
-                   help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
-                        "--delivery says otherwise")
-    p.add_argument("--aggregators", type=int, default=1, metavar="K",
-                   help="aggregator hosts; the job is sharded over them (--shard-layout), one shard on each")
-    p.add_argument("--json", action="store_true")
+    _add_fabric_arguments(p)
     p.set_defaults(func=_allreduce)
 
 
@@ -128,13 +123,18 @@ def _register_demo(sub) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     JobSpec.add_arguments(p, only=("mode", "delivery", "layout", "lanes"), delivery=None)
+    _add_fabric_arguments(p)
+    p.set_defaults(func=_demo)
+
+
+def _add_fabric_arguments(p) -> None:
+    """The testbed's fabric and aggregators, and --json: shared by ``allreduce`` and ``demo``."""
     p.add_argument("--no-multicast", action="store_true",
                    help="a fabric that drops multicast frames (testbed up --no-multicast): unicast delivery unless "
                         "--delivery says otherwise")
     p.add_argument("--aggregators", type=int, default=1, metavar="K",
                    help="aggregator hosts; the job is sharded over them (--shard-layout), one shard on each")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_demo)
 
 
 def _worker(args) -> int:
