@@ -54,7 +54,7 @@ class CallStats:
     spec_missed: int = 0        # ... whose exponent had changed: sent again at the right scale
     seconds: float = 0.0
     timeouts: int = 0
-    window_cuts: int = 0        # loss and queue episodes the congestion window answered (worker/congestion.py)
+    window_cuts: int = 0        # loss episodes the congestion window answered (worker/congestion.py)
     loops: int = 0              # iterations of the send/receive loop
     syscalls: int = 0
     foreign: int = 0            # datagrams from someone other than the aggregator, skipped

@@ -286,8 +286,7 @@ class RoundStream:
             self._acked = x.base + x.head
             self.last.acks += 1
         # the window's round trip counts from the first send (a resent round's is long, never short)
-        if self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None, x.base + last, x.base + x.hi):
-            self.last.window_cuts += 1  # a standing queue, before it overflowed
+        self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
             self._resend(x, self._lost(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nicoffload.worker.congestion import DECREASE, FLOOR, INITIAL, MARK_DELAY, QUEUE_MIN, RECENT, Window
+from nicoffload.worker.congestion import DECREASE, FLOOR, INITIAL, QUEUE_MIN, RECENT, Window
 
 
 def limited(cap: int = 1024, **kw) -> Window:
@@ -162,77 +162,3 @@ def test_ranks_sharing_a_bottleneck_converge_to_equal_shares():
     wa, wb = zip(*sizes[-200:])
     assert abs(sum(wa) - sum(wb)) / (sum(wa) + sum(wb)) < 0.05
     assert 400 * DECREASE * 0.9 <= (sum(wa) + sum(wb)) / 200 <= 400
-
-
-def test_a_standing_queue_cuts_once_per_episode_without_a_loss():
-    w = limited(1024, initial=400)
-    w.ssthresh = 400.0
-    for k in range(RECENT):  # the floor: 1 ms
-        assert not w.on_results(1, 0.001, latest=k, sent_edge=k + 400)
-    size = w.size
-    # one late batch is not a queue: the recent ones still show the floor
-    assert not w.on_results(1, 0.001 + 2 * MARK_DELAY, latest=10, sent_edge=410) and w.size >= size
-    for k in range(11, 11 + RECENT):  # the queue stands
-        w.on_results(1, 0.001 + MARK_DELAY + 0.001, latest=k, sent_edge=k + 400)
-    assert w.marks == 1 and w.cuts == 1 and w.size == int(size * DECREASE)
-    cut = w.size
-    # rounds sent before the cut still come back late: the same episode, and no growth
-    for k in range(20, 200):
-        assert not w.on_results(1, 0.001 + MARK_DELAY + 0.001, latest=k, sent_edge=420)
-    assert w.size == cut and w.cuts == 1
-    # a round sent after the cut still finds the queue: a new episode
-    assert w.on_results(1, 0.001 + MARK_DELAY + 0.001, latest=420, sent_edge=600)
-    assert w.marks == 2 and w.size == int(cut * DECREASE)
-
-
-def test_a_queue_under_the_mark_or_a_window_without_marks_is_left_alone():
-    for w, rtt in ((limited(1024, initial=100), 0.001 + MARK_DELAY / 2),
-                   (limited(1024, initial=100, mark=None), 0.001 + 4 * MARK_DELAY)):
-        w.ssthresh = 100.0
-        w.on_results(1, 0.001, latest=0, sent_edge=100)
-        for k in range(1, 400):
-            w.on_results(1, rtt, latest=k, sent_edge=k + 100)
-        assert w.cuts == 0 and w.size > 100
-
-
-def _queue(ranks: list[Window], pipe: int, queue: int, trips: int) -> tuple[int, list[int], list[list[int]]]:
-    """``ranks`` behind one bottleneck whose pipe holds ``pipe`` rounds and whose queue (of 20 ms,
-    as the testbed's shaper) ``queue`` more: each round trip takes the floor (1 ms) plus the
-    queue's wait; past pipe + queue the queue overflows and every rank loses rounds. Returns the
-    overflows after the first 100 round trips (slow start's), the windows' sums and sizes."""
-    base, overflows, sums, sizes, edge = 0.001, 0, [], [], [0] * len(ranks)
-    for w in ranks:  # a stream's first round finds the queue empty
-        w.on_results(1, base, latest=0, sent_edge=1)
-    for _ in range(trips):
-        total = sum(w.size for w in ranks)
-        over = total > pipe + queue
-        overflows += over and len(sums) >= 100
-        rtt = base + 0.020 * min(max(0, total - pipe), queue) / queue
-        for i, w in enumerate(ranks):
-            sent = w.size
-            edge[i] += sent
-            if over:
-                w.on_loss(edge[i] - 1, edge[i])
-            w.on_results(sent, rtt, latest=edge[i] - 1, sent_edge=edge[i])
-        sums.append(total)
-        sizes.append([w.size for w in ranks])
-    return overflows, sums, sizes
-
-
-def test_sixteen_ranks_behind_one_link_keep_its_queue_from_overflowing():
-    def ranks(**kw):
-        return [limited(1024, initial=8, **kw) for _ in range(16)]
-    overflows, sums, _ = _queue(ranks(), pipe=24, queue=460, trips=2000)
-    assert overflows == 0
-    assert min(sums[100:]) > 24  # the link never idles: the queue never drains
-    # without the delay's signal the queue overflows again and again
-    assert _queue(ranks(mark=None), pipe=24, queue=460, trips=2000)[0] > 20
-
-
-def test_ranks_that_a_standing_queue_cuts_converge_to_equal_shares():
-    a, b = limited(1024, initial=400), limited(1024, initial=16)
-    a.ssthresh = b.ssthresh = 16.0
-    overflows, _, sizes = _queue([a, b], pipe=24, queue=460, trips=3000)
-    assert overflows == 0 and a.marks >= 3
-    wa, wb = zip(*sizes[-300:])
-    assert abs(sum(wa) - sum(wb)) / (sum(wa) + sum(wb)) < 0.05
