@@ -28,7 +28,7 @@ from nicoffload.errors import AggregatorReset, MismatchError, ProtocolError, Sil
 from nicoffload.wire import proto, quant
 from nicoffload.worker.join import join_job
 from nicoffload.worker.calls import Buffers, CallStats, Rounds, RunState, ring_spans
-from nicoffload.worker.confirm import confirm_gate
+from nicoffload.worker.confirm import GateWait
 from nicoffload.worker.congestion import Window
 from nicoffload.worker.moderation import Moderation
 from nicoffload.worker.records import RankRecords
@@ -40,7 +40,7 @@ from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, unhea
 NO_GROUP_AFTER = 8
 
 
-class RoundStream:
+class RoundStream(GateWait):
     """One rank's transport, epoch, window and recovery state. The communicator reserves rounds
     (:meth:`reserve`) and runs them (:meth:`run`)."""
 
@@ -225,11 +225,6 @@ class RoundStream:
             x.wake_by = now + (wait := self._timer.wait(x.head, x.hi, x.sent_at, now))
             self._t.wait(wait)
         st.rounds += K
-
-    def confirm(self, end_abs: int) -> None:
-        """Return once the job's gate reaches ``end_abs``: every rank holds every result before it
-        (:func:`nicoffload.worker.confirm.confirm_gate`)."""
-        confirm_gate(self, end_abs)
 
     def _fill_window(self, x: RunState) -> None:
         """Send this rank's records of the rounds that may enter the window: S rounds past the

@@ -77,3 +77,22 @@ def test_the_scaling_figure_is_drawn_from_the_rows(tmp_path):
     assert tmp_path / plot.SCALING in paths
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
+
+
+def test_a_one_column_figure_wraps_its_title_inside_the_figure():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = ("AllReduce time against the number of workers (sparsity 0; median, min..max; "
+             "aggregator's link N x the worker rate)")
+    fig, _ = plot._panels(plt, 1, title, fontsize=11)
+    try:
+        fig.tight_layout()
+        fig.canvas.draw()
+        text = fig._suptitle
+        assert "\n" in text.get_text() and text.get_text().replace("\n", " ") == title
+        box, width = text.get_window_extent(), fig.bbox.width
+        assert box.x0 >= 0 and box.x1 <= width, (box, width)  # not cropped on either side
+    finally:
+        plt.close(fig)
