@@ -228,6 +228,11 @@ def pull(rank: int, round: int, *, slots: int, epoch: int, mask: int, **kw) -> b
                   flags=proto.FLAG_PULL | kw.pop("flags", 0), **kw)
 
 
+def probe(rank: int, round: int, *, slots: int, epoch: int, mask: int, **kw) -> bytes:  # noqa: A002
+    """A PROBE: a PULL of one header, no payload: ``rank`` asks what ``round`` lacks."""
+    return pull(rank, round, slots=slots, epoch=epoch, mask=mask, **kw)[:proto.HDR_LEN]
+
+
 def batch(records: Sequence[bytes], rank: int, **kw) -> bytes:
     """One frame carrying several records back to back (a UDP_SEGMENT send seen whole)."""
     return frame(b"".join(records), src_mac=kw.pop("src_mac", worker_mac(rank)), dst_mac=kw.pop("dst_mac", AGG_MAC),

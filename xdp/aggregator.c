@@ -19,7 +19,8 @@
  *                becomes the RESULT (an optimizer job's round: after its update, optim.h); a
  *                contribution already counted is a retransmission (answered from the Tx spot once
  *                complete, with a STATUS if it asks and the round still waits, else dropped); a
- *                PULL asks for a round without contributing.
+ *                PULL asks for a round without contributing; a PULL of one header (a PROBE,
+ *                on_probe) is answered by a header-only STATUS of what the round lacks.
  *                Records that carry an answer move to the front (keep_record), the rest are cut
  *                (trim_to_answers).
  *   emit         (verdict.h) if any round completed, the frame goes out once to the job's

@@ -1,7 +1,8 @@
 /* CONTRIB frames of the XDP aggregator: a batch of records walked with bpf_loop (ar_record), each
  * checked (check_record) and run through the slot algorithm (slot_update in slots.h) under its
  * slot's lock, an optimizer round's update applied after it (sgd_apply in optim.h); the records
- * that carry an answer move to the front (keep_record) and the rest is cut (trim_to_answers). */
+ * that carry an answer move to the front (keep_record) and the rest is cut (trim_to_answers).
+ * A frame of one header is a PROBE (on_probe). */
 #ifndef NICOFFLOAD_CONTRIB_H
 #define NICOFFLOAD_CONTRIB_H
 
@@ -234,10 +235,42 @@ static __always_inline int trim_to_answers(struct xdp_md *ctx, u32 n, u32 kept)
     return 0;
 }
 
+/* A PROBE (a PULL of one header, no payload): answered with a header-only STATUS that says what
+ * its round lacks (probe_answer in slots.h); it never touches a round. */
+static __always_inline int on_probe(struct xdp_md *ctx, struct sender *s, struct ar_hdr *h)
+{
+    struct ar_counters *st = s->st;
+    struct frame f = {.job = s->job, .job_id = h->job, .rank = h->rank, .bit = s->bit};
+    if (!(h->flags & AR_FLAG_PULL))
+        return reject(st, AR_STAT_BAD_LEN); /* a contribution needs its payload */
+    u32 bad = check_record(&f, s->job, h);
+    if (bad)
+        return reject(st, bad);
+    count(st, AR_STAT_RECORDS);
+    if (!s->live || bpf_ntohl(h->epoch) != s->live) {
+        count(st, AR_STAT_STALE_EPOCH);
+        to_status(h, 0, AR_DETAIL_EPOCH);
+        return emit(ctx, s->job, 0, 1);
+    }
+    note_ack(s, h);
+    u32 idx = s->job->slot_base + bpf_ntohl(h->slot);
+    struct ar_slot *slot = ar_slots.lookup(&idx);
+    if (!slot) {
+        count(st, AR_STAT_BAD_SLOT);
+        return XDP_DROP;
+    }
+    probe_answer(slot, h, s->live);
+    count(st, AR_STAT_STATUS_SENT);
+    count(st, AR_STAT_PROBED);
+    return emit(ctx, s->job, 0, 1);
+}
+
 static __always_inline int on_contrib(struct xdp_md *ctx, struct sender *s, struct ar_hdr *h, u32 len,
                                       void *data, void *end)
 {
     struct ar_counters *st = s->st;
+    if (len == AR_HDR_LEN)
+        return on_probe(ctx, s, h);
     if (len % AR_REC_LEN || len / AR_REC_LEN > AR_MAX_RECS)
         return reject(st, AR_STAT_BAD_LEN);
     if (data + AR_L2L4_LEN + len > end)

@@ -39,6 +39,12 @@
  *   48       payload  CONTRIB/RESULT/STATUS: elems x int32 (elems fixed per aggregator build);
  *                     JOIN/JOINED: AR_JOIN_PAYLOAD bytes (JOINED: the nonce of every rank,
  *                     u64 little endian, index = rank); ACK: none
+ *
+ * A PROBE is a PULL without payload (a datagram of exactly one header): it asks what the round
+ * lacks, and is answered by a header-only STATUS (WAITING with the contributors so far, DONE,
+ * GONE, MISMATCH or EPOCH), never by a result. A rank that finds a round lost probes first and
+ * resends its record only if its own bit is missing: one lost record costs one resend, not one
+ * per rank (docs/protocol.md, "Probes").
  */
 #ifndef NICOFFLOAD_PROTO_H
 #define NICOFFLOAD_PROTO_H
@@ -122,6 +128,8 @@
 #define AR_DETAIL_JOINING 6
 /* the ranks disagree on the round (op, exp, count or mask differ): mask = who it took; it never completes */
 #define AR_DETAIL_MISMATCH 7
+/* a PROBE's answer: the round is complete (its result was lost on the way: pull it in full) */
+#define AR_DETAIL_DONE 8
 
 #define AR_RANK_AGG 0xFFFF
 #define AR_MAX_WORKERS 32
@@ -200,7 +208,9 @@
 #define AR_STAT_COPIES 34
 /* records whose key is not their job's (a host that lacks the job's secret), dropped */
 #define AR_STAT_BAD_KEY 35
-#define AR_STAT__COUNT 36
+/* PROBEs answered with what their round lacks (each also counts in status_sent) */
+#define AR_STAT_PROBED 36
+#define AR_STAT__COUNT 37
 
 /* Fault injector counters (testbed). */
 #define AR_FAULT_SEEN 0

@@ -8,6 +8,7 @@
  *   slot_lock                          the slot's spin lock (a test-only mutant builds without it)
  *   acked_by_all, job_gate             the Tx-spot rule: a set is overwritten once every rank holds its result
  *   slot_update                        one contribution (or pull) against its set: an enum outcome
+ *   probe_answer                       a PROBE against its set: the STATUS that says what the round lacks
  *   join_epoch                         one JOIN against its job's epoch: an enum join_outcome
  */
 #ifndef NICOFFLOAD_SLOTS_H
@@ -242,6 +243,31 @@ static __always_inline enum outcome slot_update(struct ar_slot *slot, struct ar_
     s->complete = SET_COMPLETE;
     round_result(h, s, gate); /* the payload is the result (acc_combine wrote it, or a lone contributor's) */
     return OUT_COMPLETE;
+}
+
+/* A PROBE (a PULL without payload) against its set, under the slot's lock: the record becomes a
+ * STATUS that says what the round lacks. WAITING with its contributors (0: no record of it has
+ * arrived, or the set still holds an older round), DONE when it is complete (the prober pulls the
+ * result in full), GONE when the set has moved past it, MISMATCH when it can never complete. An
+ * optimizer round whose update runs is WAITING with every contributor: nothing is missing. */
+static __always_inline void probe_answer(struct ar_slot *slot, struct ar_hdr *h, u32 epoch)
+{
+    struct ar_set *s = &slot->set[h->set & 1];
+    u32 round = bpf_ntohl(h->round);
+    u32 bitmap = 0;
+    u8 detail = AR_DETAIL_WAITING;
+    slot_lock(slot);
+    if (s->epoch == epoch && s->round == round) {
+        bitmap = s->bitmap;
+        if (s->complete == SET_COMPLETE)
+            detail = AR_DETAIL_DONE;
+        else if (s->complete == SET_CONFLICT)
+            detail = AR_DETAIL_MISMATCH;
+    } else if (s->epoch == epoch && serial_after(s->round, round)) {
+        detail = AR_DETAIL_GONE;
+    }
+    slot_unlock(slot);
+    to_status(h, bitmap, detail);
 }
 
 /* --- JOIN: epoch formation --------------------------------------------------------------------- */

@@ -527,6 +527,21 @@ static void combine(uint8_t op, int32_t *acc, const int32_t *p, uint32_t elems)
 
 enum { OUT_NONE, OUT_MCAST, OUT_ANSWER };
 
+/* A PROBE (a PULL of one header), checked and of the live epoch: rewritten into the STATUS that says
+ * what its round lacks, as probe_answer in xdp/slots.h does. */
+static void probe(struct afx_job *j, struct ar_hdr *r)
+{
+    struct afx_set *s = &j->sets[2 * ntohl(r->slot) + r->set];
+    uint32_t rnd = ntohl(r->round);
+    if (s->epoch == j->live && s->round == rnd)
+        to_status(r, s->bitmap, s->complete == SET_CONFLICT ? AR_DETAIL_MISMATCH
+                                : s->complete ? AR_DETAIL_DONE : AR_DETAIL_WAITING);
+    else if (s->epoch == j->live && serial_after(s->round, rnd))
+        to_status(r, 0, AR_DETAIL_GONE);
+    else
+        to_status(r, 0, AR_DETAIL_WAITING);
+}
+
 static int on_record(struct afx_engine *e, struct afx_job *j, struct ar_hdr *r, uint32_t rank)
 {
     uint64_t *st = j->stats;
@@ -712,6 +727,24 @@ static void on_datagram(struct afx_engine *e, struct afx_queue *q, uint8_t *d, u
     }
     if (h->type != AR_TYPE_CONTRIB)
         return reject(st, AR_STAT_BAD_TYPE);
+    if (n == AR_HDR_LEN) {  /* a PROBE */
+        int bad = 0;
+        if (!(h->flags & AR_FLAG_PULL))
+            return reject(st, AR_STAT_BAD_LEN);
+        if (check(e, j, h, rank, &bad))
+            return reject(st, bad);
+        st[AR_STAT_RECORDS]++;
+        if (!j->live || ntohl(h->epoch) != j->live) {
+            st[AR_STAT_STALE_EPOCH]++;
+            to_status(h, 0, AR_DETAIL_EPOCH);
+        } else {
+            take_ack(j, rank, ntohl(h->ack));
+            probe(j, h);
+            st[AR_STAT_STATUS_SENT]++;
+            st[AR_STAT_PROBED]++;
+        }
+        return reply(e, q, j, from, d, n);
+    }
     uint32_t max_records = (AR_MAX_PACKET_OFF - AR_L2L4_LEN) / e->rsize;
     if (n % e->rsize || n / e->rsize > max_records)
         return reject(st, AR_STAT_BAD_LEN);

@@ -78,8 +78,11 @@ META_SHIFT = -(1 << 30)
 EV_STALE_EPOCH = 1  # a STATUS said this rank's epoch is over
 EV_MISMATCH = 2     # a STATUS said the ranks disagree on a round (status[i] = MISMATCHED)
 D_EPOCH, D_WAITING, D_MISMATCH = proto.DETAIL["epoch"], proto.DETAIL["waiting"], proto.DETAIL["mismatch"]
+D_DONE = proto.DETAIL["done"]
 #: status[i] of a round the ranks disagree on (not a contributor bitmap, which is >= 0)
 MISMATCHED = -2
+#: status[i] of a round a probe found complete: its result was lost on the way to this rank
+DONE = -3
 F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a first delivery
 
 
@@ -138,7 +141,7 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
     (round base + i, i < nrounds, on the slot and set that round maps to) that is not yet
     ``done`` becomes output: int32 copied, or (float kinds) (lane - contributors * bias) * 2^-shift
     with one rounding. STATUS records for this rank store the contributors of a waiting round in
-    ``status`` or raise an event. Returns (new results, event); their indices are newly[:new].
+    ``status`` (DONE: a probe found it complete) or raise an event. Returns (new results, event); their indices are newly[:new].
     A RESULT of a later round (up to stash_round.size rounds beyond this call: a round this rank
     does not contribute to can complete before the rank gets there) is kept in ``stash`` at
     round mod stash_round.size; the stream that owns it replays it (replay_stash).
@@ -201,6 +204,8 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
                     status[i] = MISMATCHED
                 elif d == D_WAITING:
                     status[i] = _be32(buf, o + O_MASK)
+                elif d == D_DONE:
+                    status[i] = DONE
                 continue
             if done[i] or seg < rec or here + rec > ln:
                 continue

@@ -217,16 +217,19 @@ class Transport:
             self._tx_addr.sin_addr[:] = list(socket.inet_aton(dest[0]))
             self._dest = dest
 
-    def send_records(self, buf: np.ndarray, first: int, count: int, dest: tuple[str, int]) -> None:
+    def send_records(self, buf: np.ndarray, first: int, count: int, dest: tuple[str, int],
+                     size: int | None = None) -> None:
         """Send records [first, first + count) of ``buf`` (a uint8 array of whole records) to
-        ``dest``: datagrams of ``per_datagram`` records, up to MAX_MSGS of them per sendmmsg."""
+        ``dest``: datagrams of ``per_datagram`` records, up to MAX_MSGS of them per sendmmsg. With
+        ``size``, records of that many bytes (headers: PROBEs), one per datagram."""
         if count <= 0:
             return
         self._set_dest(dest)
         addr = buf.ctypes.data
+        per, size = (self.per_datagram, self.record_size) if size is None else (1, size)
         while True:
             sent = pump_send(self.fd, self.tx_msgs_addr, self._tx_base, self._tx_len, MAX_MSGS, addr, first, count,
-                             self.per_datagram, self.record_size)
+                             per, size)
             self.syscalls += 1
             if sent >= count:
                 return

@@ -168,6 +168,11 @@ class UserspaceAggregator(SlotRules, EpochState):
             return
         if t != proto.TYPE_CONTRIB:
             return self._reject("bad_type")
+        if n == proto.HDR_LEN:  # a PROBE: what its round lacks, in a header-only STATUS
+            out = bytearray(dgram)
+            if self._probe(np.frombuffer(out, dtype=self._hdt, count=1)[0], rank):
+                self._send(out, addr[0], addr[1])
+            return
         if n % self._rsize or n // self._rsize > proto.max_records(self.elems):
             return self._reject("bad_len")
         if self.live and int(h["epoch"]) == self.live:

@@ -71,6 +71,31 @@ class SlotRules:
             return self._again(r, s, acc, p, flags)
         return self._contribute(r, slot, s, acc, p, same, rnd, bit, flags)
 
+    def _probe(self, r, rank: int) -> bool:
+        """A PROBE (a PULL of one header), rewritten in place into the STATUS that says what its
+        round lacks, as probe_answer in xdp/slots.h: WAITING with the contributors so far, DONE,
+        GONE or MISMATCH (EPOCH when its run is over). False when it is dropped as malformed."""
+        st = self.stats
+        st["records"] += 1
+        bad = self._check(r, rank) if int(r["flags"]) & proto.FLAG_PULL else "bad_len"
+        if bad:
+            st[bad] += 1
+            return False
+        if not self.live or int(r["epoch"]) != self.live:
+            st["stale_epoch"] += 1
+            self._status(r, 0, "epoch")
+            return True
+        self._ack(rank, int(r["ack"]))
+        s = self._sets[int(r["slot"])][int(r["set"])]
+        rnd = int(r["round"])
+        if s.epoch == self.live and s.round == rnd:
+            self._status(r, s.bitmap, "mismatch" if s.conflict else "done" if s.complete else "waiting")
+        else:
+            self._status(r, 0, "gone" if s.epoch == self.live and serial_after(s.round, rnd) else "waiting")
+        st["status_sent"] += 1
+        st["probed"] += 1
+        return True
+
     def _pull(self, r, s: SetState, acc: np.ndarray, p, same: bool, rnd: int) -> str:
         """A PULL: the stored result if the round is complete, else a STATUS (waiting, or gone
         when the slot has moved on past it)."""

@@ -40,10 +40,11 @@ class Rounds:
 
 @dataclass
 class CallStats:
-    packets_sent: int = 0       # records sent (data, metadata, retransmissions, pulls)
+    packets_sent: int = 0       # records sent (data, metadata, retransmissions, pulls, probes)
     bytes_sent: int = 0
     retransmissions: int = 0
     pulls: int = 0
+    probes: int = 0             # header-only pulls asking what a round lacks (worker/recovery.py)
     acks: int = 0
     results: int = 0            # data rounds that produced output
     rounds: int = 0             # every round of the call (metadata included)
@@ -127,6 +128,9 @@ class RunState:
         self.status = s._buf.get("status", K, np.int64)
         self.newly = s._buf.get("newly", K, np.int64)
         self.pos = s._buf.get("pos", K, np.int64)  # this rank's record of round i, or -1
+        self.probed = s._buf.get("probed", K, np.uint8)  # a PROBE of round i awaits its answer
+        self.probed[:] = 0
+        self.probing = 0   # how many
         kernels.reset_rounds(self.done, self.status, self.pos, mine)
         recs = r.send[:min(cap, len(mine)) * rec].reshape(-1, rec)
         self.ack_col, self.flags_col = ack_column(recs), flags_column(recs)

@@ -10,10 +10,13 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
   rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
 - Rounds complete in order on FIFO paths (a round completes when its last contributor's
   record arrives, and every rank sends in order): a round left behind by ``gap`` rounds that
-  completed after it has lost a packet and is resent at once (fast retransmit), once it is
-  older than ``REORDER_RTTS`` smoothed round trips (a resent round gets a round trip to come
-  back before it is resent again). Waiting for the whole timeout instead stalled the window
-  behind the lost round once the slot rule let no later round in.
+  completed after it has lost a packet and is probed at once (fast retransmit), once it is
+  older than ``REORDER_RTTS`` smoothed round trips (a probed round gets a round trip to come
+  back before it is probed again). Waiting for the whole timeout instead stalled the window
+  behind the lost round once the slot rule let no later round in. A PROBE is a header-only pull;
+  its answer names the round's contributors, and only a rank whose record is missing resends it
+  (:func:`probe_answers`): behind a shared link, every rank resending its own record for each
+  lost one multiplied the loss by the number of ranks. A round that times out is resent in full.
 - When everything sent has its result but the window cannot move (the job's gate holds it), the
   rank asks the aggregator for the gate, at most once per srtt.
 - After ``timeout`` seconds without a new result the call fails; :func:`missing_ranks` names the
@@ -27,8 +30,10 @@ import numpy as np
 MAX_WAIT = 0.05
 #: the shortest interval between two requests for the gate (seconds)
 MIN_ASK_INTERVAL = 0.001
-#: a round overtaken by ``gap`` later results is resent once it is this many srtt old
+#: a round overtaken by ``gap`` later results is probed once it is this many srtt old
 REORDER_RTTS = 1.5
+#: ... where ``gap`` is a quarter of the rounds in flight, at least MIN_GAP, at most the timer's
+MIN_GAP = 8
 
 
 class RoundTimer:
@@ -63,7 +68,8 @@ class RoundTimer:
         if not len(later):
             return later
         top = int(later[-1]) + head
-        lost = np.flatnonzero(done[head:max(head, top - self.gap)] == 0) + head
+        gap = min(self.gap, max(MIN_GAP, (hi - head) // 4))  # a small window never holds `gap` results
+        lost = np.flatnonzero(done[head:max(head, top - gap)] == 0) + head
         lost = lost[now - sent_at[lost] > REORDER_RTTS * self.srtt]
         sent_at[lost] = now
         return lost
@@ -100,6 +106,26 @@ class RoundTimer:
         if head < hi:
             return max(0.0, min(self.rto - (now - float(sent_at[head])), MAX_WAIT))
         return MAX_WAIT
+
+
+def probe_answers(rounds: np.ndarray, done: np.ndarray, status: np.ndarray, masks: np.ndarray, rank: int,
+                  done_mark: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """What the answers to PROBEs of ``rounds`` say (``status[i]``: -1 until an answer came, the
+    contributors of a waiting round, or ``done_mark``), as ``(answered, resend, lost)``: the rounds
+    with an answer (or a result) by now; those to send again in full: this rank's record is not
+    among the contributors, or the round is complete and its result never came here (a full pull
+    fetches it); and whether some record or result of them was lost (the round is still open), which
+    the congestion window answers. A rank whose record the aggregator holds sends nothing: one lost
+    record costs one resend, not one per rank."""
+    st = status[rounds]
+    a = rounds[(st != -1) | (done[rounds] != 0)]
+    st = status[a]
+    open_ = done[a] == 0
+    bit = 1 << rank
+    waiting = open_ & (st >= 0)
+    missing = waiting & ((masks[a] & bit) != 0) & ((st & bit) == 0)
+    again = open_ & (st == done_mark)
+    return a, a[missing | again], bool(np.any(waiting | again))
 
 
 def ack_due(head_abs: int, acked_abs: int, window: int, dense: bool) -> bool:

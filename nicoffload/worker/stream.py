@@ -8,9 +8,11 @@ and on losses) has room for it, and each record carries
 this rank's head (every round below it has its result) so the aggregator reuses a set only when
 every rank holds its previous result; a rank that contributes to nothing for a while says so with
 an ACK. Results carry the job's gate (the lowest head of all ranks): no round at or beyond
-gate + 2S is sent, and results that arrive before their stream are stashed and replayed. Lost
-records are retransmitted (rounds this rank contributes to) or pulled (the others); when and
-which is decided by :class:`nicoffload.worker.recovery.RoundTimer`. After ``timeout`` seconds without
+gate + 2S is sent, and results that arrive before their stream are stashed and replayed. A round
+left behind is probed (a header-only pull: the answer names who has contributed) and only a rank
+whose record is missing resends it; a round that times out is retransmitted (rounds this rank
+contributes to) or pulled (the others); when and which is decided by
+:class:`nicoffload.worker.recovery.RoundTimer`. After ``timeout`` seconds without
 progress the call fails naming the ranks the aggregator has not heard from. Behind a slow link
 the loop takes results in batches (:class:`nicoffload.worker.moderation.Moderation`).
 """
@@ -32,7 +34,7 @@ from nicoffload.worker.confirm import GateWait
 from nicoffload.worker.congestion import Window
 from nicoffload.worker.moderation import Moderation
 from nicoffload.worker.records import RankRecords
-from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, unheard
+from nicoffload.worker.recovery import RoundTimer, ack_due, missing_ranks, probe_answers, unheard
 
 
 #: this many results taken only as answers, none as a first delivery: the group's frames do not
@@ -215,6 +217,8 @@ class RoundStream(GateWait):
                     self._no_group_delivery()
             if event:
                 self._on_event(event, x)
+            if x.probing:
+                self._on_probe_answers(x, now)
             if new:
                 self._on_results(x, new, now)
                 x.wake_by = self._mod.rest(new, x.hi - x.head, now)  # behind a slow link: a short pause
@@ -283,10 +287,10 @@ class RoundStream(GateWait):
         # the window's round trip counts from the first send (a resent round's is long, never short)
         self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
-            self._resend(x, self._lost(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now)))
+            self._probe(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now))
 
     def _on_idle(self, x: RunState, now: float) -> bool:
-        """No progress: fail on timeout or silence, ask for the gate, retransmit what timed out.
+        """No progress: fail on timeout or silence, ask for the gate, probe what timed out.
         True if it sent something (look again at once)."""
         self._check_abort()
         self._check_silence(x.heard_at, "running")
@@ -301,7 +305,7 @@ class RoundStream(GateWait):
             self.last.acks += 1
         late = timer.timed_out(x.done, x.head, x.hi, x.sent_at, now, limit=self._cc.size)
         if len(late):
-            self._resend(x, self._lost(x, late))
+            self._probe(x, late)
             self.last.timeouts += 1
             return True
         return False
@@ -311,6 +315,36 @@ class RoundStream(GateWait):
         if len(rounds) and self._cc.on_loss(x.base + int(rounds[-1]), x.base + x.hi):
             self.last.window_cuts += 1
         return rounds
+
+    def _probe(self, x: RunState, rounds: np.ndarray) -> None:
+        """Ask the aggregator what ``rounds`` lack (PROBEs, one header each); their answers decide
+        who resends (:meth:`_on_probe_answers`)."""
+        if not len(rounds):
+            return
+        x.status[rounds] = -1
+        x.probing += int(len(rounds) - np.count_nonzero(x.probed[rounds]))
+        x.probed[rounds] = 1
+        buf = self._buf.get("probe", len(rounds) * proto.HDR_LEN, np.uint8)
+        enc.encode_pulls(buf, proto.HDR_LEN, self._records.pull(self._epoch, x.base + x.head), rounds, x.base,
+                         self.slots, x.r.masks)
+        self._t.send_records(buf, 0, len(rounds), x.dest, size=proto.HDR_LEN)
+        self.last.probes += len(rounds)
+        self.last.packets_sent += len(rounds)
+
+    def _on_probe_answers(self, x: RunState, now: float) -> None:
+        """Probed rounds whose answer came: resend what the aggregator lacks of this rank (or a
+        result it holds that never came here); a round still open was a loss, which the
+        congestion window answers."""
+        rounds = np.flatnonzero(x.probed[:x.hi])
+        answered, resend, lost = probe_answers(rounds, x.done, x.status, x.r.masks, self.rank, pump.DONE)
+        if not len(answered):
+            return
+        x.probed[answered] = 0
+        x.probing -= len(answered)
+        if lost:
+            self._lost(x, answered[x.done[answered] == 0])
+        x.sent_at[resend] = now
+        self._resend(x, resend)
 
     def _resend(self, x: RunState, rounds: np.ndarray) -> None:
         """Retransmit this rank's records of ``rounds`` (RETX: the aggregator answers from the

@@ -352,3 +352,46 @@ def test_stale_rounds_are_dropped(make_agg, joined):
     assert agg.run(old[0]).verdict == XDP_DROP and agg.stats()["stale_round"] == 1
     out = agg.run(gen.contributions([x[:256] for x in a], slots=2, epoch=ep, first_round=0, retx=True)[0])
     assert hdr_of(out.data)["detail"] == proto.DETAIL["gone"]
+
+
+def test_a_probe_says_what_its_round_lacks_and_touches_nothing(make_agg, joined):
+    """A PROBE (a PULL of one header) is answered by a header-only STATUS to its sender: WAITING
+    with the contributors so far, DONE once the round is complete, GONE once its set has moved on,
+    EPOCH for an ended run; a header without PULL is malformed. The round completes as it would
+    without probes."""
+    agg = make_agg(workers=3, slots=1)
+    ep = joined(agg, 3)
+    arrays = gen.sample_arrays(3, 3 * 256, seed=9)
+    f = gen.contributions(arrays, slots=1, epoch=ep)  # rounds 0, 1, 2; ranks 0, 1, 2 in each
+
+    def ask(rank, rnd, epoch=ep, **kw):
+        out = agg.run(gen.batch([gen.probe(rank, rnd, slots=1, epoch=epoch, mask=0b111, **kw)], rank))
+        if out.verdict != XDP_TX:
+            return out.verdict
+        assert len(out.data) == 14 + 20 + 8 + proto.HDR_LEN and Ether(out.data)[IP].dst == gen.worker_ip(rank)
+        h = hdr_of(out.data)
+        assert h["type"] == proto.TYPE_STATUS and h["rank"] == rank and h["round"] == rnd
+        return proto.DETAILS[int(h["detail"])], int(h["mask"])
+
+    assert ask(1, 0) == ("waiting", 0)  # nothing of it has arrived
+    agg.run(f[0]), agg.run(f[1])
+    assert ask(2, 0) == ("waiting", 0b011)
+    want = gen.expected_results(arrays, slots=1, epoch=ep)
+    out = agg.run(f[2])
+    assert out.verdict == XDP_TX and out.data == gen.result_frame(want[0])
+    assert ask(0, 0) == ("done", 0b111)  # complete: the prober pulls it in full
+    assert ask(0, 0, epoch=ep + 1) == ("epoch", 0)
+    assert ask(0, 0, flags=0)[0] == "done"  # RETX or not, a header-only PULL is a probe
+    for x in f[3:5]:
+        agg.run(x)
+    for rank in range(3):
+        agg.run(gen.ack_frame(rank, 1, epoch=ep))
+    agg.run(f[6])  # round 2 takes round 0's set
+    assert ask(1, 0) == ("gone", 0) and ask(1, 1) == ("waiting", 0b011)
+    # a header alone without PULL: a contribution with no payload
+    bad = bytearray(gen.probe(1, 1, slots=1, epoch=ep, mask=0b111))
+    bad[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
+    assert agg.run(gen.batch([bytes(bad)], 1)).verdict == XDP_DROP
+    st = agg.stats()
+    assert st["probed"] == 6 and st["stale_epoch"] == 1 and st["bad_len"] == 1, st
+    assert st["records"] == outcome_total(st)

@@ -157,3 +157,27 @@ def test_time_a_rank_did_not_run_is_not_the_aggregators_silence():
     by another thread) moves the last answer forward by those 2 s; a wake-up on time does not."""
     assert unheard(0.5, 1.0, 3.0) == pytest.approx(2.5)
     assert unheard(0.5, 1.0, 1.05) == 0.5
+
+
+def test_probe_answers_resend_only_what_the_aggregator_lacks_of_this_rank():
+    """Answers to probes (status: -1 none yet, the contributors, or DONE): a rank resends a round
+    only when its own bit is missing from a round it is in, or the round is done and its result
+    never came; a rank whose record is in sends nothing."""
+    from nicoffload.datapath.pump import DONE
+    from nicoffload.worker.recovery import probe_answers
+
+    done = np.zeros(8, np.uint8)
+    status = np.full(8, -1, np.int64)
+    masks = np.full(8, 0b1111, np.int64)
+    status[1], status[2], status[4] = 0b1011, DONE, 0b0111  # rank 2 missing; complete; rank 3 missing
+    done[5] = 1  # round 5 has its result
+    status[7], masks[7] = 0b0001, 0b0101  # round 7 lacks rank 2 (rank 1 is not in it)
+    rounds = np.array([1, 2, 3, 4, 5, 7])
+    a, resend, lost = probe_answers(rounds, done, status, masks, 2, DONE)
+    assert a.tolist() == [1, 2, 4, 5, 7] and resend.tolist() == [1, 2, 7] and lost
+    a, resend, lost = probe_answers(rounds, done, status, masks, 0, DONE)
+    assert resend.tolist() == [2] and lost  # rank 0's records are in: it only pulls the lost result
+    a, resend, lost = probe_answers(rounds, done, status, masks, 1, DONE)
+    assert resend.tolist() == [2] and lost  # its records are in; round 7 is not its round at all
+    a, resend, lost = probe_answers(np.array([3, 5]), done, status, masks, 2, DONE)
+    assert a.tolist() == [5] and not len(resend) and not lost  # no answer yet; a result is no loss

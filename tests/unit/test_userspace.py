@@ -327,3 +327,40 @@ def test_malformed_counted_by_the_userspace_aggregator(harness):
             seen_good = True
         assert h.delta(before) == want, (c.reason, c.what)
     assert seen_good
+
+
+def test_a_probe_says_what_its_round_lacks_and_touches_nothing(harness):
+    """As the XDP program (tests/bpf/test_aggregator.py): a PULL of one header is answered by a
+    header-only STATUS of what its round lacks, and the round completes as it would without it."""
+    h = harness(workers=3, slots=1)
+    live = h.form()
+    arrs = g.sample_arrays(3, 3 * E, seed=9)
+    f = g.contributions(arrs, slots=1, epoch=live, elems=E)
+    want = g.expected_results(arrs, slots=1, epoch=live, elems=E)
+
+    def ask(rank, rnd, epoch=live):
+        out = h.feed(g.batch([g.probe(rank, rnd, slots=1, epoch=epoch, mask=0b111, elems=E)], rank))
+        if not out:
+            return None
+        (d, addr), = out
+        s = header_of(d)
+        assert len(d) == proto.HDR_LEN and addr == (g.worker_ip(rank), proto.DEFAULT_PORT)
+        assert (s["type"], s["rank"], s["round"]) == (proto.TYPE_STATUS, rank, rnd)
+        return proto.DETAILS[s["detail"]], s["mask"]
+
+    assert ask(1, 0) == ("waiting", 0)
+    h.feed(f[0]), h.feed(f[1])
+    assert ask(2, 0) == ("waiting", 0b011)
+    assert h.feed(f[2]) == [(want[0], (g.GROUP_IP, proto.DEFAULT_PORT))]
+    assert ask(0, 0) == ("done", 0b111) and ask(0, 0, epoch=live + 1) == ("epoch", 0)
+    for x in f[3:5]:
+        h.feed(x)
+    for rank in range(3):
+        h.feed(g.ack_frame(rank, 1, epoch=live))
+    h.feed(f[6])
+    assert ask(1, 0) == ("gone", 0) and ask(1, 1) == ("waiting", 0b011)
+    bad = bytearray(udp_of(g.batch([g.probe(1, 1, slots=1, epoch=live, mask=0b111, elems=E)], 1))[0])
+    bad[proto.FIELD_OFFSETS["flags"]] = proto.FLAG_RETX
+    assert h.feed(g.frame(bytes(bad), src_mac=g.worker_mac(1), dst_mac=g.AGG_MAC, src_ip=g.worker_ip(1),
+                          dst_ip=g.AGG_IP)) == []
+    assert (h.stats["probed"], h.stats["stale_epoch"], h.stats["bad_len"]) == (5, 1, 1)

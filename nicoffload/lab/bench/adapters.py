@@ -63,8 +63,8 @@ class _Nicoffload(Adapter):
 
     def counters(self):
         s = self.c.stats
-        return {"packets": s.packets_sent, "retransmissions": s.retransmissions,
-                "window_cuts": getattr(s, "window_cuts", 0)}  # the ring offload has no window
+        return {"packets": s.packets_sent, "retransmissions": s.retransmissions,  # the ring offload has no
+                **{k: getattr(s, k, 0) for k in ("window_cuts", "probes", "timeouts")}}  # window, probes, timers
 
     def close(self):
         self.c.close()

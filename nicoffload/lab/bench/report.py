@@ -33,7 +33,7 @@ FIELDS = ["system", "workers", "bytes", "sparsity", "rate", "rate_bps", "status"
           "bound_agg_s", "bound_ring_s", "bound_s", "bound_fraction", "max_abs_err", "within_bound",
           "packets", "retransmissions", "w0_tx_bytes", "w0_rx_bytes", "mode", "shape", "proc_cpu_s",
           "compute_idle", "compute_busy", "compute_drop", "ranks_per_host", "agg_rate_bps", "host_cpu_s",
-          "cpu_share", "limit", "window_cuts"]
+          "cpu_share", "limit", "window_cuts", "probes", "timeouts"]
 
 #: a shaped point whose ranks kept at least this share of the machine's cores busy is CPU-bound:
 #: on a shared 2-core VM the rest goes to the kernel's softirqs charged elsewhere and to other
@@ -92,7 +92,8 @@ def measured_row(system: str, workers: int, pt: Point, rate: str, rbps: int | No
     if all("counters" in d for d in recs):
         r["packets"] = sum(d["counters"]["packets"] for d in recs)
         r["retransmissions"] = sum(d["counters"]["retransmissions"] for d in recs)
-        r["window_cuts"] = sum(d["counters"].get("window_cuts", 0) for d in recs)
+        for k in ("window_cuts", "probes", "timeouts"):
+            r[k] = sum(d["counters"].get(k, 0) for d in recs)
     if r["bound_s"]:
         r["bound_fraction"] = r["bound_s"] / med
     return r
