@@ -119,7 +119,6 @@ def test_a_record_lost_on_the_way_in_is_resent_once_not_by_every_rank(make_testb
         assert np.array_equal(np.load(outs[r]), want), f"rank {r} differs"
     a = res.agg_stats
     st = [r["stats"] for r in res.ranks]
-    print([(s["probes"], s["retransmissions"], s["timeouts"]) for s in st], a)
     # a resend of a record the aggregator holds is answered as such: a STATUS, or the stored result
     wasted = a["status_sent"] - a["probed"] + a["retx_answered"]
     resent = sum(s["retransmissions"] for s in st)
