@@ -31,7 +31,7 @@ INCREASE = 1.0
 #: what a loss episode leaves of the window
 DECREASE = 0.5
 #: the smallest window (rounds)
-FLOOR = 8
+FLOOR = 2
 #: the first window of a stream (rounds): slow start from here up to the cap, or the first loss
 INITIAL = 64
 #: a loss is congestion when the recent round trips stand this far (seconds) above their floor ...

@@ -32,8 +32,9 @@ MAX_WAIT = 0.05
 MIN_ASK_INTERVAL = 0.001
 #: a round overtaken by ``gap`` later results is probed once it is this many srtt old
 REORDER_RTTS = 1.5
-#: ... where ``gap`` is a quarter of the rounds in flight, at least MIN_GAP, at most the timer's
-MIN_GAP = 8
+#: ... where ``gap`` is a quarter of the window's span, at least MIN_GAP (as TCP's three
+#: duplicate ACKs), at most the timer's ``gap``
+MIN_GAP = 3
 
 
 class RoundTimer:

@@ -71,8 +71,8 @@ def test_the_window_stays_between_its_floor_and_its_cap():
     for k in range(20):
         w.on_loss(100 * k + 50, 100 * k + 100)
     assert w.size == FLOOR
-    w = limited(4)  # a job of 4 slots: the floor is the cap
-    assert w.size == w.floor == 4
+    w = limited(FLOOR - 1)  # a job of fewer slots than the floor: the floor is the cap
+    assert w.size == w.floor == FLOOR - 1
 
 
 def test_a_new_epoch_starts_new_episodes():
