@@ -166,22 +166,26 @@ def _count(delta: "_Delta", comm, before: tuple, last0, failed: bool) -> None:
         delta.add(_counts(last))
 
 
+#: the communicator's counters a call's metrics read
+FIELDS = ("packets_sent", "retransmissions", "probes", "timeouts")
+
+
 def _counts(st) -> tuple:
-    return (getattr(st, "packets_sent", 0), getattr(st, "retransmissions", 0), getattr(st, "timeouts", 0))
+    return tuple(getattr(st, k, 0) for k in FIELDS)
 
 
 class _Delta:
     """What a call added to a communicator's counters (read by RankMetrics.observe)."""
 
-    packets_sent = retransmissions = timeouts = 0
+    packets_sent = retransmissions = probes = timeouts = 0
 
     def set(self, now: tuple, before: tuple) -> None:
-        self.packets_sent, self.retransmissions, self.timeouts = (a - b for a, b in zip(now, before))
+        for k, a, b in zip(FIELDS, now, before):
+            setattr(self, k, a - b)
 
     def add(self, more: tuple) -> None:
-        self.packets_sent += more[0]
-        self.retransmissions += more[1]
-        self.timeouts += more[2]
+        for k, a in zip(FIELDS, more):
+            setattr(self, k, getattr(self, k) + a)
 
 
 # --- the hooks -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A rank's Prometheus metrics (``nicoffload_rank_*``), served as text by a small HTTP thread: its
 calls by collective and path, their bytes and latency, what the communicator's statistics say of
-them (records sent, retransmissions, retransmission timeouts), the CPU time of the thread that ran
+them (records sent, retransmissions, probes, retransmission timeouts), the CPU time of the thread that ran
 them (encoding, decoding, the system calls), and the calls that failed: refusals by kind,
 timeouts by cause, other errors by class. One CollectorRegistry of its own; the habits of the
 service's metrics (:mod:`nicoffload.service.metrics`): the unit in the name, ``_total`` for
@@ -82,10 +82,12 @@ class RankMetrics:
         self.cpu = Counter("nicoffload_rank_call_cpu_seconds", "CPU time of the thread that ran the offloaded "
                            "calls: encoding, decoding, the system calls", CALL, registry=r)
         self.records = Counter("nicoffload_rank_records_sent", "records this rank sent (data, metadata, "
-                               "retransmissions, pulls)", BASE, registry=r)
+                               "retransmissions, pulls, probes)", BASE, registry=r)
         self.retx = Counter("nicoffload_rank_retransmissions", "records sent again after a loss", BASE, registry=r)
+        self.probes = Counter("nicoffload_rank_probes", "probes sent: header-only pulls that ask the aggregator "
+                              "what a lost round lacks", BASE, registry=r)
         self.rto = Counter("nicoffload_rank_retransmit_timeouts", "waits for results that ended in a "
-                           "retransmission", BASE, registry=r)
+                           "probe (the retransmission timer)", BASE, registry=r)
         self.refusals = Counter("nicoffload_rank_refusals", "calls every rank refused (a NaN or an Inf, a "
                                 "gradient out of range), by kind", WHY, registry=r)
         self.timeouts = Counter("nicoffload_rank_timeouts", "calls that timed out, by cause (ranks_silent, "
@@ -104,7 +106,7 @@ class RankMetrics:
     def observe(self, labels: tuple, collective: str, path: str, nbytes: int, seconds: float,
                 cpu_s: float | None = None, error: BaseException | None = None, stats=None) -> None:
         """One call: ``labels`` (job, group, rank); ``stats``: what the communicator counted
-        during it (attributes packets_sent, retransmissions, timeouts; missing ones count 0)."""
+        during it (attributes packets_sent, retransmissions, probes, timeouts; missing ones count 0)."""
         call = (*labels, collective, path)
         self.calls.labels(*call).inc()
         self.bytes.labels(*call).inc(nbytes)
@@ -113,7 +115,7 @@ class RankMetrics:
             self.cpu.labels(*call).inc(max(cpu_s, 0.0))
         if stats is not None:
             for counter, name in ((self.records, "packets_sent"), (self.retx, "retransmissions"),
-                                  (self.rto, "timeouts")):
+                                  (self.probes, "probes"), (self.rto, "timeouts")):
                 counter.labels(*labels).inc(max(getattr(stats, name, 0), 0))
         if error is not None:
             kind, reason = failure(error)

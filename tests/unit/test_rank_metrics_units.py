@@ -88,8 +88,8 @@ def test_the_backends_port_rule():
 
 
 class _Stats:
-    def __init__(self, sent=0, retx=0, rto=0):
-        self.packets_sent, self.retransmissions, self.timeouts = sent, retx, rto
+    def __init__(self, sent=0, retx=0, rto=0, probes=0):
+        self.packets_sent, self.retransmissions, self.timeouts, self.probes = sent, retx, rto, probes
 
 
 def _group(comm, error=None):
@@ -114,7 +114,7 @@ def test_the_backends_meter_reads_what_each_kind_of_communicator_counts():
     comm = SimpleNamespace(stats=_Stats(), last=_Stats())
     meter = GroupMeter(m, _group(comm))
     with meter.call("allreduce", [torch.zeros(10), torch.zeros(5)]):
-        comm.stats, comm.last = _Stats(sent=30, retx=2, rto=1), _Stats(sent=10)
+        comm.stats, comm.last = _Stats(sent=30, retx=2, rto=1, probes=6), _Stats(sent=10)
     with pytest.raises(TimeoutError_), meter.call("allreduce", [torch.zeros(10)]):
         comm.last = _Stats(sent=4, retx=3)  # the failed call's: not in stats
         raise TimeoutError_("rank 1: ... no contribution from rank(s) 0")
@@ -131,6 +131,7 @@ def test_the_backends_meter_reads_what_each_kind_of_communicator_counts():
     assert value(text, "nicoffload_rank_bytes_total", **me, collective="allreduce") == (15 + 10) * 4
     assert value(text, "nicoffload_rank_records_sent_total", **me) == 30 + 4 + 1
     assert value(text, "nicoffload_rank_retransmissions_total", **me) == 2 + 3
+    assert value(text, "nicoffload_rank_probes_total", **me) == 6
     assert value(text, "nicoffload_rank_timeouts_total", **me, reason="ranks_silent") == 1
     assert value(text, "nicoffload_rank_errors_total", **me, reason="RuntimeError") == 1
 
