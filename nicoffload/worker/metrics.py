@@ -1,7 +1,7 @@
 """A rank's Prometheus metrics (``nicoffload_rank_*``), served as text by a small HTTP thread: its
 calls by collective and path, their bytes and latency, what the communicator's statistics say of
-them (records sent, retransmissions, probes, retransmission timeouts), the CPU time of the thread that ran
-them (encoding, decoding, the system calls), and the calls that failed: refusals by kind,
+them (records sent, retransmissions, probes, retransmission timeouts), the CPU time of the thread
+that ran them (encoding, decoding, the system calls), and the calls that failed: refusals by kind,
 timeouts by cause, other errors by class. One CollectorRegistry of its own; the habits of the
 service's metrics (:mod:`nicoffload.service.metrics`): the unit in the name, ``_total`` for
 counters, the job, the group and the reason as labels.
