@@ -141,7 +141,8 @@ def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, 
     (round base + i, i < nrounds, on the slot and set that round maps to) that is not yet
     ``done`` becomes output: int32 copied, or (float kinds) (lane - contributors * bias) * 2^-shift
     with one rounding. STATUS records for this rank store the contributors of a waiting round in
-    ``status`` (DONE: a probe found it complete) or raise an event. Returns (new results, event); their indices are newly[:new].
+    ``status`` (DONE: a probe found it complete) or raise an event. Returns (new results, event);
+    their indices are newly[:new].
     A RESULT of a later round (up to stash_round.size rounds beyond this call: a round this rank
     does not contribute to can complete before the rank gets there) is kept in ``stash`` at
     round mod stash_round.size; the stream that owns it replays it (replay_stash).
