@@ -16,7 +16,7 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
   behind the lost round once the slot rule let no later round in. A PROBE is a header-only pull;
   its answer names the round's contributors, and only a rank whose record is missing resends it
   (:func:`probe_answers`): behind a shared link, every rank resending its own record for each
-  lost one multiplied the loss by the number of ranks. A round that times out is resent in full.
+  lost one multiplied the loss by the number of ranks. A round that times out is probed too.
 - When everything sent has its result but the window cannot move (the job's gate holds it), the
   rank asks the aggregator for the gate, at most once per srtt.
 - After ``timeout`` seconds without a new result the call fails; :func:`missing_ranks` names the
@@ -82,7 +82,7 @@ class RoundTimer:
 
     def timed_out(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float,
                   limit: int | None = None) -> np.ndarray:
-        """Rounds to resend now: those in the window without a result, sent at least one timeout
+        """Rounds to probe now: those in the window without a result, sent at least one timeout
         ago, once the oldest of them has waited that long; the oldest ``limit`` of them at most
         (the congestion window). Each call that returns rounds backs the timeout off (doubling,
         capped); their send time is reset to ``now``."""

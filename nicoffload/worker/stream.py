@@ -9,9 +9,9 @@ this rank's head (every round below it has its result) so the aggregator reuses 
 every rank holds its previous result; a rank that contributes to nothing for a while says so with
 an ACK. Results carry the job's gate (the lowest head of all ranks): no round at or beyond
 gate + 2S is sent, and results that arrive before their stream are stashed and replayed. A round
-left behind is probed (a header-only pull: the answer names who has contributed) and only a rank
-whose record is missing resends it; a round that times out is retransmitted (rounds this rank
-contributes to) or pulled (the others); when and which is decided by
+left behind or timed out is probed (a header-only pull: the answer names who has contributed)
+and only a rank whose record is missing resends it (a round complete at the aggregator, whose
+result never came, is pulled in full); when is decided by
 :class:`nicoffload.worker.recovery.RoundTimer`. After ``timeout`` seconds without
 progress the call fails naming the ranks the aggregator has not heard from. Behind a slow link
 the loop takes results in batches (:class:`nicoffload.worker.moderation.Moderation`).
