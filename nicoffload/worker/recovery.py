@@ -119,8 +119,8 @@ def probe_answers(rounds: np.ndarray, done: np.ndarray, status: np.ndarray, mask
     the congestion window answers. A rank whose record the aggregator holds sends nothing: one lost
     record costs one resend, not one per rank."""
     st = status[rounds]
-    a = rounds[(st != -1) | (done[rounds] != 0)]
-    st = status[a]
+    keep = (st != -1) | (done[rounds] != 0)
+    a, st = rounds[keep], st[keep]
     open_ = done[a] == 0
     bit = 1 << rank
     waiting = open_ & (st >= 0)

@@ -181,3 +181,14 @@ def test_probe_answers_resend_only_what_the_aggregator_lacks_of_this_rank():
     assert resend.tolist() == [2] and lost  # its records are in; round 7 is not its round at all
     a, resend, lost = probe_answers(np.array([3, 5]), done, status, masks, 2, DONE)
     assert a.tolist() == [5] and not len(resend) and not lost  # no answer yet; a result is no loss
+
+
+def test_a_small_window_finds_its_lost_round_after_a_quarter_of_its_span():
+    """A window of 12 rounds never holds 128 later results: the gap is a quarter of the window's
+    span (3 here): a result 4 rounds past round 0 finds it lost, one 3 rounds past does not."""
+    t = RoundTimer(rto_min=0.02, rto_max=0.5, timeout=10, srtt=0.01)
+    done, sent_at = window(12)
+    done[1:4] = 1
+    assert t.fast_retransmit(done, 0, 12, sent_at, 0.02).tolist() == []
+    done[4] = 1
+    assert t.fast_retransmit(done, 0, 12, sent_at, 0.02).tolist() == [0]
