@@ -10,6 +10,8 @@ It serves what the XDP program cannot hold (a job the XDP pool refuses: ``agg jo
 
     engine  :class:`AfxdpEngine`: open on an interface, add jobs, run, counters, close
     build   compile engine.c once per source (cached) and load it with ctypes
+    engine.c  the C engine: its API; engine.h (the state), engine_tx.h (results out),
+              engine_proto.h (answers, joins, checks), engine_rx.h (records in): one unit
 """
 from __future__ import annotations
 

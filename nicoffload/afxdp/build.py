@@ -1,9 +1,10 @@
 """Build the AF_XDP engine (engine.c) into a shared library with gcc, once per source, and load
-it with ctypes. The library is cached by the hash of its sources (engine.c and the headers of
-xdp/, whose record.h it includes) and the compiler's version in ``$NICOFFLOAD_CACHE/afxdp``
-(default ``~/.cache/nicoffload/afxdp``); a rebuild takes about a second. It links libxdp (the xsk
-API: UMEM, the four rings, socket creation) and libbpf (the XSKMAP and the XDP link): Debian's
-``libxdp-dev`` and ``libbpf-dev``, which scripts/setup.sh installs."""
+it with ctypes. The library is cached by the hash of its sources (engine.c, its headers beside it,
+and the headers of xdp/, whose record.h it includes) and the compiler's version in
+``$NICOFFLOAD_CACHE/afxdp`` (default ``~/.cache/nicoffload/afxdp``); a rebuild takes about a
+second. It links libxdp (the xsk API: UMEM, the four rings, socket creation) and libbpf (the
+XSKMAP and the XDP link): Debian's ``libxdp-dev`` and ``libbpf-dev``, which scripts/setup.sh
+installs."""
 from __future__ import annotations
 
 import ctypes
@@ -53,8 +54,8 @@ def library_path() -> Path:
                              f"(run scripts/setup.sh, or apt-get install libxdp-dev libbpf-dev)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     h = hashlib.sha256()
-    # the engine includes xdp/record.h (and nicoffload_proto.h through it): every header of xdp/ counts
-    headers = [p.read_bytes() for p in sorted(xdp_dir().glob("*.h"))]
+    # the engine's own headers, and xdp/record.h (nicoffload_proto.h through it): every header of xdp/ counts
+    headers = [p.read_bytes() for p in (*sorted(SOURCE.parent.glob("*.h")), *sorted(xdp_dir().glob("*.h")))]
     for part in (SOURCE.read_bytes(), *headers, " ".join(CFLAGS + LIBS).encode(), "".join(version).encode()):
         h.update(part)
     out = cache_dir() / f"engine-{h.hexdigest()[:16]}.so"
