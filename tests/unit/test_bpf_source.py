@@ -34,3 +34,7 @@ def test_every_program_is_one_file_for_bcc():
         assert agg.count(f'#line 1 "{h}"\n') == 1, h
     # the callbacks and every map access are in the text bcc compiles as its main file
     assert re.search(r"^long ar_record\(u64 i\)$", agg, re.M) and re.search(r"^long ar_sgd\(u64 i\)$", agg, re.M)
+    ring = main_file((xdp / "ring.c").read_text(), "ring.c")
+    for h in ("parse.h", "ring_maps.h", "ring_records.h"):
+        assert ring.count(f'#line 1 "{h}"\n') == 1, h
+    assert re.search(r"^long ring_record\(u64 i\)$", ring, re.M)
