@@ -23,6 +23,8 @@ ENGINE_STATS = ["rx_frames", "rx_descs", "tx_frames", "tx_kicks", "tx_wait", "po
                 "too_big", "spins", "tx_sends"]
 
 SOURCE = Path(__file__).with_name("engine.c")
+#: the engine's limits and state (AFX_FRAME, AFX_FRAMES: nicoffload doctor reads the UMEM's size here)
+LIMITS = SOURCE.with_name("engine.h")
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
           "-Wno-missing-field-initializers"]
 LIBS = ["-lxdp", "-lbpf", "-lpthread"]

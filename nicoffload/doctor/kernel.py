@@ -189,5 +189,5 @@ def kernel_checks(role: str | None, queues: int = 1) -> list[Check]:
         out += [check_bcc(spec.origin if spec else None),
                 check_headers(release, Path(f"/lib/modules/{release}/build").exists())]
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    out.append(check_memlock(soft, caps, release, umem_bytes(_read(str(build.SOURCE)) or ""), queues, role))
+    out.append(check_memlock(soft, caps, release, umem_bytes(_read(str(build.LIMITS)) or ""), queues, role))
     return out

@@ -76,7 +76,7 @@ def test_capabilities_versions_and_settings():
 def test_umem_size_comes_from_the_engines_source():
     from nicoffload.afxdp import build
 
-    assert kernel.umem_bytes(build.SOURCE.read_text()) == 4096 * 4096
+    assert kernel.umem_bytes(build.LIMITS.read_text()) == 4096 * 4096
     assert kernel.umem_bytes("#define AFX_FRAMES 1024u\n#define AFX_FRAME 2048u\n") == 1024 * 2048
 
 
