@@ -10,6 +10,7 @@ wire or into the caller's output: no temporaries, no gathers, no Python per bloc
     spec_plan, spec_verdict
                     a speculative call's rounds, and what its guess got right, in one pass
                     each (small calls: numpy's cost per call was most of their CPU)
+    overtaken       the rounds of a sparse job that a loss, not a slower rank, left behind
     contributor_bits, reset_rounds, zero_blocks
                     a float call's OR word per block, a stream's per-round state, the output
                     of blocks zero everywhere
@@ -278,6 +279,33 @@ def block_nonzero_i32(x, elems, out):
         out[b] = 1 if m != 0 else 0
 
 
+
+@njit(cache=True, boundscheck=False)
+def overtaken(done, masks, head, hi, gap, out):
+    """out[r] = 1 for each round r in [head, hi) without a result every one of whose contributors
+    (``masks[r]``) has at least ``gap`` later rounds with a result, else 0: each rank sends in
+    order, so all of r's records went out before those; in a sparse job a round waiting for a
+    slower rank is otherwise overtaken by rounds of faster ones without any loss."""
+    cnt = np.zeros(64, np.int64)  # completed rounds above r that hold each rank
+    for r in range(hi - 1, head - 1, -1):
+        m = np.uint64(masks[r])
+        c = 0
+        if done[r]:
+            out[r] = 0
+            while m:
+                if m & np.uint64(1):
+                    cnt[c] += 1
+                m >>= np.uint64(1)
+                c += 1
+            continue
+        ok = m != 0
+        while m and ok:
+            if m & np.uint64(1) and cnt[c] < gap:
+                ok = False
+            m >>= np.uint64(1)
+            c += 1
+        out[r] = 1 if ok else 0
+
 # --- encoding --------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
@@ -309,6 +337,7 @@ def warm_up(elems: int) -> None:
     # the speculative call's plan and verdict (types as Communicator._speculative passes them)
     reset_rounds(np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
     zero_exp, i32 = int(np.iinfo(np.int32).min), np.zeros(1, np.int32)
+    overtaken(np.zeros(1, np.uint8), np.zeros(1, np.int64), 0, 1, 3, np.zeros(1, np.uint8))
     contributor_bits(i32, zero_exp, np.int32(1), np.zeros(1, np.int32))
     b = np.zeros(2, np.bool_)
     spec_plan(i32, i32, i32, zero_exp, np.int64(1), 0, 30, 1, -(1 << 30), np.zeros(2, np.int64), np.zeros(2, np.int64),

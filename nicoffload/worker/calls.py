@@ -139,6 +139,10 @@ class RunState:
         self.out_f32 = r.res if r.res.dtype == np.float32 else _NONE_F32
         self.out_f64 = r.res if r.res.dtype == np.float64 else _NONE_F64
         self.dense = len(mine) == K
+        # rounds whose contributors differ (sparse jobs): what fast retransmit needs to tell a
+        # round lost from one waiting for a slower rank (RoundTimer.fast_retransmit)
+        mixed = K and not bool((r.masks == s._all).all())
+        self.contributors = (r.masks, s._buf.get("overtaken", K, np.uint8)) if mixed else ()
         self.rx_args = s._t.recv_args()
         self.stash = (s._stash, s._stash_round)
         self.bias = s._bias16 if r.kind in (pump.KIND_HALF32, pump.KIND_HALF64) else s._bias

@@ -10,7 +10,7 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
   rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
 - Rounds complete in order on FIFO paths (a round completes when its last contributor's
   record arrives, and every rank sends in order): a round left behind by ``gap`` rounds that
-  completed after it has lost a packet and is probed at once (fast retransmit), once it is
+  completed after it (in a sparse job: ``gap`` of each of its contributors') has lost a packet and is probed at once (fast retransmit), once it is
   older than ``REORDER_RTTS`` smoothed round trips (a probed round gets a round trip to come
   back before it is probed again). Waiting for the whole timeout instead stalled the window
   behind the lost round once the slot rule let no later round in. A PROBE is a header-only pull;
@@ -25,6 +25,8 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
 from __future__ import annotations
 
 import numpy as np
+
+from nicoffload.datapath import kernels
 
 #: the shortest wait for datagrams between decisions (seconds)
 MAX_WAIT = 0.05
@@ -62,15 +64,23 @@ class RoundTimer:
             self.srtt = 0.875 * self.srtt + 0.125 * (now - float(sent_at[last_round]))
         self.base_rto = self.rto = max(self.rto_min, 3 * self.srtt)
 
-    def fast_retransmit(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float) -> np.ndarray:
+    def fast_retransmit(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float,
+                        masks: np.ndarray | None = None, flags: np.ndarray | None = None) -> np.ndarray:
         """Rounds in [head, hi) without a result that ``gap`` later rounds have overtaken and that
-        are older than REORDER_RTTS smoothed round trips; their send time is reset to ``now``."""
+        are older than REORDER_RTTS smoothed round trips; their send time is reset to ``now``.
+        Where the rounds' contributors differ (``masks``, a sparse job), a round counts as
+        overtaken only once each of its contributors has ``gap`` later results
+        (kernels.overtaken, into ``flags``, one byte per round): a round that waits for a slower
+        rank is not lost."""
         later = np.flatnonzero(done[head:hi])
         if not len(later):
             return later
         top = int(later[-1]) + head
         gap = min(self.gap, max(MIN_GAP, (hi - head) // 4))  # a small window never holds `gap` results
         lost = np.flatnonzero(done[head:max(head, top - gap)] == 0) + head
+        if masks is not None and len(lost):
+            kernels.overtaken(done, masks, head, hi, gap, flags)
+            lost = lost[flags[lost] != 0]
         lost = lost[now - sent_at[lost] > REORDER_RTTS * self.srtt]
         sent_at[lost] = now
         return lost

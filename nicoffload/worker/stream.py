@@ -287,7 +287,7 @@ class RoundStream(GateWait):
         # the window's round trip counts from the first send (a resent round's is long, never short)
         self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
-            self._probe(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now))
+            self._probe(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now, *x.contributors))
 
     def _on_idle(self, x: RunState, now: float) -> bool:
         """No progress: fail on timeout or silence, ask for the gate, probe what timed out.

@@ -192,3 +192,23 @@ def test_a_small_window_finds_its_lost_round_after_a_quarter_of_its_span():
     assert t.fast_retransmit(done, 0, 12, sent_at, 0.02).tolist() == []
     done[4] = 1
     assert t.fast_retransmit(done, 0, 12, sent_at, 0.02).tolist() == [0]
+
+
+def test_a_sparse_round_waiting_for_a_slower_rank_is_not_lost_until_that_rank_moves_on():
+    """Sparse rounds complete out of order with nothing lost: round 0 waits for rank 1, whose
+    records come later than rank 0's, while rounds 1..8 hold rank 0 alone and complete. Only once
+    rank 1 has ``gap`` later results too was round 0's record (or its result) lost. Without the
+    contributors, the whole window of a sparse call was probed again and again (16 MiB at 50%
+    zero blocks: 228,000 probes a point and 4x the time)."""
+    t = RoundTimer(rto_min=0.02, rto_max=0.5, timeout=10, srtt=0.01)
+    done, sent_at = window(16)
+    masks = np.array([0b11] + [0b01] * 8 + [0b10] * 4 + [0b11] * 3, np.int64)
+    flags = np.zeros(16, np.uint8)
+    done[1:9] = 1  # rank 0's rounds: all in
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05).tolist() == [0]  # all contributors alike: lost
+    sent_at[:] = 0
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, masks, flags).tolist() == []  # it waits for rank 1
+    done[9:12] = 1  # rank 1 has 3 later results: fewer than the gap (a quarter of the span: 4)
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, masks, flags).tolist() == []
+    done[12] = 1    # ... 4: round 0's record from rank 1 went out before them
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, masks, flags).tolist() == [0]
