@@ -10,6 +10,8 @@
                window, results, loss recovery, timeouts naming the silent ranks
     confirm    the end of a call with ``confirm``: waiting for the job's gate to pass its rounds
     recovery   the decisions of loss recovery (RTO, fast retransmission, pulls, giving up), pure
+    speculation  float calls whose data does not wait for the whole metadata round: small ones
+               guess the last call's exponents, large ones run in a pipeline of chunks
     records    the records a rank sends besides its data (JOIN, ACK, pulls) and JOIN answers
     shards     :class:`ShardedCommunicator`: one job spread over several aggregators
     hier       :class:`HierCommunicator`: jobs of more than 32 ranks, two levels of aggregator jobs

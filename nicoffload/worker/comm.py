@@ -16,6 +16,9 @@ One call on a tensor of B blocks of ``elems`` elements:
    the same run as the metadata rounds, scaled by the exponents (and waiting for the
    contributors) the last call of the same size had; blocks whose metadata turns out the same
    have their exact result after one round trip, the others go again (step 3).
+   The pipeline (large float tensors, at least PIPELINE_BLOCKS blocks; in sparse jobs where the
+   last call of the size had every block on every rank): steps 1-3 chunk by chunk in one run,
+   each chunk's data on the wire while the next chunk's exponents are computed and exchanged.
 3. The data rounds: one per block that is non-zero somewhere, in block order; a rank sends a
    record only for the blocks where it has data (OmniReduce: its own zero blocks cost nothing),
    and the round's mask tells the aggregator exactly whom to wait for. Floats go as offset-binary
@@ -44,7 +47,8 @@ from nicoffload.jobspec import DEFAULT, JobSpec
 from nicoffload.wire import proto, quant
 from nicoffload.worker.extremes import extreme
 from nicoffload.worker.optstep import optimizer_step
-from nicoffload.worker.speculation import SPECULATE_BLOCKS, Guesses, speculative_run
+from nicoffload.worker import speculation
+from nicoffload.worker.speculation import SPECULATE_BLOCKS, Dense, Guesses, pipelined_run, speculative_run
 from nicoffload.worker.calls import Buffers, CallStats, Rounds
 from nicoffload.worker.metrics import comm_metrics
 from nicoffload.worker.stream import RoundStream
@@ -95,6 +99,10 @@ class Communicator:
     # call of their size had, beside this call's exponent round: one round trip where those hold.
     # Every rank of a job must use the same setting.
     speculate: bool = True
+    # dense float tensors of PIPELINE_BLOCKS blocks or more send each chunk's data while the next
+    # chunk's exponents are computed and exchanged (speculation.pipelined_run); the same bits.
+    # Every rank of a job must use the same setting.
+    pipeline: bool = True
     # return from a call only once every rank holds its results (the job's gate: one more round
     # trip per call): what failover needs, so that no rank ever needs another's returned result
     confirm: bool = False
@@ -131,7 +139,8 @@ class Communicator:
                               silence=self.silence, delivery=self.delivery, key=self.key)
         self._rec = self._s.record_size
         self._guesses = Guesses()  # the last call of each size's metadata (speculation)
-        self._cut = None  # the data rounds of the call in flight (final_blocks)
+        self._dense = Dense()  # ... and whether it had every block on every rank (the pipeline)
+        self._cut = None  # the data rounds of the call in flight, or a pipelined call's account (final_blocks)
         self.metrics = comm_metrics(self, self.metrics_port)  # a server of its own, or nothing
 
     def close(self) -> None:
@@ -210,11 +219,16 @@ class Communicator:
         self.stats.add(st)
 
     def _sum(self, c: "_Sum", refuse: bool) -> None:
-        """1. local metadata, 2. the metadata rounds (or a speculative run), 3. the data rounds."""
+        """1. local metadata, 2. the metadata rounds (or a speculative run), 3. the data rounds;
+        large dense float tensors: the three chunk by chunk, overlapped (a pipelined run)."""
         nb = c.blocks
+        key = (nb, c.x.dtype.str, c.half)
+        if c.is_float and self.pipeline and nb >= speculation.PIPELINE_BLOCKS and (not self.sparse or key in self._dense):
+            self.join()
+            pipelined_run(self, c.x, c.flat, c.res, c.half, c.E, refuse, key)
+            return
         bad, exps, bits = self._local_meta(c, refuse)
         self.join()
-        key = (nb, c.x.dtype.str)
         speculative = c.is_float and not c.half and self.speculate and nb <= SPECULATE_BLOCKS
         guess, backoff = self._guesses.take(key) if speculative else (None, 0)
         if guess is not None:  # metadata and data in one run; what the guess got wrong goes again
@@ -225,6 +239,8 @@ class Communicator:
             self._data(c, blocks, masks, gexp)
             return
         gexp, gbits = self._meta(exps, bits)
+        if gbits is not None and c.is_float and nb >= speculation.PIPELINE_BLOCKS:
+            self._dense.remember(key, gbits, self._all)  # every rank alike: may the next call pipeline?
         if c.is_float:
             refuse_together(gexp, self.rank, c.flat, bad, c.E)
         if speculative:
@@ -316,6 +332,8 @@ class Communicator:
         the call failed before any output was written (its output is untouched)."""
         if self._cut is None:
             return None
+        if callable(self._cut):  # a pipelined call's own account (speculation._Pipeline.final)
+            return self._cut()
         blocks, nb = self._cut
         run = self._s.last_run
         have = np.ones(nb, bool)

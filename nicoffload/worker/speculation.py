@@ -1,8 +1,14 @@
-"""Speculation (small float tensors, up to SPECULATE_BLOCKS blocks): the data rounds go out in
+"""Float calls whose data does not wait for the whole metadata round.
+
+Speculation (small float tensors, up to SPECULATE_BLOCKS blocks): the data rounds go out in
 the same run as the metadata rounds, scaled by the exponents (and waiting for the contributors)
 that the last call of the same size had; blocks whose metadata turns out the same have their
 exact result after one round trip, the others go again. Every rank sees the same calls and the
-same results, so every rank makes the same guesses and the same misses."""
+same results, so every rank makes the same guesses and the same misses.
+
+The pipeline (large float tensors, at least PIPELINE_BLOCKS blocks): the metadata and the data
+run chunk by chunk in one stream, each chunk's data waiting only for its own chunk's metadata
+(:func:`pipelined_run`; docs/protocol.md, "The pipeline")."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,7 +17,7 @@ import numpy as np
 
 from nicoffload.datapath import encode as enc
 from nicoffload.datapath import kernels, pump
-from nicoffload.datapath.tensors import KIND
+from nicoffload.datapath.tensors import KIND, block_exponents, refuse_together
 from nicoffload.wire import proto, quant
 from nicoffload.worker.calls import Rounds
 
@@ -141,3 +147,242 @@ def speculative_run(self: Communicator, x: np.ndarray, flat: np.ndarray, res: np
         words = res.view(np.int64) if res.dtype.itemsize == 8 else res.view(np.int32)
         kernels.zero_blocks(words, cover, E)
     return gexp, gbits, redo[:nredo], masks_redo[:nredo]  # scratch: read before the next call
+
+
+# --- the pipeline: large float tensors -------------------------------------------------------
+
+#: float tensors of at least this many blocks run their metadata in chunks, each ahead of its
+#: chunk's data (pipelined_run); in sparse jobs only where the last call of the size had every
+#: block on every rank (:class:`Dense`)
+PIPELINE_BLOCKS = 4096
+#: ... in this many chunks (at most)
+PIPELINE_CHUNKS = 8
+
+
+class Dense:
+    """Per tensor size, whether the last call had every block on every rank (the OR of the
+    contributor bits full): every rank saw the same bits, so every rank decides alike whether
+    a sparse job's next call of the size may be pipelined (every block a round from every rank)."""
+
+    def __init__(self):
+        self._last: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return self._last.get(key, False)
+
+    def remember(self, key, gbits: np.ndarray, full: int) -> None:
+        if len(self._last) >= SPECULATE_SIZES and key not in self._last:
+            self._last.clear()
+        self._last[key] = bool(((gbits.astype(np.int64) & full) == full).all())
+
+
+class _Pipeline:
+    """One pipelined call's rounds: M0 M1 D0 M2 D1 ... M(C-1) D(C-2) D(C-1), where Mi are the
+    metadata rounds of chunk i (MAX of its block exponents; sparse jobs: then OR of the
+    contributor bits) and Di its data rounds; Di enters the window only once Mi is complete
+    (:meth:`ready`), and chunk i's exponent pass runs when Mi is encoded, while the data before it
+    is on the wire. Every block gets a data round from every rank: which blocks are zero is known
+    only chunk by chunk, and the rounds are reserved up front."""
+
+    def __init__(self, comm: Communicator, x, flat, res, half: bool, E: int, refuse: bool):
+        self.c, self.x, self.flat, self.half, self.E, self.refuse = comm, x, flat, half, E, refuse
+        W = comm.elems                                  # int32 words per record: exponents per meta record
+        nb = self.nb = -(-flat.size // E)
+        per_meta = self.per_meta = -(-nb // W)
+        self.parts = ((proto.OP_MAX, 0), (proto.OP_OR, per_meta)) if comm.sparse else ((proto.OP_MAX, 0),)
+        cm = -(-per_meta // PIPELINE_CHUNKS)            # meta records per chunk and part
+        C = self.C = -(-per_meta // cm)
+        self.meta = [(i * cm, min((i + 1) * cm, per_meta)) for i in range(C)]    # meta rounds of a part
+        self.span = [(m0 * W, min(m1 * W, nb)) for m0, m1 in self.meta]          # blocks
+        order = [("M", 0)] + [seg for i in range(C) for seg in ((("M", i + 1),) if i + 1 < C else ()) + (("D", i),)]
+        nmeta = self.nmeta = per_meta * len(self.parts)
+        K = self.K = nmeta + nb
+        buf = comm._buf
+        self.blocks = buf.get("pipe_blocks", K, np.int64)
+        self.masks = buf.get("pipe_masks", K, np.int64)
+        self.masks[:] = comm._all
+        self.shifts = buf.get("pipe_shifts", K, np.int32)
+        self.mine = buf.get("pipe_mine", K, np.int64)
+        self.mine[:] = np.arange(K)
+        self.segs, at = [], 0                           # (op or None: data, chunk, first round, rounds)
+        for kind, i in order:
+            if kind == "M":
+                m0, m1 = self.meta[i]
+                for op, off in self.parts:
+                    self.blocks[at:at + m1 - m0] = np.arange(off + m0, off + m1)
+                    self.shifts[at:at + m1 - m0] = pump.META_SHIFT
+                    self.segs.append((op, i, at, m1 - m0))
+                    at += m1 - m0
+            else:
+                b0, b1 = self.span[i]
+                self.blocks[at:at + b1 - b0] = np.arange(b0, b1)
+                self.shifts[at:at + b1 - b0] = 0
+                self.segs.append((None, i, at, b1 - b0))
+                at += b1 - b0
+        self.d_first = {i: a for op, i, a, _n in self.segs if op is None}
+        self.m_first = {}                               # chunk -> (first meta round, meta rounds)
+        for op, i, a, n in self.segs:
+            if op is not None:
+                f, k = self.m_first.get(i, (a, 0))
+                self.m_first[i] = (f, k + n)
+        self.P = 2 * W if half else W                   # the pump's int32 words per meta round
+        self.exps = buf.get("exps", nb, np.int32)
+        self.bits = buf.get("bits", nb, np.int32) if comm.sparse else None
+        self.values = buf.get("meta_in", nmeta * W, np.int32)
+        self.meta_out = buf.get("meta_out", nmeta * self.P, np.int32)
+        self.gexp = buf.get("pipe_gexp", nb, np.int32)
+        self.gbits = buf.get("pipe_gbits", nb, np.int32) if comm.sparse else None
+        self.passed = 0                                 # chunks whose exponents are computed
+        self.scaled = 0                                 # chunks whose shifts are set
+        self.open = 0                                   # chunks whose metadata rounds are complete
+        self.bad = -1                                   # this rank's first non-finite value
+        self.refused = False                            # a metadata round said so: zeros from here on
+        self.zeros = None
+        # an in-place call's results go to a scratch array and are copied into place chunk by
+        # chunk once every chunk's metadata is in without a refusal: a refused call leaves its input
+        self.inplace = np.may_share_memory(res, flat)
+        self.res = res
+        self.got = buf.get("pipe_out", res.size, res.dtype) if self.inplace else res
+        self.copied = 0
+        self.clear = None                               # no chunk refuses the call (known once all are in)
+
+    def _pass(self, i: int) -> None:
+        """Chunk i's exponents (and contributor bits), when its metadata records are first encoded."""
+        b0, b1 = self.span[i]
+        E, W, rank = self.E, self.c.elems, self.c.rank
+        exps = self.exps[b0:b1]
+        bad = block_exponents(self.flat[b0 * E:b1 * E], E, exps, rank)
+        if bad >= 0 and self.bad < 0:
+            self.bad = b0 * E + bad
+        if self.refuse:
+            exps[:] = quant.refusal_code(quant.REFUSE_ABORT, rank)
+        m0, m1 = self.meta[i]
+        for (op, off), v in zip(self.parts, (exps, self.bits)):
+            if op == proto.OP_OR:
+                v = v[b0:b1]
+                kernels.contributor_bits(exps, quant.ZERO_EXP, np.int32(1 << rank) if rank < 31
+                                         else np.int32(-(1 << 31)), v)
+            lo = (off + m0) * W
+            self.values[lo:lo + b1 - b0] = v
+            self.values[lo + b1 - b0:(off + m1) * W] = quant.ZERO_EXP if op == proto.OP_MAX else 0
+        self.passed = i + 1
+
+    def _global(self, off: int, i: int) -> np.ndarray:
+        """Chunk i's results of the metadata part at meta round ``off``: one int32 per block."""
+        b0, b1 = self.span[i]
+        m0, m1 = self.meta[i]
+        W, P = self.c.elems, self.P
+        return self.meta_out[(off + m0) * P:(off + m1) * P].reshape(m1 - m0, P)[:, :W].reshape(-1)[:b1 - b0]
+
+    def _scale(self, i: int) -> None:
+        """Chunk i's global exponents and its data rounds' shifts, once Mi is complete."""
+        b0, b1 = self.span[i]
+        g = self.gexp[b0:b1] = self._global(0, i)
+        if self.gbits is not None:
+            self.gbits[b0:b1] = self._global(self.per_meta, i)
+        if int(g.max()) >= quant.REFUSE_EXP:
+            self.refused = True
+        a = self.d_first[i]
+        live = g != quant.ZERO_EXP
+        s = np.zeros(b1 - b0, np.int64)
+        if not self.refused:
+            s[live] = quant.shifts_for(g[live], self.c.world, 16 if self.half else 32)
+        self.shifts[a:a + b1 - b0] = s
+        self.scaled = i + 1
+
+    def ready(self, done: np.ndarray) -> int:
+        """Rounds that may enter the window: up to the data of the first chunk whose metadata is
+        not complete. (In-place calls: completed chunks are copied into place here.)"""
+        while self.open < self.C:
+            a, n = self.m_first[self.open]
+            if not done[a:a + n].all():
+                break
+            self.open += 1
+        if self.inplace and self.open == self.C:
+            if self.clear is None:  # every exponent is in: does any chunk refuse the call?
+                self.clear = all(int(self._global(0, i).max()) < quant.REFUSE_EXP for i in range(self.C))
+            if self.clear:
+                self._copy(done)
+        return self.K if self.open >= self.C else self.d_first[self.open]
+
+    def _copy(self, done: np.ndarray) -> None:
+        while self.copied < self.scaled:
+            i = self.copied
+            b0, b1 = self.span[i]
+            a = self.d_first[i]
+            if not done[a:a + b1 - b0].all():
+                return
+            self.res[b0 * self.E:b1 * self.E] = self.got[b0 * self.E:b1 * self.E]
+            self.copied += 1
+
+    def final(self) -> np.ndarray:
+        """After a failed call (Communicator.final_blocks): the blocks of ``res`` that hold their
+        result, the chunks copied into place; every other block of an in-place call is still its
+        input, and an out-of-place call's input is whole (so none is claimed)."""
+        have = np.zeros(self.nb, bool)
+        if self.copied:
+            have[:self.span[self.copied - 1][1]] = True
+        return have
+
+    def encode(self, j0: int, j1: int, at: int) -> None:
+        c = self.c
+        s = c._s
+        rec, W, S = c._rec, c.elems, c.slots
+        tmpl = s.template(proto.TYPE_CONTRIB)
+        for op, i, a, n in self.segs:
+            lo, hi = max(j0, a), min(j1, a + n)
+            if lo >= hi:
+                continue
+            if op is not None:
+                while self.passed <= i:
+                    self._pass(self.passed)
+                enc.encode_int(self.send, rec, W, tmpl, self.values, self.mine[lo:hi], self.base, S, self.blocks,
+                               self.masks, op, at + lo - j0)
+                continue
+            if self.scaled <= i:
+                self._scale(i)
+            src = self.flat
+            if self.refused:  # every rank sends zeros now: the rounds complete, the call is refused
+                if self.zeros is None:
+                    self.zeros = np.zeros_like(self.flat)
+                src = self.zeros
+            single = self.x.dtype == np.float32
+            if self.half:
+                enc.encode_half(self.send, rec, W, tmpl, src, self.mine[lo:hi], self.base, S, self.blocks,
+                                self.masks, self.shifts, s.bias16, single, at + lo - j0)
+            else:
+                enc.encode_float(self.send, rec, self.E, tmpl, src, self.mine[lo:hi], self.base, S, self.blocks,
+                                 self.masks, self.shifts, s.bias, single, at + lo - j0, proto.OP_SUM64)
+
+    def run(self) -> np.ndarray | None:
+        c = self.c
+        st = c.last
+        self.base = c._s.reserve(self.K)
+        self.send = c._s.send_buffer(self.K)
+        c._cut = self.final
+        kind = (pump.KIND_HALF32 if self.x.dtype == np.float32 else pump.KIND_HALF64) if self.half \
+            else KIND[self.x.dtype]
+        c._s.run(self.base, Rounds(self.blocks, self.masks, self.mine, self.shifts, self.send, kind, self.got,
+                                   self.encode, self.meta_out, self.ready))
+        st.meta_rounds += self.nmeta
+        st.own_blocks = self.nb
+        st.results += self.nb
+        if self.inplace and not self.refused:
+            self._copy(np.ones(self.K, np.uint8))
+        return self.gbits
+
+
+def pipelined_run(self: Communicator, x: np.ndarray, flat: np.ndarray, res: np.ndarray, half: bool, E: int,
+                  refuse: bool, key) -> None:
+    """A large float sum whose metadata runs ahead of its data chunk by chunk, in one run of
+    rounds (:class:`_Pipeline`): the link carries chunk i's data while chunk i+1's exponents are
+    computed and exchanged, where a plain call computes and exchanges every exponent before its
+    first data record. The results are bit for bit a plain call's (the same exponents, the same
+    scales; a rank's zero block adds zeros); a refused call completes its rounds with zeros and
+    raises on every rank."""
+    p = _Pipeline(self, x, flat, res, half, E, refuse)
+    gbits = p.run()
+    if gbits is not None:
+        self._dense.remember(key, gbits, self._all)
+    if p.refused:
+        refuse_together(p.gexp, self.rank, flat, p.bad, E)

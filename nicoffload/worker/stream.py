@@ -238,6 +238,8 @@ class RoundStream(GateWait):
         runs as with a fixed window of S)."""
         r, cap, cc = x.r, x.cap, self._cc
         edge = min(x.K, x.head + self.window, int(self._gate[0]) + 2 * self.slots - x.base)
+        ready = x.K if r.ready is None else r.ready(x.done)  # nothing is encoded, or sent, beyond it
+        edge = min(edge, ready)
         lim = edge if cc.full else min(edge, x.hi + cc.room(x.hi - x.head - int(np.count_nonzero(x.done[x.head:x.hi]))))
         cc.limited = lim < edge
         if x.hi >= lim:
@@ -245,7 +247,8 @@ class RoundStream(GateWait):
         j_end = int(np.searchsorted(r.mine, lim)) if not x.dense else lim
         if j_end > x.j_sent:
             while x.j_enc < j_end:  # chunks that never cross the ring's end
-                j1 = min(len(r.mine), x.j_enc + self.ENCODE_CHUNK, (x.j_enc // cap + 1) * cap)
+                j1 = min(len(r.mine) if ready == x.K else int(np.searchsorted(r.mine, ready)),
+                         x.j_enc + self.ENCODE_CHUNK, (x.j_enc // cap + 1) * cap)
                 r.encode(x.j_enc, j1, x.j_enc % cap)
                 x.j_enc = j1
             for a, c in ring_spans(x.j_sent, j_end, cap):
