@@ -223,7 +223,8 @@ class Communicator:
         large dense float tensors: the three chunk by chunk, overlapped (a pipelined run)."""
         nb = c.blocks
         key = (nb, c.x.dtype.str, c.half)
-        if c.is_float and self.pipeline and nb >= speculation.PIPELINE_BLOCKS and (not self.sparse or key in self._dense):
+        big = c.is_float and self.pipeline and nb >= speculation.PIPELINE_BLOCKS
+        if big and (not self.sparse or key in self._dense):
             self.join()
             pipelined_run(self, c.x, c.flat, c.res, c.half, c.E, refuse, key)
             return

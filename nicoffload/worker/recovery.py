@@ -10,10 +10,11 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
   rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
 - Rounds complete in order on FIFO paths (a round completes when its last contributor's
   record arrives, and every rank sends in order): a round left behind by ``gap`` rounds that
-  completed after it (in a sparse job: ``gap`` of each of its contributors') has lost a packet and is probed at once (fast retransmit), once it is
-  older than ``REORDER_RTTS`` smoothed round trips (a probed round gets a round trip to come
-  back before it is probed again). Waiting for the whole timeout instead stalled the window
-  behind the lost round once the slot rule let no later round in. A PROBE is a header-only pull;
+  completed after it (in a sparse job: ``gap`` of each of its contributors') has lost a packet
+  and is probed at once (fast retransmit), once it is older than ``REORDER_RTTS`` smoothed round
+  trips (a probed round gets a round trip to come back before it is probed again). Waiting for
+  the whole timeout instead stalled the window behind the lost round once the slot rule let no
+  later round in. A PROBE is a header-only pull;
   its answer names the round's contributors, and only a rank whose record is missing resends it
   (:func:`probe_answers`): behind a shared link, every rank resending its own record for each
   lost one multiplied the loss by the number of ranks. A round that times out is probed too.
