@@ -26,7 +26,7 @@ class Rounds:
     writes records j0 .. j1 - 1 at record ``at`` of it just before they go out; without, ``send``
     holds every record, in order. Results of ``kind`` (pump.KIND_*) go into ``res``; rounds
     whose shift is pump.META_SHIFT: int32 into ``meta_out``, at their block's offset. With
-    ``ready``, no round at or beyond ``ready(done)`` enters the window (a pipelined call's data
+    ``ready``, no round at or beyond ``ready(done, head)`` enters the window (a pipelined call's data
     waits for its chunk's metadata)."""
 
     blocks: np.ndarray
@@ -38,7 +38,7 @@ class Rounds:
     res: np.ndarray
     encode: Callable[[int, int, int], None] | None = None
     meta_out: np.ndarray | None = None
-    ready: Callable[[np.ndarray], int] | None = None  # given ``done``: how many leading rounds may be sent
+    ready: Callable[[np.ndarray, int], int] | None = None  # (done, head): how many leading rounds may go
 
 
 @dataclass

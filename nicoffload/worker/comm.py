@@ -16,7 +16,7 @@ One call on a tensor of B blocks of ``elems`` elements:
    the same run as the metadata rounds, scaled by the exponents (and waiting for the
    contributors) the last call of the same size had; blocks whose metadata turns out the same
    have their exact result after one round trip, the others go again (step 3).
-   The pipeline (large float tensors, at least PIPELINE_BLOCKS blocks; in sparse jobs where the
+   The pipeline (large float tensors, at least PIPELINE_ELEMS elements; in sparse jobs where the
    last call of the size had every block on every rank): steps 1-3 chunk by chunk in one run,
    each chunk's data on the wire while the next chunk's exponents are computed and exchanged.
 3. The data rounds: one per block that is non-zero somewhere, in block order; a rank sends a
@@ -99,7 +99,7 @@ class Communicator:
     # call of their size had, beside this call's exponent round: one round trip where those hold.
     # Every rank of a job must use the same setting.
     speculate: bool = True
-    # dense float tensors of PIPELINE_BLOCKS blocks or more send each chunk's data while the next
+    # float tensors of PIPELINE_ELEMS elements or more send each chunk's data while the next
     # chunk's exponents are computed and exchanged (speculation.pipelined_run); the same bits.
     # Every rank of a job must use the same setting.
     pipeline: bool = True
@@ -223,7 +223,7 @@ class Communicator:
         large dense float tensors: the three chunk by chunk, overlapped (a pipelined run)."""
         nb = c.blocks
         key = (nb, c.x.dtype.str, c.half)
-        big = c.is_float and self.pipeline and nb >= speculation.PIPELINE_BLOCKS
+        big = c.is_float and self.pipeline and c.x.size >= speculation.PIPELINE_ELEMS
         if big and (not self.sparse or key in self._dense):
             self.join()
             pipelined_run(self, c.x, c.flat, c.res, c.half, c.E, refuse, key)
@@ -240,7 +240,7 @@ class Communicator:
             self._data(c, blocks, masks, gexp)
             return
         gexp, gbits = self._meta(exps, bits)
-        if gbits is not None and c.is_float and nb >= speculation.PIPELINE_BLOCKS:
+        if gbits is not None and c.is_float and c.x.size >= speculation.PIPELINE_ELEMS:
             self._dense.remember(key, gbits, self._all)  # every rank alike: may the next call pipeline?
         if c.is_float:
             refuse_together(gexp, self.rank, c.flat, bad, c.E)

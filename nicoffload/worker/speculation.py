@@ -6,7 +6,7 @@ that the last call of the same size had; blocks whose metadata turns out the sam
 exact result after one round trip, the others go again. Every rank sees the same calls and the
 same results, so every rank makes the same guesses and the same misses.
 
-The pipeline (large float tensors, at least PIPELINE_BLOCKS blocks): the metadata and the data
+The pipeline (large float tensors, at least PIPELINE_ELEMS elements): the metadata and the data
 run chunk by chunk in one stream, each chunk's data waiting only for its own chunk's metadata
 (:func:`pipelined_run`; docs/protocol.md, "The pipeline")."""
 from __future__ import annotations
@@ -151,10 +151,11 @@ def speculative_run(self: Communicator, x: np.ndarray, flat: np.ndarray, res: np
 
 # --- the pipeline: large float tensors -------------------------------------------------------
 
-#: float tensors of at least this many blocks run their metadata in chunks, each ahead of its
-#: chunk's data (pipelined_run); in sparse jobs only where the last call of the size had every
-#: block on every rank (:class:`Dense`)
-PIPELINE_BLOCKS = 4096
+#: float tensors of at least this many elements (32 MiB of float32) run their metadata in chunks,
+#: each ahead of its chunk's data (pipelined_run); in sparse jobs only where the last call of the
+#: size had every block on every rank (:class:`Dense`). Below it the metadata is a small part of
+#: a link-bound call, and on busy cores the chunks' extra waits cost more than they save
+PIPELINE_ELEMS = 8 << 20
 #: ... in this many chunks (at most)
 PIPELINE_CHUNKS = 8
 
@@ -238,13 +239,9 @@ class _Pipeline:
         self.bad = -1                                   # this rank's first non-finite value
         self.refused = False                            # a metadata round said so: zeros from here on
         self.zeros = None
-        # an in-place call's results go to a scratch array and are copied into place chunk by
-        # chunk once every chunk's metadata is in without a refusal: a refused call leaves its input
-        self.inplace = np.may_share_memory(res, flat)
-        self.res = res
-        self.got = buf.get("pipe_out", res.size, res.dtype) if self.inplace else res
-        self.copied = 0
-        self.clear = None                               # no chunk refuses the call (known once all are in)
+        self.res = res                                  # results are written here as they come
+        self.kept = None                                # a refused call's output from the refusing chunk on
+        self.done = None                                # the run's per-round results (final)
 
     def _pass(self, i: int) -> None:
         """Chunk i's exponents (and contributor bits), when its metadata records are first encoded."""
@@ -280,8 +277,11 @@ class _Pipeline:
         g = self.gexp[b0:b1] = self._global(0, i)
         if self.gbits is not None:
             self.gbits[b0:b1] = self._global(self.per_meta, i)
-        if int(g.max()) >= quant.REFUSE_EXP:
+        if int(g.max()) >= quant.REFUSE_EXP and not self.refused:
+            # no round of this chunk or a later one has been sent: keep what their output holds
+            # (an in-place call's input), which the rounds of zeros would overwrite
             self.refused = True
+            self.kept = (b0 * self.E, self.res[b0 * self.E:].copy())
         a = self.d_first[i]
         live = g != quant.ZERO_EXP
         s = np.zeros(b1 - b0, np.int64)
@@ -290,38 +290,28 @@ class _Pipeline:
         self.shifts[a:a + b1 - b0] = s
         self.scaled = i + 1
 
-    def ready(self, done: np.ndarray) -> int:
+    def ready(self, done: np.ndarray, head: int) -> int:
         """Rounds that may enter the window: up to the data of the first chunk whose metadata is
-        not complete. (In-place calls: completed chunks are copied into place here.)"""
+        not complete (every round below ``head`` has its result)."""
+        self.done = done
         while self.open < self.C:
             a, n = self.m_first[self.open]
-            if not done[a:a + n].all():
+            if head < a + n and not done[a:a + n].all():
                 break
             self.open += 1
-        if self.inplace and self.open == self.C:
-            if self.clear is None:  # every exponent is in: does any chunk refuse the call?
-                self.clear = all(int(self._global(0, i).max()) < quant.REFUSE_EXP for i in range(self.C))
-            if self.clear:
-                self._copy(done)
         return self.K if self.open >= self.C else self.d_first[self.open]
 
-    def _copy(self, done: np.ndarray) -> None:
-        while self.copied < self.scaled:
-            i = self.copied
-            b0, b1 = self.span[i]
-            a = self.d_first[i]
-            if not done[a:a + b1 - b0].all():
-                return
-            self.res[b0 * self.E:b1 * self.E] = self.got[b0 * self.E:b1 * self.E]
-            self.copied += 1
-
     def final(self) -> np.ndarray:
-        """After a failed call (Communicator.final_blocks): the blocks of ``res`` that hold their
-        result, the chunks copied into place; every other block of an in-place call is still its
-        input, and an out-of-place call's input is whole (so none is claimed)."""
+        """After a failed or refused call (Communicator.final_blocks): the blocks whose data round
+        has its result; the others still hold the input (in-place calls)."""
         have = np.zeros(self.nb, bool)
-        if self.copied:
-            have[:self.span[self.copied - 1][1]] = True
+        if self.done is not None:
+            for i in range(self.C):
+                b0, b1 = self.span[i]
+                a = self.d_first[i]
+                have[b0:b1] = self.done[a:a + b1 - b0] != 0
+        if self.kept is not None:  # refused: from the refusing chunk on, the output is what it was
+            have[self.kept[0] // self.E:] = False
         return have
 
     def encode(self, j0: int, j1: int, at: int) -> None:
@@ -362,13 +352,14 @@ class _Pipeline:
         c._cut = self.final
         kind = (pump.KIND_HALF32 if self.x.dtype == np.float32 else pump.KIND_HALF64) if self.half \
             else KIND[self.x.dtype]
-        c._s.run(self.base, Rounds(self.blocks, self.masks, self.mine, self.shifts, self.send, kind, self.got,
+        c._s.run(self.base, Rounds(self.blocks, self.masks, self.mine, self.shifts, self.send, kind, self.res,
                                    self.encode, self.meta_out, self.ready))
         st.meta_rounds += self.nmeta
         st.own_blocks = self.nb
         st.results += self.nb
-        if self.inplace and not self.refused:
-            self._copy(np.ones(self.K, np.uint8))
+        if self.kept is not None:
+            at, v = self.kept
+            self.res[at:] = v
         return self.gbits
 
 

@@ -238,7 +238,7 @@ class RoundStream(GateWait):
         runs as with a fixed window of S)."""
         r, cap, cc = x.r, x.cap, self._cc
         edge = min(x.K, x.head + self.window, int(self._gate[0]) + 2 * self.slots - x.base)
-        ready = x.K if r.ready is None else r.ready(x.done)  # nothing is encoded, or sent, beyond it
+        ready = x.K if r.ready is None else r.ready(x.done, x.head)  # nothing is encoded, or sent, beyond it
         edge = min(edge, ready)
         lim = edge if cc.full else min(edge, x.hi + cc.room(x.hi - x.head - int(np.count_nonzero(x.done[x.head:x.hi]))))
         cc.limited = lim < edge

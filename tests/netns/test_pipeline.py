@@ -2,7 +2,8 @@
 data while the next chunk's exponents are computed and exchanged. Its results are the plain
 call's bit for bit (float32 and float64, 32- and 16-bit lanes, blocks zero everywhere, a partial
 last block, in place or not, under loss and duplication); a NaN in the last chunk refuses the
-call on every rank, leaves an in-place input as it was, and the next call goes on."""
+call on every rank (an in-place call's earlier chunks then hold their sums), and the next call
+goes on."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,7 +49,7 @@ def run(comms, seq, world):
 @pytest.fixture
 def counted(monkeypatch):
     """Small tensors pipelined (5 chunks of NB blocks), and the pipelined calls counted."""
-    monkeypatch.setattr(speculation, "PIPELINE_BLOCKS", 64)
+    monkeypatch.setattr(speculation, "PIPELINE_ELEMS", 64 * E)
     n = []
     run0 = speculation._Pipeline.run
 
@@ -82,10 +83,12 @@ def test_pipelined_calls_are_the_plain_ones_bit_for_bit(make_testbed, counted):
         nb = -(-(NB * E - 99) // (2 * E))
         assert st.results == nb and st.meta_rounds == -(-nb // E) and st.blocks_skipped == 0
 
-        # a NaN in the last chunk of rank 1: every rank refuses, naming it; in place, the input stays
+        # a NaN in the last chunk of rank 1: every rank refuses, naming it; in place, the chunks
+        # before it hold their sums (the stream ran to its end) and the rest is the input as it was
         xs = [a.copy() for a in seq[0][0]]
         xs[1][NB * E - 5] = np.nan
         before = [a.copy() for a in xs]
+        last = 4 * E * E  # the fifth chunk's first element (a chunk: one metadata record of E blocks)
 
         def refused(r):
             with pytest.raises(RefusedError) as e:
@@ -96,7 +99,9 @@ def test_pipelined_calls_are_the_plain_ones_bit_for_bit(make_testbed, counted):
         assert not errs, errs
         assert all("rank 1" in m and "NaN" in m for m in msgs), msgs
         for r in range(world):
-            assert xs[r].tobytes() == before[r].tobytes(), r
+            assert xs[r][last:].tobytes() == before[r][last:].tobytes(), r
+            assert xs[r][:last].tobytes() == plain[r][0][:last].tobytes(), r
+            assert comms[r].final_blocks()[:4 * E].all() and not comms[r].final_blocks()[4 * E:].any()
         again = run(comms, seq[:1], world)  # the rounds stayed in step
         assert all(again[r][0].tobytes() == plain[r][0].tobytes() for r in range(world))
     finally:
