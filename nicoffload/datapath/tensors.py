@@ -44,6 +44,25 @@ def block_exponents(flat: np.ndarray, elems: int, exps: np.ndarray, rank: int) -
     return bad
 
 
+def rank_bit(rank: int) -> np.int32:
+    """Rank ``rank``'s bit in an int32 contributor word (bit 31: the sign bit)."""
+    return np.int32(1 << rank) if rank < 31 else np.int32(-(1 << 31))
+
+
+def float_meta(flat: np.ndarray, elems: int, rank: int, refuse: bool, exps: np.ndarray,
+               bits: np.ndarray | None) -> int:
+    """One rank's metadata of the float blocks of ``flat``: their exponents into ``exps`` (a
+    refusal code where a block holds a NaN or an Inf; every block with ``refuse``: the rank
+    takes part only to refuse), and where ``bits`` is given, the rank's bit for every block that
+    has an exponent (sparse jobs). Returns the first non-finite value's index, or -1."""
+    bad = block_exponents(flat, elems, exps, rank)
+    if refuse:
+        exps[:], bad = quant.refusal_code(quant.REFUSE_ABORT, rank), -1
+    if bits is not None:
+        kernels.contributor_bits(exps, quant.ZERO_EXP, rank_bit(rank), bits)
+    return bad
+
+
 def refusal(who: int | None, kind: str, *, index: int | None = None, span: tuple[int, int] | None = None,
             more: int = 0) -> RefusedError:
     """The RefusedError every rank raises for a refused call: ``who`` refused it for ``kind``

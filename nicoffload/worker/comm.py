@@ -40,7 +40,7 @@ import numpy as np
 
 from nicoffload import collective
 from nicoffload.datapath import encode as enc, kernels, pump
-from nicoffload.datapath.tensors import DTYPES, KIND, block_exponents, call_arrays, refuse_together
+from nicoffload.datapath.tensors import DTYPES, KIND, call_arrays, float_meta, rank_bit, refuse_together
 from nicoffload.datapath.transport import SLOT_BYTES
 from nicoffload.errors import InputError
 from nicoffload.jobspec import DEFAULT, JobSpec
@@ -252,22 +252,16 @@ class Communicator:
     def _local_meta(self, c: "_Sum", refuse: bool) -> tuple:
         """Step 1, this rank's own: (the first block holding a NaN or an Inf or -1, the block
         exponents (floats; a refusal code where refused), the contributor bits (sparse jobs))."""
-        nb, bad, exps, bits = c.blocks, -1, None, None
+        nb, bad, exps = c.blocks, -1, None
+        bits = self._buf.get("bits", nb, np.int32) if self.sparse else None
         if c.is_float:  # a NaN or an Inf refuses the call on every rank, after the metadata round
             exps = self._buf.get("exps", nb, np.int32)
-            bad = block_exponents(c.flat, c.E, exps, self.rank)
-            if refuse:
-                exps[:], bad = quant.refusal_code(quant.REFUSE_ABORT, self.rank), -1
-        if self.sparse:
-            bits = self._buf.get("bits", nb, np.int32)
-            bit = np.int32(1 << self.rank) if self.rank < 31 else np.int32(-(1 << 31))
-            if c.is_float:  # non-zero where the block has an exponent
-                kernels.contributor_bits(exps, quant.ZERO_EXP, bit, bits)
-            else:
-                nz8 = self._buf.get("nz8", nb, np.uint8)
-                kernels.block_nonzero_i32(c.flat, c.E, nz8)
-                bits[:] = 0
-                bits[nz8.view(bool)] = bit
+            bad = float_meta(c.flat, c.E, self.rank, refuse, exps, bits)
+        elif bits is not None:
+            nz8 = self._buf.get("nz8", nb, np.uint8)
+            kernels.block_nonzero_i32(c.flat, c.E, nz8)
+            bits[:] = 0
+            bits[nz8.view(bool)] = rank_bit(self.rank)
         return bad, exps, bits
 
     def _active(self, c: "_Sum", gexp: np.ndarray | None, gbits: np.ndarray | None) -> tuple:

@@ -17,7 +17,7 @@ import numpy as np
 
 from nicoffload.datapath import encode as enc
 from nicoffload.datapath import kernels, pump
-from nicoffload.datapath.tensors import KIND, block_exponents, refuse_together
+from nicoffload.datapath.tensors import KIND, float_meta, refuse_together
 from nicoffload.wire import proto, quant
 from nicoffload.worker.calls import Rounds
 
@@ -248,17 +248,12 @@ class _Pipeline:
         b0, b1 = self.span[i]
         E, W, rank = self.E, self.c.elems, self.c.rank
         exps = self.exps[b0:b1]
-        bad = block_exponents(self.flat[b0 * E:b1 * E], E, exps, rank)
+        bits = None if self.bits is None else self.bits[b0:b1]
+        bad = float_meta(self.flat[b0 * E:b1 * E], E, rank, self.refuse, exps, bits)
         if bad >= 0 and self.bad < 0:
             self.bad = b0 * E + bad
-        if self.refuse:
-            exps[:] = quant.refusal_code(quant.REFUSE_ABORT, rank)
         m0, m1 = self.meta[i]
-        for (op, off), v in zip(self.parts, (exps, self.bits)):
-            if op == proto.OP_OR:
-                v = v[b0:b1]
-                kernels.contributor_bits(exps, quant.ZERO_EXP, np.int32(1 << rank) if rank < 31
-                                         else np.int32(-(1 << 31)), v)
+        for (op, off), v in zip(self.parts, (exps, bits)):
             lo = (off + m0) * W
             self.values[lo:lo + b1 - b0] = v
             self.values[lo + b1 - b0:(off + m1) * W] = quant.ZERO_EXP if op == proto.OP_MAX else 0
