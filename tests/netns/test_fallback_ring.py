@@ -13,6 +13,7 @@ from e2ekit import run_ranks
 from nicoffload.agg import AggSpec, Aggregator
 from nicoffload.communicators import communicator
 from nicoffload.jobspec import DEFAULT
+from nicoffload.worker import speculation
 
 WORLD = 3
 
@@ -31,11 +32,12 @@ def calls(seed: int) -> list[list[np.ndarray]]:
     return out
 
 
-def job(tb, data, cut_at: int | None = None, victim: int = 0):
+def job(tb, data, cut_at: int | None = None, victim: int = 0, inplace: bool = False, armed=None):
     """Every call of ``data`` on comms with the ring fallback; with ``cut_at``, aggregator
     ``victim``'s program is unloaded while call ``cut_at`` is in flight (or, on a machine that
-    finishes it first, before the next call begins). Returns (outputs by rank, each rank's
-    communicator summaries)."""
+    finishes it first, before the next call begins); ``armed(aggs)`` instead lets the caller cut it
+    at a point of its choosing. ``inplace``: every call writes its result into its input. Returns
+    (outputs by rank, each rank's communicator summaries)."""
     aggs = [Aggregator.load(AggSpec(a.netns, a.iface, WORLD, slots=64, port=tb.port, group=tb.mcast_group,
                                     worker_ips=[w.ip for w in tb.workers])) for a in tb.aggs]
     spec = DEFAULT.replace(port=tb.port, group=tb.mcast_group, slots=64, timeout=30)
@@ -52,13 +54,16 @@ def job(tb, data, cut_at: int | None = None, victim: int = 0):
             for n, xs in enumerate(data):
                 if r == 0 and n == cut_at:
                     started.set()
-                got.append(comms[r].allreduce(xs[r].copy()))
+                x = xs[r].copy()
+                got.append(comms[r].allreduce(x, out=x if inplace else None))
                 if n == cut_at:  # the next call starts only once the program is gone: a fast machine
                     killed.wait(60)  # may finish this one first, and then the next one is cut
             return got
 
         killer = None
-        if cut_at is not None:
+        if armed is not None:
+            armed(aggs)
+        elif cut_at is not None:
             def kill():
                 started.wait(60)
                 time.sleep(0.02)
@@ -101,5 +106,33 @@ def test_a_sharded_job_fails_over_only_the_lost_aggregators_shard(make_testbed):
         first, second = summaries[r]
         assert first["failovers"] == 0 and first["path"] == "aggregator", first
         assert second["failovers"] == 1 and second["path"] == "ring (user)", second
+        for n in range(len(data)):
+            assert got[r][n].tobytes() == want[r][n].tobytes(), (r, n)
+
+
+def test_a_pipelined_in_place_call_cut_between_its_chunks_fails_over_bit_for_bit(make_testbed, monkeypatch):
+    """The aggregator unloaded while a pipelined call (results written in place as they come)
+    waits for its third chunk's metadata: the chunks before it hold sums, the rest the input, and
+    the ring completes the call to the bits of a run without the failure."""
+    tb = make_testbed(WORLD)
+    monkeypatch.setattr(speculation, "PIPELINE_ELEMS", 1 << 16)
+    data = calls(34)
+    want, _ = job(tb, data, inplace=True)
+    cut = []
+    scale0 = speculation._Pipeline._scale
+
+    def arm(aggs):
+        def scale1(self, i):
+            if i == 2 and self.c.rank == 0 and not cut:
+                cut.append(self.c.rank)
+                aggs[0].close()
+            return scale0(self, i)
+        monkeypatch.setattr(speculation._Pipeline, "_scale", scale1)
+
+    got, summaries = job(tb, data, inplace=True, armed=arm)
+    assert cut, "no call was pipelined"
+    for r in range(WORLD):
+        s = summaries[r][0]
+        assert s["failovers"] == 1 and s["path"] == "ring (user)", s
         for n in range(len(data)):
             assert got[r][n].tobytes() == want[r][n].tobytes(), (r, n)
