@@ -9,4 +9,9 @@
                allocated once
     tensors    what a collective takes and gives: the dtypes it sums, the input as a
                C-contiguous array with its output, the blocks' exponents (NaN/Inf refused)
+
+Every compiled kernel here (and in local/, ring/) releases the GIL (``nogil=True``): a rank's
+other threads run while it encodes, decodes or sits in sendmmsg (where, on the testbed, the
+aggregator's program runs too). Those threads are torch's main thread beside the backend's, a
+sharded job's one per aggregator, and ranks as threads in tests and benches.
 """

@@ -51,7 +51,7 @@ def _header(buf, off, tmpl, r, nslots, mask, count, exp, op):
     buf[off + O_OP] = op
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first, op):
     """Record first + j of ``buf`` for this rank's round ``mine[j]`` (round base + mine[j]): header, then
     rint(x * 2^shift) + bias as unsigned 32-bit lanes (op SUM64: with |q| <= bias and
@@ -85,7 +85,7 @@ def encode_float(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, sh
             w[p + U(k)] = 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def encode_half(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shifts, bias, single, first):
     """As encode_float with 16-bit lanes (op SUM16): 2 * ``elems`` elements per record, each
     rint(x * 2^shift) + bias as an unsigned 16-bit lane (with |q| <= bias and 2 * bias * ranks
@@ -116,7 +116,7 @@ def encode_half(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, shi
             h[p + U(k)] = 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def encode_int(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, op, first):
     """As encode_float for int32 data (op SUM) or metadata words (ops MAX / OR), from record
     ``first`` of ``buf`` on: the payload is copied; elements beyond the array are 0."""
@@ -137,7 +137,7 @@ def encode_int(buf, rec, elems, tmpl, x, mine, base, nslots, blocks, masks, op, 
             w[p + U(k)] = 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def encode_pulls(buf, rec, tmpl, which, base, nslots, masks):
     """PULL records (full size, count 0, payload ignored) for rounds base + which[j]."""
     for j in range(which.size):

@@ -137,7 +137,7 @@ def _block_meta(u, elems, exps, emask, amask, mbits, inf_field, bias, tiny):
     return first
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def block_meta_f32(x, elems, exps):
     """exps[b] = E with max|x| < 2^E in block b (math.frexp's exponent of the largest magnitude),
     ZERO_EXP for an all-zero block, REFUSE_EXP + (REFUSE_NAN << 16) for a block holding a NaN,
@@ -152,14 +152,14 @@ def block_meta_f32(x, elems, exps):
                        2.0 ** -149)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def block_meta_f64(x, elems, exps):
     """As block_meta_f32 for float64 (exponent field 11 bits, frexp's exponent = field - 1022)."""
     return _block_meta(x.view(np.int64), elems, exps, np.int64(0x7FF0000000000000),
                        np.int64(0x7FFFFFFFFFFFFFFF), 52, 0x7FF, 1022, 2.0 ** -1074)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def reset_rounds(done, status, pos, mine):
     """A stream's per-round state before it starts: no result (done 0), no STATUS heard (-1),
     and pos[i] = this rank's record of round i (j where mine[j] == i; -1 for the others)."""
@@ -171,7 +171,7 @@ def reset_rounds(done, status, pos, mine):
         pos[mine[j]] = j
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def contributor_bits(exps, zero_exp, bit, bits):
     """bits[b] = ``bit`` where block b has a non-zero value (its exponent is not ``zero_exp``),
     else 0: a rank's word of the OR round that says who contributes where."""
@@ -179,7 +179,7 @@ def contributor_bits(exps, zero_exp, bit, bits):
         bits[b] = bit if exps[b] != zero_exp else 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def spec_plan(gexp0, gbits0, exps, zero_exp, full, rank, top, k, meta_shift, blocks, masks, shifts, mine, keep):
     """The rounds of a speculative call, in one pass: k metadata rounds (round i on block i, all
     ranks, ``meta_shift``), then a round per block the guess has non-zero (``gexp0`` not
@@ -215,7 +215,7 @@ def spec_plan(gexp0, gbits0, exps, zero_exp, full, rank, top, k, meta_shift, blo
     return n - k, m, over
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def spec_verdict(gexp, gbits, blocks, k, n, gexp0, gbits0, zero_exp, full, hit, cover, redo, masks_redo):
     """What a speculative call got: ``hit[b]`` where block b's exponent (and contributors) are
     the guessed ones (its round's result is the normal call's); ``cover[b]`` where it has a
@@ -253,7 +253,7 @@ def spec_verdict(gexp, gbits, blocks, k, n, gexp0, gbits0, zero_exp, full, hit, 
     return hits, hole, nredo, skipped
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def zero_blocks(out, active, elems):
     """Write zeros over every block of ``out`` (viewed as int32 words, ``elems`` words per block)
     whose ``active`` flag is 0: blocks zero on every rank get no round."""
@@ -266,7 +266,7 @@ def zero_blocks(out, active, elems):
                 out[at + U(k)] = 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def block_nonzero_i32(x, elems, out):
     """out[b] = 1 if block b of int32 x has a non-zero element, else 0."""
     n = x.size
@@ -280,7 +280,7 @@ def block_nonzero_i32(x, elems, out):
 
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def overtaken(done, masks, head, hi, gap, out):
     """out[r] = 1 for each round r in [head, hi) without a result every one of whose contributors
     (``masks[r]``) has at least ``gap`` later rounds with a result, else 0: each rank sends in

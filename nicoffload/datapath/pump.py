@@ -96,7 +96,7 @@ F_ANSWER = proto.FLAG_ANSWER  # an answer to a retransmission or a pull, not a f
 UNFIX_BATCH = 64
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def unfix(buf, half, todo, n, kind, out_f32, out_f64):
     """The fixed-point lanes of ``n`` records of ``buf`` (16-bit lanes if ``half``, else 32-bit)
     into out_f32 (kind KIND_FLOAT32) or out_f64. Record j is todo[j] = (first lane, lanes,
@@ -132,7 +132,7 @@ def _unfix(lanes, todo, n, kind, out_f32, out_f64):
 
 
 # Long on purpose: one fused loop; per-record calls with array arguments cost numba reference counts (UNFIX_BATCH).
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def decode_results(buf, stride, lens, segs, nmsg, rec, elems, job, epoch, rank, base, nrounds, nslots,
                    blocks, shifts, bias, kind, out_i, out_f32, out_f64, done, status, newly, stash, stash_round,
                    gate):
@@ -282,7 +282,7 @@ def gro_segment(clen, cm_level, cm_type, cm_data, m):
     return cm_data[m] if ok else 0
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size):
     """Send records [first, first + count) of the buffer at ``addr`` with sendmmsg: datagrams of
     up to ``per`` records (one UDP_SEGMENT batch each), up to ``nmsgs`` datagrams per call.
@@ -303,7 +303,7 @@ def pump_send(fd, msgs, iov_base, iov_len, nmsgs, addr, first, count, per, size)
     return sent
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace, namelen, src_addr, src_port,
               peer, foreign, buf, stride, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias, kind,
               out_i, out_f32, out_f64, done, status, newly, stash, stash_round, gate):
@@ -337,7 +337,7 @@ def pump_recv(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, csp
     return total, new, event
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def replay_stash(stash, stash_round, rec, elems, job, epoch, rank, base, nrounds, nslots, blocks, shifts, bias,
                  kind, out_i, out_f32, out_f64, done, status, newly, lens, segs, gate):
     """Decode the stashed results that belong to rounds base .. base + nrounds - 1 (and forget
@@ -361,7 +361,7 @@ def replay_stash(stash, stash_round, rec, elems, job, epoch, rank, base, nrounds
     return new
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def advance(done, head, hi):
     """The lowest round at or after ``head`` without a result (``hi`` if all up to it have one)."""
     while head < hi and done[head]:

@@ -24,7 +24,7 @@ from nicoffload.datapath.tensors import block_exponents
 from nicoffload.wire import quant
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def quantize_sum(xs, n, lo, hi, E, gexp, top, bias, single, pad, lanes):
     """The host's sum of blocks [lo, hi) straight from every local rank's floats ``xs`` (K rows
     of ``n``): per element k of block b, ``pad`` + the sum over the rows of rint(xs[r, k] * 2^s)

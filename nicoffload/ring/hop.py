@@ -142,7 +142,7 @@ def _check(buf, o, t, job, sender, call, cap, wmask, elems):
 
 
 # Long on purpose: one fused loop; per-record calls with array arguments cost numba reference counts (pump.UNFIX_BATCH).
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def process_datagram(buf, start, ln, src, peer_addrs, rec, elems, me, world, job, cur, cap, local, result, out,
                      late, st, cnt, stash, stash_src, pongs, pings, io):
     """One received datagram of ``ln`` bytes at buf[start:] from address ``src`` (as stored in a
@@ -298,7 +298,7 @@ def process_datagram(buf, start, ln, src, peer_addrs, rec, elems, me, world, job
             cnt[S_FORWARDED] += 1
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def recv_process(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, cspace, namelen, src_addr,
                  rxbuf, stride, peer_addrs, rec, elems, me, world, job, cur, cap, local, result, out, late, st, cnt,
                  stash, stash_src, pongs, pings, io, out_room):
@@ -330,7 +330,7 @@ def recv_process(fd, msgs, nmsgs, clen, cm_level, cm_type, cm_data, lens, segs, 
     return total
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def replay(stash, stash_src, nrec, peer_addrs, rec, elems, me, world, job, cur, cap, local, result, out, late, st,
            cnt, pongs, pings, io):
     """Process the records kept for this call (one at a time, as one-record frames); nothing is

@@ -21,14 +21,14 @@ from nicoffload.ring.layout import FLAG_RESTART, TYPE_NACK
 
 
 # --- tags -------------------------------------------------------------------------------------
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def set_tags(buf, rec, lo, hi, call):
     """Tag records lo .. hi-1 of ``buf`` with ``call`` (0: invalid)."""
     for k in range(lo, hi):
         _put32(buf, k * rec + O_EPOCH, call)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def untagged(buf, rec, lo, hi, call, out):
     """Records in lo .. hi-1 whose tag is not ``call``, into out; returns how many."""
     n = 0
@@ -39,7 +39,7 @@ def untagged(buf, rec, lo, hi, call, out):
     return n
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def count_tagged(buf, rec, n, call):
     c = 0
     for k in range(n):
@@ -49,7 +49,7 @@ def count_tagged(buf, rec, n, call):
 
 
 # --- requests ---------------------------------------------------------------------------------
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def build_nacks(local, rec, which, restart, me, buf):
     """NACK records for records ``which`` (full size: the answerer fills them in), from this
     node's own staged headers (they hold the record's count, exp, op and origin)."""
@@ -63,7 +63,7 @@ def build_nacks(local, rec, which, restart, me, buf):
 
 
 # --- results ----------------------------------------------------------------------------------
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f64, first):
     """Records 0 .. nrec-1 of ``result`` into the output from element ``first`` on: int32 copied,
     fixed point (kind float32/float64) as (lane - bias_n) * 2^-shift (bias_n: N times the
@@ -99,7 +99,7 @@ def decode(result, rec, elems, nrec, kind, shifts, bias_n, out_i, out_f32, out_f
         unfix(result, False, todo, nt, kind, out_f32, out_f64)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(cache=True, boundscheck=False, nogil=True)
 def copy_values(result, rec, elems, nrec, out):
     """The int32 lanes of records 0 .. nrec-1 (full records) into ``out`` (metadata passes)."""
     w = result.view(np.int32)
