@@ -43,7 +43,14 @@ BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
 #define SGD_CHUNK 8
 #define SGD_CHUNKS ((AR_ELEMS + SGD_CHUNK - 1) / SGD_CHUNK)
 
+/* AdamW's elements per callback: 4 where a record's elements allow it (8% less time per element
+ * than 2: 45.4 against 49.4 ns, agg bench --optimizer), else 2 (elems is even); with 8 the
+ * combined stack of the calls is over 512 bytes */
+#if AR_ELEMS % 4 == 0
+#define ADAM_CHUNK 4
+#else
 #define ADAM_CHUNK 2
+#endif
 #define ADAM_CHUNKS ((AR_ELEMS + ADAM_CHUNK - 1) / ADAM_CHUNK)
 #define ADAM_QMAX (1ULL << 52)
 

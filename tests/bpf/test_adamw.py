@@ -12,8 +12,10 @@ from test_optimizer import W, N, E, assert_results, run_step
 
 from nicoffload import optim
 from nicoffload.agg.control import Aggregator
+from nicoffload.errors import InputError
 from nicoffload.optim import OptimizerSpec
 from nicoffload.packets import generators as gen
+from nicoffload.wire import codec, proto
 
 SPECS = {"plain": OptimizerSpec.adamw(lr=2e-3, weight_decay=0.05),
          "amsgrad-maximize": OptimizerSpec.adamw(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, amsgrad=True, maximize=True)}
@@ -144,3 +146,37 @@ def test_within_the_derived_bound_of_float64_adamw_over_many_steps(adam, joined)
     assert (err <= bound.e_w).all(), np.flatnonzero(err > bound.e_w)[:5]
     assert finite.mean() > 0.5  # the bound says something for most parameters
     assert err.max() < 10 * spec.lr  # and no parameter went its own way
+
+
+def test_records_of_two_elements_take_the_two_element_update_bit_for_bit(joined):
+    """Records whose elements are not a multiple of 4 (here 2) take the update two elements per
+    callback (optim.h's ADAM_CHUNK), bit for bit the model's; elems that are no power of two are
+    refused before anything loads, saying what the aggregator takes."""
+    e, n = 2, 5
+    spec = SPECS["amsgrad-maximize"]
+    ips = [gen.worker_ip(r) for r in range(W)]
+    with pytest.raises(InputError, match="power of two"):
+        Aggregator.for_test(W, slots=optim.share(n, 6), elems=6, optimizer=spec, params=n, worker_ips=ips)
+    agg = Aggregator.for_test(W, slots=optim.share(n, e), elems=e, optimizer=spec, params=n, worker_ips=ips)
+    try:
+        rng = np.random.default_rng(11)
+        init = rng.uniform(-2, 2, n)
+        agg.set_params(1, init)
+        agg.set_lr(1, spec.lr)
+        model = optim.JobModel(spec, init, W, e)
+        ep = joined(agg, W)
+        for step in range(4):
+            grads = [(rng.standard_normal(n) * 10.0 ** rng.integers(-6, 1, n) / W).astype(np.float32)
+                     for _ in range(W)]
+            meta, data = gen.optimizer_contributions(grads, epoch=ep, step=step, params=n, elems=e)
+            for frames in (meta, data):
+                for r in range(W):
+                    outs = [agg.run(f) for f in frames[r]]
+            want, _ = model.step(grads)
+            assert len(outs) == len(want)
+            for o, (lanes, exp) in zip(outs, want):
+                h = codec.decode_datagrams(np.frombuffer(o.data[proto.L2L4_LEN:], np.uint8).copy(), 1, e)
+                assert int(h.fields["exp"][0]) == exp and np.array_equal(h.payload[0], lanes), step
+            assert np.array_equal(agg.maps.read_state(agg.table.get(1), e, full=True)["w"], model.w), step
+    finally:
+        agg.close()
