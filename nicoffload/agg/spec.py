@@ -76,8 +76,8 @@ class AggSpec:
         if self.workers:
             JobEntry(self.job, self.workers, self.group, list(self.worker_ips)).validate()
         if self.optimizer and (self.elems > optim.MAX_ELEMS or self.elems & (self.elems - 1)):
-            # (the update's program passes the verifier only for these: 6, 12, 24, 48, 200, 248,
-            # 250, 252 and 254 were tried and refused)
+            # (the verifier refuses the update's program for other sizes: 6, 12, 24, 48, 200 and
+            # 248 to 254 were tried; docs/optimizer.md)
             raise InputError(f"an aggregator with optimizer state takes a power of two of elements per record "
                              f"(--elems), at most {optim.MAX_ELEMS}: 2, 4, ... {optim.MAX_ELEMS}, not {self.elems}")
 
