@@ -3,6 +3,7 @@
  * and no BPF helpers: it compiles on its own.
  *
  *   mulfrac .. bit_length   branch-free fixed-point helpers (no conditional moves in BPF)
+ *   bitlen_table, bitlen    bit length by a de Bruijn table (per element)
  *   isqrt64                 integer square root, digit by digit (once per block)
  *   isqrt62                 integer square root, seed and Newton steps (per element)
  */
@@ -36,6 +37,27 @@ static __always_inline u64 bit_length(u64 v)
     v = (v & 0x3333333333333333ULL) + ((v >> 2) & 0x3333333333333333ULL);
     v = (v + (v >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
     return (v * 0x0101010101010101ULL) >> 56;
+}
+
+/* Bits needed to hold v < 2^63, by a de Bruijn sequence: v smeared to 2^n - 1; the top 6 bits of
+ * 2^n * BITLEN_DEBRUIJN are an index of its own for each n <= 63, which a 64-byte table the caller
+ * holds maps back to n (bitlen_table fills it, as 8 little-endian u64).
+ * About 13 fewer instructions than bit_length's popcount. The AdamW update takes 4 per element;
+ * bit_length's were 31% of its time (BPF_PROG_TEST_RUN with them stubbed out), and bitlen took it
+ * from 47.8 to 43.0 ns per element. tests/bpf/test_isqrt.py checks it on every bit length,
+ * tests/unit/test_isqrt_seed.py the table. */
+#define BITLEN_DEBRUIJN 0x022fdd63cc95386dULL
+static __always_inline void bitlen_table(u64 *tab)
+{
+    tab[0] = 0x1b36070335020100ULL; tab[1] = 0x1c30372208292604ULL;    /* BITLEN_TABLE */
+    tab[2] = 0x09162a2c2e27053eULL; tab[3] = 0x0b1d1231383b2318ULL;
+    tab[4] = 0x2f2128251a06343fULL; tab[5] = 0x0a113a17152b2d3dULL;
+    tab[6] = 0x1039143c20241933ULL; tab[7] = 0x0c0d0e1e0f131f32ULL;
+}
+static __always_inline u64 bitlen(u64 v, const u8 *tab)
+{
+    v |= v >> 1; v |= v >> 2; v |= v >> 4; v |= v >> 8; v |= v >> 16; v |= v >> 32;
+    return tab[((v + 1) * BITLEN_DEBRUIJN) >> 58];
 }
 
 /* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
@@ -73,9 +95,9 @@ static __always_inline u64 isqrt64(u64 t)
  * first step, under 0.31 of a unit after the second (sqrt(t) < 2^31), so r is floor(sqrt(t)) or
  * one more, which the last line takes back. Below 2^24 tests/unit/test_isqrt_seed.py checks every
  * t. Division is a BPF instruction; the seed is at least 2, so no divisor is 0 (t = 0 included). */
-static __always_inline u64 isqrt62(u64 t)
+static __always_inline u64 isqrt62(u64 t, const u8 *tab)
 {
-    u64 e = (bit_length(t) + 1) >> 1;               /* 4^(e-1) <= t < 4^e (t > 0) */
+    u64 e = (bitlen(t, tab) + 1) >> 1;              /* 4^(e-1) <= t < 4^e (t > 0) */
     s64 u = (s64)((t << (62 - 2 * e)) >> 40);       /* X = t / 4^(e-1) as u / 2^20, [2^20, 2^22) */
     s64 p = ISQRT_C1 + ((ISQRT_C2 * u) >> 20);
     u64 y = (u64)(ISQRT_C0 + ((p * u) >> 20));      /* 2^30 sqrt(X), within 0.503% */

@@ -3,7 +3,8 @@ and run with BPF_PROG_TEST_RUN): isqrt62, AdamW's per-element square root, and i
 once-per-block one, give floor(sqrt(t)) bit for bit as math.isqrt and the model
 (nicoffload.optim.adamw.isqrt) do, on perfect squares and their neighbours, powers of two and
 operands of every bit length up to 2^62 - 1 (tests/unit/test_isqrt_seed.py checks the
-algorithm step by step); and bit_length, which the seed and the update use, on any u64."""
+algorithm step by step); bit_length on any u64, and bitlen, by its de Bruijn table, which the seed
+and the update use per element, on any below 2^63."""
 from __future__ import annotations
 
 import math
@@ -22,19 +23,22 @@ SRC = r"""
 #include "fixed.h"
 
 /* each of the frame's first NV u64 operands t: isqrt62(t) in its place, isqrt64(t) NV further,
- * bit_length(t) 2 NV further */
+ * bit_length(t) 2 NV further, bitlen(t) 3 NV further */
 int isqrt_run(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
     u64 *v = data;
-    if ((void *)(v + 3 * NV) > end)
+    u64 tab[8];
+    if ((void *)(v + 4 * NV) > end)
         return XDP_ABORTED;
+    bitlen_table(tab);
 #pragma unroll
     for (int j = 0; j < NV; j++) {
         u64 t = v[j];
-        v[j] = isqrt62(t);
+        v[j] = isqrt62(t, (const u8 *)tab);
         v[NV + j] = isqrt64(t);
         v[2 * NV + j] = bit_length(t);
+        v[3 * NV + j] = bitlen(t, (const u8 *)tab);
     }
     return XDP_TX;
 }
@@ -50,15 +54,15 @@ def prog():
         b.cleanup()
 
 
-def run(fn, t: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """The kernel's isqrt62, isqrt64 and bit_length of each operand, NV per test run."""
-    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+def run(fn, t: list[int]) -> tuple[list[int], ...]:
+    """The kernel's isqrt62, isqrt64, bit_length and bitlen of each operand, NV per test run."""
+    out: tuple[list[int], ...] = ([], [], [], [])
     for i in range(0, len(t), NV):
         chunk = t[i:i + NV]
-        res = libbpf.test_run(fn.fd, struct.pack(f"<{NV}Q", *chunk, *[0] * (NV - len(chunk))) + bytes(16 * NV))
+        res = libbpf.test_run(fn.fd, struct.pack(f"<{NV}Q", *chunk, *[0] * (NV - len(chunk))) + bytes(24 * NV))
         assert res.verdict == libbpf.XDP_TX
-        vals = struct.unpack(f"<{3 * NV}Q", res.data[:24 * NV])
-        for k in range(3):
+        vals = struct.unpack(f"<{4 * NV}Q", res.data[:32 * NV])
+        for k in range(4):
             out[k].extend(vals[k * NV:k * NV + len(chunk)])
     return out
 
@@ -76,7 +80,7 @@ def operands() -> list[int]:
 
 def test_the_kernels_square_roots_are_exact_across_the_range(prog):
     t = operands()
-    r62, r64, _ = run(prog, t)
+    r62, r64, _, _ = run(prog, t)
     want = [math.isqrt(x) for x in t]
     bad = [(x, g, w) for x, g, w in zip(t, r62, want) if g != w]
     assert not bad, bad[:5]
@@ -86,7 +90,7 @@ def test_the_kernels_square_roots_are_exact_across_the_range(prog):
 
 def test_isqrt64_takes_2_to_the_62_itself(prog):
     """The once-per-block root's operand bc2 << 30 reaches 2^62 (bc2 = 1); isqrt62's stops below."""
-    _, r64, _ = run(prog, [1 << 62, (1 << 62) - 1])
+    _, r64, _, _ = run(prog, [1 << 62, (1 << 62) - 1])
     assert r64 == [1 << 31, (1 << 31) - 1]
 
 
@@ -95,3 +99,11 @@ def test_bit_length_of_any_u64(prog):
     v = [0, 1, 2, 3] + [(1 << i) + d for i in range(2, 64) for d in (-1, 0, 1)] + [(1 << 64) - 1]
     v += [int(x) for x in np.random.default_rng(64).integers(0, 1 << 63, 1000, dtype=np.uint64)]
     assert run(prog, v)[2] == [x.bit_length() for x in v]
+
+
+def test_bitlen_by_its_table_below_2_to_the_63(prog):
+    """the per-element bit length: every n from 0 to 63 must come back from its table entry"""
+    v = [0, 1, 2, 3] + [(1 << i) + d for i in range(2, 63) for d in (-1, 0, 1)] + [(1 << 63) - 1]
+    v += [int(x) >> int(b) for x, b in zip(np.random.default_rng(63).integers(0, 1 << 63, 1000, dtype=np.uint64),
+                                           np.random.default_rng(62).integers(0, 63, 1000))]
+    assert run(prog, v)[3] == [x.bit_length() for x in v]

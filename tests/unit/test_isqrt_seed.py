@@ -137,3 +137,15 @@ def test_random_operands():
     rng = np.random.default_rng(62)
     t = rng.integers(0, LIMIT, 1 << 18, dtype=np.uint64) >> rng.integers(0, 63, 1 << 18).astype(U)
     assert np.array_equal(isqrt62(t), exact(t))
+
+
+def test_bitlens_de_bruijn_table_maps_each_power_of_two_back_to_its_exponent():
+    """fixed.h's bitlen: the top 6 bits of 2^n * BITLEN_DEBRUIJN index the table at n, for every
+    n <= 63 (the table is the 8 little-endian u64 bitlen_table stores)."""
+    text = (proto.xdp_dir() / "fixed.h").read_text()
+    deb = int(re.search(r"#define BITLEN_DEBRUIJN (0x[0-9a-f]+)ULL", text).group(1), 16)
+    body = text[text.index("void bitlen_table"):text.index("static __always_inline u64 bitlen(")]
+    words = dict((int(i), int(v, 16)) for i, v in re.findall(r"tab\[(\d)\] = (0x[0-9a-f]+)ULL", body))
+    assert sorted(words) == list(range(8))
+    table = b"".join(words[i].to_bytes(8, "little") for i in range(8))
+    assert [table[((1 << n) * deb % (1 << 64)) >> 58] for n in range(64)] == list(range(64))
