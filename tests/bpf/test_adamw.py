@@ -148,15 +148,18 @@ def test_within_the_derived_bound_of_float64_adamw_over_many_steps(adam, joined)
     assert err.max() < 10 * spec.lr  # and no parameter went its own way
 
 
-def test_records_of_two_elements_take_the_two_element_update_bit_for_bit(joined):
-    """Records whose elements are not a multiple of 4 (here 2) take the update two elements per
-    callback (optim.h's ADAM_CHUNK), bit for bit the model's; elems that are no power of two are
-    refused before anything loads, saying what the aggregator takes."""
-    e, n = 2, 5
-    spec = SPECS["amsgrad-maximize"]
+@pytest.mark.parametrize("e,kind", [(2, "amsgrad-maximize"), (6, "amsgrad-maximize"), (12, "plain"), (6, "sgd")])
+def test_records_of_any_even_size_take_the_update_bit_for_bit(joined, e, kind):
+    """Records whose elements are not a multiple of 4 (2, 6) take AdamW's update two elements per
+    callback (optim.h's ADAM_CHUNK), 12 four; every even size loads (before CHUNK_BASE the
+    verifier refused all but the powers of two) and updates bit for bit as the model, with a
+    partial last block; SGD too. Beyond 256 elements the aggregator is refused before it loads."""
+    from test_optimizer import SPEC
+    n = 2 * e + 1
+    spec = SPEC if kind == "sgd" else SPECS[kind]
     ips = [gen.worker_ip(r) for r in range(W)]
-    with pytest.raises(InputError, match="power of two"):
-        Aggregator.for_test(W, slots=optim.share(n, 6), elems=6, optimizer=spec, params=n, worker_ips=ips)
+    with pytest.raises(InputError, match="at most 256"):
+        Aggregator.for_test(W, slots=optim.share(n, 258), elems=258, optimizer=spec, params=n, worker_ips=ips)
     agg = Aggregator.for_test(W, slots=optim.share(n, e), elems=e, optimizer=spec, params=n, worker_ips=ips)
     try:
         rng = np.random.default_rng(11)
