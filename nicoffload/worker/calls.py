@@ -27,7 +27,8 @@ class Rounds:
     holds every record, in order. Results of ``kind`` (pump.KIND_*) go into ``res``; rounds
     whose shift is pump.META_SHIFT: int32 into ``meta_out``, at their block's offset. With
     ``ready``, no round at or beyond ``ready(done, head)`` enters the window (a pipelined call's data
-    waits for its chunk's metadata)."""
+    waits for its chunk's metadata). With ``rotate``, a run that enters the window whole goes out
+    rotated (:func:`rotation_starts`)."""
 
     blocks: np.ndarray
     masks: np.ndarray
@@ -39,6 +40,7 @@ class Rounds:
     encode: Callable[[int, int, int], None] | None = None
     meta_out: np.ndarray | None = None
     ready: Callable[[np.ndarray, int], int] | None = None  # (done, head): how many leading rounds may go
+    rotate: bool = False  # see rotation_starts
 
 
 @dataclass
@@ -75,6 +77,15 @@ class CallStats:
         for other in many:
             st.add(other)
         return st
+
+
+def rotation_starts(n: int, world: int) -> list[int]:
+    """Where each rank starts a rotated run of ``n`` rounds: rank q sends rounds q n / world .. n - 1,
+    then 0 .. q n / world - 1, so that segment q (from its start to the next) is completed by the
+    rank after q, each rank completes a share, and an optimizer step's update runs on every
+    rank's queue (in the softirq of its sends on the testbed) instead of the rank behind's alone.
+    Each segment's results come in order; the segments' do not (RoundTimer.fast_retransmit)."""
+    return [q * n // world for q in range(world)] + [n]
 
 
 def ring_spans(j0: int, j1: int, cap: int):
@@ -142,6 +153,9 @@ class RunState:
         self.out_f32 = r.res if r.res.dtype == np.float32 else _NONE_F32
         self.out_f64 = r.res if r.res.dtype == np.float64 else _NONE_F64
         self.dense = len(mine) == K
+        # a rotated run's segment starts (rotation_starts): the other ranks may send rotated even
+        # when this one cannot (its window not at its cap), so fast retransmit takes them always
+        self.segments = rotation_starts(K, s.world) if r.rotate and self.dense else None
         # rounds whose contributors differ (sparse jobs): what fast retransmit needs to tell a
         # round lost from one waiting for a slower rank (RoundTimer.fast_retransmit)
         mixed = K and not bool((r.masks == s._all).all())

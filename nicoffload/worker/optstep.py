@@ -69,5 +69,6 @@ def _step(self: Communicator, g: np.ndarray, out: np.ndarray, nb: int) -> None:
                          shifts, self._s.bias, single, at, proto.OP_SGD)
 
     kind = pump.KIND_PARAMS32 if single else pump.KIND_PARAMS64
-    self._s.run(base, Rounds(blocks, masks, blocks, shifts, send, kind, res, encode))
+    # rotated: each rank completes a share of the rounds, so the update runs on every rank's queue
+    self._s.run(base, Rounds(blocks, masks, blocks, shifts, send, kind, res, encode, rotate=True))
 

@@ -9,7 +9,8 @@ round without a result, hi the first round not yet sent. Time is whatever clock 
 - The retransmission timeout follows the smoothed time from send to result, as TCP's does:
   rto = max(rto_min, 3 * srtt), doubled after each timeout up to max(rto_max, that base).
 - Rounds complete in order on FIFO paths (a round completes when its last contributor's
-  record arrives, and every rank sends in order): a round left behind by ``gap`` rounds that
+  record arrives, and every rank sends in order; in a rotated run, in order within each
+  segment): a round left behind by ``gap`` rounds that
   completed after it (in a sparse job: ``gap`` of each of its contributors') has lost a packet
   and is probed at once (fast retransmit), once it is older than ``REORDER_RTTS`` smoothed round
   trips (a probed round gets a round trip to come back before it is probed again). Waiting for
@@ -66,13 +67,20 @@ class RoundTimer:
         self.base_rto = self.rto = max(self.rto_min, 3 * self.srtt)
 
     def fast_retransmit(self, done: np.ndarray, head: int, hi: int, sent_at: np.ndarray, now: float,
-                        masks: np.ndarray | None = None, flags: np.ndarray | None = None) -> np.ndarray:
+                        masks: np.ndarray | None = None, flags: np.ndarray | None = None,
+                        segments: list[int] | None = None) -> np.ndarray:
         """Rounds in [head, hi) without a result that ``gap`` later rounds have overtaken and that
         are older than REORDER_RTTS smoothed round trips; their send time is reset to ``now``.
         Where the rounds' contributors differ (``masks``, a sparse job), a round counts as
         overtaken only once each of its contributors has ``gap`` later results
         (kernels.overtaken, into ``flags``, one byte per round): a round that waits for a slower
-        rank is not lost."""
+        rank is not lost. A rotated run (``segments``: calls.rotation_starts) completes each
+        segment in order but the segments side by side: a round is overtaken by later results of
+        its own segment only."""
+        if segments is not None:
+            parts = [self.fast_retransmit(done, max(head, a), min(hi, b), sent_at, now, masks, flags)
+                     for a, b in zip(segments, segments[1:]) if max(head, a) < min(hi, b)]
+            return np.concatenate(parts) if parts else np.empty(0, np.int64)
         later = np.flatnonzero(done[head:hi])
         if not len(later):
             return later

@@ -251,9 +251,12 @@ class RoundStream(GateWait):
                          x.j_enc + self.ENCODE_CHUNK, (x.j_enc // cap + 1) * cap)
                 r.encode(x.j_enc, j1, x.j_enc % cap)
                 x.j_enc = j1
-            for a, c in ring_spans(x.j_sent, j_end, cap):
-                x.ack_col[a:a + c] = (x.base + x.head) & 0xFFFFFFFF
-                self._t.send_records(r.send, a, c, x.dest)
+            rot = x.segments is not None and x.j_sent == 0 and j_end == x.K <= cap  # the whole run at once
+            first = x.segments[self.rank] if rot else x.j_sent
+            for j0, j1 in ((first, j_end), (x.j_sent, first)):
+                for a, c in ring_spans(j0, j1, cap):
+                    x.ack_col[a:a + c] = (x.base + x.head) & 0xFFFFFFFF
+                    self._t.send_records(r.send, a, c, x.dest)
             self.last.packets_sent += j_end - x.j_sent
             self._acked = max(self._acked, x.base + x.head)
             x.j_sent = j_end
@@ -290,7 +293,8 @@ class RoundStream(GateWait):
         # the window's round trip counts from the first send (a resent round's is long, never short)
         self._cc.on_results(new, now - x.sent0[last] if last < x.hi else None)
         if x.head < x.hi:
-            self._probe(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now, *x.contributors))
+            self._probe(x, self._timer.fast_retransmit(x.done, x.head, x.hi, x.sent_at, now, *x.contributors,
+                                                       segments=x.segments))
 
     def _on_idle(self, x: RunState, now: float) -> bool:
         """No progress: fail on timeout or silence, ask for the gate, probe what timed out.

@@ -20,14 +20,16 @@ ADAMW = OptimizerSpec.adamw(lr=1e-2, weight_decay=1e-2, amsgrad=True)
 N, E = 5000, 256
 
 
-def run_steps(tb, ranks, grads_per_step, slots, timeout=20, key=0):
+def run_steps(tb, ranks, grads_per_step, slots, timeout=20, key=0, watch=None):
     """Every rank does every step (threads, each rank's socket in its namespace): the parameters
-    each rank got back, per step."""
+    each rank got back, per step. ``watch(comms)`` is called before the first step."""
     comms = []
     for r, h in enumerate(ranks):
         with tb.in_host(h):
             comms.append(Communicator(r, len(ranks), tb.agg.ip, group=tb.mcast_group, local_ip=h.ip,
                                       slots=slots, timeout=timeout, sparse=False, key=key))
+    if watch is not None:
+        watch(comms)
     got = [[] for _ in ranks]
     errors = []
 
@@ -84,6 +86,44 @@ def test_workers_get_the_models_parameters_from_xdp(make_testbed, faults, spec):
         dropped = sum(d["dropped"] for link in hit.values() for d in link.values())
         duplicated = sum(d["duplicated"] for link in hit.values() for d in link.values())
         assert dropped > 0 and duplicated > 0, hit
+
+
+def test_each_rank_sends_a_step_rotated_and_the_parameters_stay_the_models(make_testbed):
+    """A step's data rounds go out from rank * K / N on, wrapping (calls.rotation_starts), so that
+    every rank completes a share of the rounds and the update runs on every rank's queue instead
+    of the rank behind's alone; the parameters are still the model's, bit for bit."""
+    tb = make_testbed(3)
+    ranks = tb.workers
+    rng = np.random.default_rng(7)
+    init = rng.uniform(-0.5, 0.5, N)
+    grads = steps(rng, len(ranks), 4)
+    P, K = optim.share(N, E), optim.blocks(N, E)
+    spans: list[list[tuple[int, int]]] = [[] for _ in ranks]
+
+    def watch(comms):
+        for r, c in enumerate(comms):
+            t, ring = c._s._t, c._s._send
+            send = t.send_records
+
+            def logged(buf, a, n, *args, _r=r, _send=send, _ring=ring, **kw):
+                if buf.base is _ring or buf is _ring:
+                    spans[_r].append((a, n))
+                return _send(buf, a, n, *args, **kw)
+            t.send_records = logged
+
+    with Aggregator.load(AggSpec(tb.agg.netns, tb.agg.iface, slots=P, optimizer=True)) as agg:
+        agg.add_job(1, len(ranks), tb.mcast_group, [h.ip for h in ranks], optimizer=ADAMW, params=N, initial=init)
+        got = run_steps(tb, ranks, grads, P, watch=watch)
+    starts = [r * K // len(ranks) for r in range(len(ranks))]
+    assert starts == [0, 6, 13]
+    for r, first in enumerate(starts[1:], 1):  # the whole step at once: from its start, then the wrap
+        pairs = list(zip(spans[r], spans[r][1:]))
+        assert ((first, K - first), (0, first)) in pairs, (r, spans[r])
+    model = optim.JobModel(ADAMW, init, len(ranks), E)
+    for i, g in enumerate(grads):
+        _, want = model.step(g)
+        for r in range(len(ranks)):
+            assert np.array_equal(got[r][i], want.astype(np.float32)), f"step {i}, rank {r}"
 
 
 def test_checkpoint_and_restore_continue_the_same_run(make_testbed, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 
 from nicoffload.packets import generators as gen
 from nicoffload.wire import codec, proto
+from nicoffload.worker.calls import rotation_starts
 from nicoffload.worker.records import RankRecords, read_join_reply
 from nicoffload.worker.recovery import MAX_WAIT, RoundTimer, ack_due, missing_ranks, unheard
 
@@ -212,3 +213,21 @@ def test_a_sparse_round_waiting_for_a_slower_rank_is_not_lost_until_that_rank_mo
     assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, masks, flags).tolist() == []
     done[12] = 1    # ... 4: round 0's record from rank 1 went out before them
     assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, masks, flags).tolist() == [0]
+
+
+def test_a_rotated_runs_segments_complete_side_by_side_and_only_a_segments_own_later_results_overtake():
+    """A rotated run (an optimizer step: rank q sends from q K / N on, calls.rotation_starts):
+    segment 1's rounds complete while segment 0 still waits for the rank that sends it last.
+    That is no loss; a round that later rounds of its own segment overtook is. Without the
+    segments, the first half of a 2-rank step was probed at every step."""
+    segs = rotation_starts(16, 2)
+    assert segs == [0, 8, 16]
+    assert rotation_starts(10, 4) == [0, 2, 5, 7, 10]
+    t = RoundTimer(rto_min=0.02, rto_max=0.5, timeout=10, srtt=0.01)
+    done, sent_at = window(16)
+    done[8:16] = 1                       # segment 1 complete, segment 0 not begun
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05).tolist() == list(range(8))  # as one order: lost
+    sent_at[:] = 0
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, segments=segs).tolist() == []
+    done[3:8] = 1                        # segment 0 overtaken by 5 of its own: rounds 0..2 lost
+    assert t.fast_retransmit(done, 0, 16, sent_at, 0.05, segments=segs).tolist() == [0, 1, 2]
