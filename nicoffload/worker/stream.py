@@ -253,7 +253,7 @@ class RoundStream(GateWait):
                 x.j_enc = j1
             rot = x.segments is not None and x.j_sent == 0 and j_end == x.K <= cap  # the whole run at once
             first = x.segments[self.rank] if rot else x.j_sent
-            for j0, j1 in ((first, j_end), (x.j_sent, first)):
+            for j0, j1 in ((first, j_end), (x.j_sent, first)):  # rotated: then the wrap; else one span
                 for a, c in ring_spans(j0, j1, cap):
                     x.ack_col[a:a + c] = (x.base + x.head) & 0xFFFFFFFF
                     self._t.send_records(r.send, a, c, x.dest)
