@@ -244,12 +244,14 @@ def _cleanup(p: dict[str, Path]) -> None:
 def stop_all(netns: str | None, iface: str) -> list[int]:
     """Stop the engine of the handed-off jobs on ``iface`` (agg unload); the jobs it served."""
     p = paths(netns, iface)
-    if not p["record"].exists() and not p["jobs"].exists():
-        return []
-    with _locked(netns, iface):
-        jobs = _read_json(p["jobs"], {})
-        _stop(_read_json(p["record"], {}).get("pid"))
-        _cleanup(p)
+    jobs: dict = {}
+    if p["record"].exists() or p["jobs"].exists():
+        with _locked(netns, iface):
+            jobs = _read_json(p["jobs"], {})
+            _stop(_read_json(p["record"], {}).get("pid"))
+            _cleanup(p)
+    # the lock outlives the engine of jobs that were all taken back (agg job remove): it goes
+    # with the aggregator
     p["lock"].unlink(missing_ok=True)
     return [int(j) for j in jobs]
 

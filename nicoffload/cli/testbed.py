@@ -48,6 +48,16 @@ def _unload_aggregators(netns_prefix: str) -> list[str]:
          if ring.unload(ns, iface, missing_ok=True)]
 
 
+def _strays(netns_prefix: str) -> list[str]:
+    """Files the aggregators and ring programs of namespaces now gone left in their state
+    directories (a lock of an AF_XDP engine, say)."""
+    from nicoffload.agg.spec import STATE_DIR as AGG_DIR
+    from nicoffload.ebpf import loadstate
+    from nicoffload.ring.node import STATE_DIR as RING_DIR
+
+    return [f for d in (AGG_DIR, RING_DIR) for f in loadstate.remove_strays(d, netns_prefix)]
+
+
 def cmd_up(args) -> int:
     tbm = _testbed()
     name = args.name or tbm.new_name()
@@ -167,7 +177,7 @@ def cmd_clean(args) -> int:
     prefix = args.name_prefix or ""
     unloaded = _unload_aggregators(tbm.netns_prefix(prefix, whole=False))
     out = tbm.clean(prefix)
-    out["removed"] = unloaded + out["removed"]
+    out["removed"] = unloaded + out["removed"] + _strays(tbm.netns_prefix(prefix, whole=False))
     if args.json:
         print(json.dumps(out))
         return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Iterable
 
 from nicoffload.errors import InputError
 
@@ -58,6 +59,26 @@ def recorded(state_dir: Path, netns_prefix: str = "") -> list[tuple[str | None, 
         if ns.startswith(netns_prefix):
             out.append((None if ns == "root" else ns, iface))
     return sorted(set(out), key=lambda t: (t[0] or "", t[1]))
+
+
+def remove_strays(state_dir: Path, netns_prefix: str, live: Iterable[str] | None = None) -> list[str]:
+    """Remove what is left in ``state_dir`` (locks, logs, records of engines) of namespaces whose
+    name starts with ``netns_prefix`` and that no longer exist (``live``: those that do; default,
+    those under /run/netns); the paths removed. Called once their programs are unloaded and their
+    namespaces gone (``testbed clean``). A file belongs to a live namespace when its name starts
+    with that name and ``__`` (a namespace's name may hold ``__`` itself)."""
+    if not netns_prefix or not state_dir.is_dir():
+        return []
+    if live is None:
+        live = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    owners = tuple(f"{ns}__" for ns in live)
+    out = []
+    for f in sorted(state_dir.iterdir()):
+        name = f.name.lstrip(".")
+        if name.startswith(netns_prefix) and "__" in name and not name.startswith(owners) and f.is_file():
+            f.unlink(missing_ok=True)
+            out.append(str(f))
+    return out
 
 
 def release(prog, b) -> None:

@@ -37,6 +37,18 @@ def make_testbed(uid):
     clean(f"t{uid}")
     if errors:
         raise errors[0]
+    left = state_left(f"nco-t{uid}")
+    assert not left, f"the test's aggregators or ring programs left state files: {left}"
+
+
+def state_left(netns_prefix: str) -> list[str]:
+    """What aggregators and ring programs of namespaces starting with ``netns_prefix`` left in
+    their state directories (a lock, an engine's log...)."""
+    from nicoffload.agg.spec import STATE_DIR as AGG_DIR
+    from nicoffload.ring.node import STATE_DIR as RING_DIR
+
+    return [str(f) for d in (AGG_DIR, RING_DIR) if d.is_dir() for f in d.iterdir()
+            if f.name.lstrip(".").startswith(netns_prefix)]
 
 
 @pytest.fixture(autouse=True)

@@ -71,3 +71,19 @@ def test_what_is_recorded_is_read_from_the_state_files(tmp_path):
     assert loadstate.recorded(tmp_path) == [(None, "veth1"), ("nco-a__b-agg", "eth0"), ("nco-c-agg", "eth0")]
     assert loadstate.recorded(tmp_path, "nco-a__b") == [("nco-a__b-agg", "eth0")]
     assert json.loads((tmp_path / "root__veth1.json").read_text())["iface"] == "veth1"
+
+
+def test_strays_of_gone_namespaces_are_removed_and_a_live_ones_files_kept(tmp_path):
+    """``testbed clean`` removes what aggregators of namespaces now gone left in their state
+    directory (a lock of an AF_XDP engine, a hidden temporary file), never a live namespace's
+    (whose name may hold ``__``), nor another prefix's."""
+    from nicoffload.ebpf import loadstate
+
+    names = ["nco-a__b-agg__eth0.json", "nco-a__b-agg__eth0.afxdp.lock", "nco-a-agg__eth0.afxdp.lock",
+             ".nco-c-agg__eth0.afxdp.json.tmp", "nco-c-agg__eth0.afxdp.log", "other-agg__eth0.lock"]
+    for n in names:
+        (tmp_path / n).write_text("")
+    removed = loadstate.remove_strays(tmp_path, "nco-", live=["nco-a__b-agg", "nco-z"])
+    assert sorted(removed) == sorted(str(tmp_path / n) for n in names[2:5])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[:2] + names[5:])
+    assert loadstate.remove_strays(tmp_path, "", live=[]) == []  # no prefix: nothing goes
