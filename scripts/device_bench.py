@@ -4,6 +4,7 @@
     device_bench.py codec [--device cpu|cuda] [--mib 16]   # encode and decode: torch ops vs numba
     device_bench.py copies                                 # host bytes copied per element, each path
     device_bench.py allreduce [--device cpu|cuda]          # two ranks on this machine, 16 MiB, each path
+    device_bench.py ddp [--device cpu|cuda]                # DDP's step, each path and gloo
 
 codec      the three steps of a float32 sum (block metadata, lanes, decode of the sums) for a
            tensor of --mib MiB: the torch operations on --device against the numba kernels on
@@ -12,8 +13,11 @@ codec      the three steps of a float32 sum (block metadata, lanes, decode of th
 copies     the copies each path makes per gradient element, from the code (which function makes
            each), and the bytes they write into host memory
 allreduce  two ranks of tests/unit/device_ranks.py at 127.0.0.1 (shared memory between them):
-           the time of a 16 MiB float32 all-reduce on the device path and on the host path, and
-           the copy counters of the device path per element
+           the time of a 16 MiB float32 all-reduce on the device path, on the host path and
+           through gloo, interleaved rep by rep, and the copy counters of each path per element;
+           --profile DIR: rank 0's cProfile of each path
+ddp        the same two ranks: DDP's step time on an 8.4 M-parameter model through each path and
+           through gloo, three interleaved runs of --reps steps each
 """
 from __future__ import annotations
 
@@ -125,37 +129,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def allreduce(device: str, reps: int) -> dict:
+def _ranks(device: str, phases: str, reps: int, profile: str | None = None) -> dict:
+    """Two ranks of device_ranks.py at 127.0.0.1 running ``phases``; rank 0's report."""
     job = ROOT / "tests" / "unit" / "device_ranks.py"
     with tempfile.TemporaryDirectory(prefix="nicoffload-bench") as out:
         port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+        extra = ["--profile", profile] if profile else []
         procs = [subprocess.Popen([sys.executable, str(job), "--out", out, "--rank", str(r), "--world", "2", "--port",
-                                   str(port), "--device", device, "--phases", "bench", "--reps", str(reps)], env=env)
-                 for r in range(2)]
+                                   str(port), "--device", device, "--phases", phases, "--reps", str(reps), *extra],
+                                  env=env) for r in range(2)]
         for p in procs:
             p.wait(timeout=600)
         rep = json.loads(Path(out, "rank0.json").read_text())
     if "error" in rep:
         raise SystemExit(rep["error"])
+    return rep
+
+
+def allreduce(device: str, reps: int, profile: str | None = None) -> dict:
+    if profile:
+        Path(profile).mkdir(parents=True, exist_ok=True)
+    rep = _ranks(device, "bench", reps, profile)
     n = 4 << 20
     for path, d in rep["bench"].items():
         d["copies_per_element"] = {k: round(v / n, 4) for k, v in d.pop("copies").items() if k.endswith("bytes")}
     return {"gpu": rep.get("gpu"), "group": rep["group"], "bench": rep["bench"]}
 
 
+def ddp(device: str, steps: int) -> dict:
+    rep = _ranks(device, "ddpbench", steps)
+    return {"gpu": rep.get("gpu"), "group": rep["group"], "ddp_step_ms": rep["ddp_bench"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["codec", "copies", "allreduce"])
+    ap.add_argument("what", choices=["codec", "copies", "allreduce", "ddp"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--mib", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=7, help="reps (ddp: steps per run, three runs per path)")
+    ap.add_argument("--profile", metavar="DIR", help="allreduce: rank 0's cProfile of each path, into DIR")
     a = ap.parse_args()
     if a.what == "codec":
         res = codec_bench(a.device, a.mib, a.reps)
     elif a.what == "copies":
         res = copies()
+    elif a.what == "ddp":
+        res = ddp(a.device, a.reps)
     else:
-        res = allreduce(a.device, a.reps)
+        res = allreduce(a.device, a.reps, a.profile)
     res = {"what": a.what, "load": os.getloadavg(), **res}
     print(json.dumps(res, indent=1))
     return 0

@@ -14,7 +14,8 @@
 # 3. as root with bcc: the same through the XDP aggregator on a namespace testbed (else skipped:
 #    step 2 stands for it, through the ranks of one host)
 # 4. numbers: the codec on the GPU against the kernels on the CPU, a 16 MiB all-reduce on each path
-#    (two ranks), and the host bytes copied per element
+#    and through gloo (two ranks, interleaved; rank 0's profile of each), DDP's step on each path
+#    and through gloo, and the host bytes copied per element
 # Exit status: 0 all passed, 1 a check failed, 2 no GPU.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,7 +57,9 @@ fi
 step "4. numbers"
 "$PY" scripts/device_bench.py codec --device cuda --reps 20 | tee "$out/codec_cuda.json"
 "$PY" scripts/device_bench.py codec --device cpu --reps 7 | tee "$out/codec_cpu.json"
-"$PY" scripts/device_bench.py allreduce --device cuda --reps 20 | tee "$out/allreduce_cuda.json"
+"$PY" scripts/device_bench.py allreduce --device cuda --reps 20 --profile "$out/profile" \
+    | tee "$out/allreduce_cuda.json"
+"$PY" scripts/device_bench.py ddp --device cuda --reps 20 | tee "$out/ddp_cuda.json"
 "$PY" scripts/device_bench.py copies > "$out/copies.json"
 "$PY" - "$out" <<'EOF'
 import json, sys
@@ -69,6 +72,11 @@ for path, d in ar.items():
           f"({d['min_ms']:.2f} min); device-path copies per element: {d['copies_per_element']}")
 if "auto" in ar and "host" in ar:
     print(f"host/device: {ar['host']['median_ms'] / ar['auto']['median_ms']:.2f} (the target: at least 1.5)")
+if "auto" in ar and "gloo" in ar:
+    print(f"gloo/device: {ar['gloo']['median_ms'] / ar['auto']['median_ms']:.2f}")
+ddp = json.loads((out / "ddp_cuda.json").read_text())["ddp_step_ms"]
+print("DDP step, 8.4 M parameters, two ranks, median ms:", {k: round(v, 2) for k, v in ddp.items()},
+      f"gloo/device {ddp['gloo'] / ddp['auto']:.2f} (the target: at least 1)")
 c = json.loads((out / "codec_cuda.json").read_text())
 tk = next(v for k, v in c.items() if k.startswith("torch_ms"))
 print("codec, 16 MiB, min ms (torch on the GPU | numba on the CPU):",

@@ -12,7 +12,8 @@ bits   every case through the host path (NICOFFLOAD_DEVICE_PATH=host) and the de
 ddp    a small model trained with DDP through the device path, through the host path, and
        through the group's gloo (on the same device)
 gloo   calls the offload does not take, on the device's tensors (broadcast, all_gather, send/recv)
-bench  16 MiB all-reduces, each path, timed; the device path's copy counters
+bench  16 MiB all-reduces, each path and gloo, interleaved and timed; the device path's copy counters
+ddpbench  DDP step times on each path and gloo (an 8.4 M-parameter model), interleaved runs
 """
 from __future__ import annotations
 
@@ -127,26 +128,122 @@ def gloo_phase(rank: int, world: int, dev: str) -> dict:
             "send_recv": float(p2p[0])}
 
 
-def bench_phase(dev: str, fast: str, reps: int) -> dict:
+def bench_phase(dev: str, fast: str, reps: int, gloo=None, profile: str | None = None) -> dict:
+    """16 MiB all-reduces on each path (and through ``gloo``, the group's gloo, when given),
+    interleaved rep by rep in a rotating order, so a drift of the machine weighs on each alike.
+    ``profile``: a folder where rank 0 writes profile.txt: each path's cProfile (cumulative, top
+    30) and, on CUDA, torch.profiler's tables of five more calls."""
+    import cProfile
+    import io
+    import pstats
+
     n = 4 << 20  # 16 MiB of float32
-    res = {}
-    for setting in (fast, "host"):
-        t = torch.randn(n, device=dev)
-        before = devicepath.STATS.as_dict()
-        times = []
-        for _ in range(reps):
+    paths = [fast, "host"] + (["gloo"] if gloo is not None else [])
+    base = torch.randn(n, device=dev)
+    ts = {p: base.clone() for p in paths}
+    times: dict = {p: [] for p in paths}
+    copies: dict = {p: {} for p in paths}
+    profs = {p: cProfile.Profile() for p in paths} if profile and dist.get_rank() == 0 else {}
+    for i in range(reps):
+        for p in paths[i % len(paths):] + paths[:i % len(paths)]:
+            ts[p].copy_(base)
             dist.barrier()
             if dev == "cuda":
                 torch.cuda.synchronize()
+            before = devicepath.STATS.as_dict()
+            prof = profs.get(p)
+            if prof:
+                prof.enable()
             s = time.perf_counter()
-            run_with(setting, lambda: dist.all_reduce(t))
+            if p == "gloo":
+                dist.all_reduce(ts[p], group=gloo)
+            else:
+                run_with(p, lambda: dist.all_reduce(ts[p]))
             if dev == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - s)
-        after = devicepath.STATS.as_dict()
-        res[setting] = {"median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * min(times),
-                        "copies": {k: (after[k] - before[k]) / reps for k in after}}
-    return res
+            times[p].append(time.perf_counter() - s)
+            if prof:
+                prof.disable()
+            after = devicepath.STATS.as_dict()
+            for k in after:
+                copies[p][k] = copies[p].get(k, 0) + (after[k] - before[k]) / reps
+    text = []
+    for p, prof in profs.items():
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+        head = f"=== {p}: cProfile of {reps} calls, by cumulative time\n"
+        text.append(head + buf.getvalue() + _kernels(p, ts[p], gloo))
+    if profs:
+        Path(profile, "profile.txt").write_text("\n\n".join(text))
+    if profile and not profs:  # the other ranks take part in the profiled calls of _kernels
+        for p in paths:
+            _kernels(p, ts[p], gloo)
+    return {p: {"median_ms": 1e3 * float(np.median(times[p])), "min_ms": 1e3 * min(times[p]),
+                "copies": copies[p]} for p in paths}
+
+
+def _kernels(path: str, t: torch.Tensor, gloo, calls: int = 5) -> str:
+    """On CUDA: ``calls`` all-reduces of ``t`` on ``path`` under torch.profiler (the CPU's
+    operators and the device's kernels and copies), its table by total time; else ""."""
+    if t.device.type != "cuda":
+        return ""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            dist.barrier()
+            if path == "gloo":
+                dist.all_reduce(t, group=gloo)
+            else:
+                run_with(path, lambda: dist.all_reduce(t))
+            torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return ""
+    try:
+        avg = prof.key_averages()
+        return "".join(f"\n\ntorch.profiler, {calls} calls, by {k}:\n"
+                       + avg.table(sort_by=k, row_limit=30, max_name_column_width=60)
+                       for k in ("cpu_time_total", "self_cuda_time_total"))
+    except Exception as e:  # a profiler without the device's counters: the cProfile stands alone
+        return f"\n\ntorch.profiler gave no table: {type(e).__name__}: {e}"
+
+
+def ddp_bench(dev: str, fast: str, gloo, steps: int, rounds: int = 3) -> dict:
+    """Step times of DDP on a model of 8.4 M parameters (two buckets' worth and more) through the
+    device path, the host path and the group's gloo, in ``rounds`` interleaved runs of ``steps``
+    steps each (after two steps of warm-up); the median step of each path, in ms."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def model(group):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).to(dev)
+        return DDP(m, process_group=group)
+
+    rank = dist.get_rank()
+    steps_ms: dict = {p: [] for p in (fast, "host", "gloo")}
+    for _ in range(rounds):
+        for p in steps_ms:
+            m = model(gloo if p == "gloo" else None)
+            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+            x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(rank)).to(dev)
+
+            def step():
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+
+            def timed():
+                for k in range(steps + 2):
+                    s = time.perf_counter()
+                    step()
+                    if k >= 2:
+                        steps_ms[p].append(1e3 * (time.perf_counter() - s))
+
+            run_with(p, timed) if p != "gloo" else timed()
+            dist.barrier()
+    return {p: float(np.median(v)) for p, v in steps_ms.items()}
 
 
 def setup(a) -> tuple[int, int]:
@@ -175,6 +272,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--phases", default="bits")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", help="bench: rank 0 writes each path's cProfile into this folder")
     ap.add_argument("--chunk", type=int, default=16384, help="elements per chunk of the device path's pipeline "
                     "in the bits and ddp phases (small: several chunks, some zero everywhere)")
     a = ap.parse_args()
@@ -192,14 +290,16 @@ def main() -> int:
         if "bits" in phases:
             saved, report["errors"] = bits_phase(rank, world, a.device, fast)
             np.savez(out / f"bits{rank}.npz", **saved)
-        gloo = dist.new_group(backend="gloo") if {"ddp", "gloo"} & set(phases) else None
+        gloo = dist.new_group(backend="gloo") if {"ddp", "gloo", "bench", "ddpbench"} & set(phases) else None
         if "ddp" in phases:
             report["ddp"] = ddp_phase(rank, a.device, fast, gloo)
         if "gloo" in phases:
             report["gloo"] = gloo_phase(rank, world, a.device)
         devicepath.CHUNK = chunk
         if "bench" in phases:
-            report["bench"] = bench_phase(a.device, fast, a.reps)
+            report["bench"] = bench_phase(a.device, fast, a.reps, gloo, a.profile)
+        if "ddpbench" in phases:
+            report["ddp_bench"] = ddp_bench(a.device, fast, gloo, a.reps)
         report["stats"] = devicepath.STATS.as_dict()
         dist.destroy_process_group()
     except BaseException as e:
