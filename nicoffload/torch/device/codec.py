@@ -122,12 +122,23 @@ def scales(gexp: np.ndarray, top: int, single: bool) -> dict:
 SCALE_BYTES = [0]
 
 
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for it: through pinned memory, copied
+    asynchronously on the current stream (a copy from pageable memory waits until the stream has
+    run everything queued before it, which stalled the pipeline at every chunk). The caching
+    host allocator keeps the pinned block until the copy is done."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _put(rows: torch.Tensor, vals: np.ndarray, idx: np.ndarray, dtype) -> torch.Tensor:
     """The per-row values ``vals[idx]`` as a [k, 1] tensor on ``rows``' device."""
     v = torch.from_numpy(np.ascontiguousarray(vals[idx])).to(dtype)
     if rows.device.type != "cpu":
         SCALE_BYTES[0] += v.numel() * v.element_size()
-    return v.to(rows.device).view(-1, 1)
+    return to_device(v, rows.device).view(-1, 1)
 
 
 # --- encoding ------------------------------------------------------------------------------------
@@ -144,7 +155,7 @@ def _encode_rows(xr: torch.Tensor, sc: dict, lo: int, bias: int, single: bool) -
         for rows, scale in ((np.flatnonzero(f32), "f32"), (np.flatnonzero(f64), "f64")):
             if not len(rows):
                 continue
-            it = torch.from_numpy(rows).to(xr.device)
+            it = to_device(rows, xr.device)
             if scale == "f32":
                 f = _put(xr, _pow2_bits(s, torch.float32), rows, torch.float32)
                 q[it] = torch.round(xr[it] * f).to(torch.int32)
@@ -156,7 +167,7 @@ def _encode_rows(xr: torch.Tensor, sc: dict, lo: int, bias: int, single: bool) -
     q += bias
     zero = sc["zero"][lo:lo + k]
     if zero.any():
-        q[torch.from_numpy(np.flatnonzero(zero)).to(xr.device)] = 0
+        q[to_device(np.flatnonzero(zero), xr.device)] = 0
     return q
 
 
@@ -210,7 +221,7 @@ def decode(words: torch.Tensor, gexp: np.ndarray, E: int, top: int, nb32: int, n
     for scale, rows in (("f32", np.flatnonzero(sc["f32"])), ("f64", np.flatnonzero(sc["f64"]))):
         if not len(rows):
             continue
-        it = torch.from_numpy(rows).to(words.device) if len(rows) < nb else None
+        it = to_device(rows, words.device) if len(rows) < nb else None
         vr = v[it] if it is not None else v
         if dt == torch.float32 and scale == "f32":
             r = vr.to(torch.float32) * _put(v, _pow2_bits(-s, torch.float32), rows, torch.float32)

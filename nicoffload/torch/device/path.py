@@ -30,6 +30,7 @@ stream may read them afterwards.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -171,6 +172,21 @@ def _via_host(pg, t: torch.Tensor, how: str, avg: bool, dtype) -> None:
 
 
 # --- the sum itself ------------------------------------------------------------------------------
+_LOCAL = threading.local()
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """This thread's side stream on ``device``, made once: a new stream per call would make
+    every call's device memory new to the caching allocator (it keeps blocks per stream), a
+    cudaMalloc of each temporary, about 0.4 ms a 16 MiB call on an H200 (torch.profiler)."""
+    streams = getattr(_LOCAL, "streams", None)
+    if streams is None:
+        streams = _LOCAL.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 class _Staging:
     """Where a call's chunks wait for the host: pinned slots and a side stream on CUDA; on the
     CPU the device's tensors are the host's (no copies, nothing to wait for)."""
@@ -178,7 +194,7 @@ class _Staging:
     def __init__(self, device: torch.device, words: int):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = _side_stream(device) if self.cuda else None
         self.slots = [torch.empty(words, dtype=torch.int32, pin_memory=True) for _ in range(2)] if self.cuda else []
 
     def __enter__(self):
@@ -216,7 +232,7 @@ def _index(act: np.ndarray, device: torch.device) -> torch.Tensor:
     """The active blocks' indices on the device (counted with the copies)."""
     if device.type != "cpu":
         STATS.h2d_bytes += act.nbytes
-    return torch.from_numpy(act).to(device)
+    return dc.to_device(act, device)
 
 
 def _contributions(comm, world: int) -> int:
