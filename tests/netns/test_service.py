@@ -267,3 +267,9 @@ def test_a_job_the_pool_refuses_is_handed_to_the_afxdp_engine(make_testbed, tmp_
         assert [j["job"] for j in call(lambda c: c.jobs())["jobs"]] == [first.job]
     finally:
         assert svc.stop() == 0
+    # the service unloaded its aggregator: nothing of the engine is left beside its state (its
+    # lock once was, after the engine's last job had been taken back)
+    from nicoffload.agg import fallback
+
+    left = [str(f) for f in fallback.paths(tb.agg.netns, tb.agg.iface).values() if f.exists()]
+    assert left == [], left
