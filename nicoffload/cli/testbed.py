@@ -48,9 +48,10 @@ def _unload_aggregators(netns_prefix: str) -> list[str]:
          if ring.unload(ns, iface, missing_ok=True)]
 
 
-def _strays(netns_prefix: str) -> list[str]:
-    """Files the aggregators and ring programs of namespaces now gone left in their state
-    directories (a lock of an AF_XDP engine, say)."""
+def remove_strays(netns_prefix: str) -> list[str]:
+    """Remove the files that aggregators and ring programs of namespaces now gone left in their
+    state directories (a lock of an AF_XDP engine, say); the paths removed. `testbed clean` and
+    the tests' testbed fixture call it once the namespaces are down."""
     from nicoffload.agg.spec import STATE_DIR as AGG_DIR
     from nicoffload.ebpf import loadstate
     from nicoffload.ring.node import STATE_DIR as RING_DIR
@@ -177,7 +178,7 @@ def cmd_clean(args) -> int:
     prefix = args.name_prefix or ""
     unloaded = _unload_aggregators(tbm.netns_prefix(prefix, whole=False))
     out = tbm.clean(prefix)
-    out["removed"] = unloaded + out["removed"] + _strays(tbm.netns_prefix(prefix, whole=False))
+    out["removed"] = unloaded + out["removed"] + remove_strays(tbm.netns_prefix(prefix, whole=False))
     if args.json:
         print(json.dumps(out))
         return 0

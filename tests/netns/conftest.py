@@ -47,11 +47,9 @@ def sweep_state(netns_prefix: str) -> None:
     files, since a test should leave none."""
     import warnings
 
-    from nicoffload.agg.spec import STATE_DIR as AGG_DIR
-    from nicoffload.ebpf import loadstate
-    from nicoffload.ring.node import STATE_DIR as RING_DIR
+    from nicoffload.cli.testbed import remove_strays
 
-    left = [f for d in (AGG_DIR, RING_DIR) for f in loadstate.remove_strays(d, netns_prefix)]
+    left = remove_strays(netns_prefix)
     if left:
         warnings.warn(f"the test's aggregators or ring programs left state files (removed): {left}")
 

@@ -241,7 +241,10 @@ def ddp_bench(dev: str, fast: str, gloo, steps: int, rounds: int = 3) -> dict:
                     if k >= 2:
                         steps_ms[p].append(1e3 * (time.perf_counter() - s))
 
-            run_with(p, timed) if p != "gloo" else timed()
+            if p == "gloo":
+                timed()
+            else:
+                run_with(p, timed)
             dist.barrier()
     return {p: float(np.median(v)) for p, v in steps_ms.items()}
 
