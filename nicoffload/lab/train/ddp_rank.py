@@ -117,11 +117,15 @@ def _offloaded(args, model):
 
 def _memory(model, opt) -> dict:
     """Bytes this rank holds, by what they are: parameters, gradients, optimizer state (read from
-    the tensors themselves; AdamW's scalar step counters left out), and the process's resident set."""
+    the tensors themselves; AdamW's scalar step counters left out), and the process's resident set.
+    A sharded tensor (FSDP2's DTensor) counts its local shard: its ``numel`` is the whole tensor's."""
     import torch
 
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
     def nbytes(tensors) -> int:
-        return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+        return int(sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
 
     state = 0 if not hasattr(opt, "state") or not isinstance(opt.state, dict) else \
         nbytes(t for st in opt.state.values() for t in st.values() if getattr(t, "ndim", 0))
