@@ -84,20 +84,23 @@ def test_training_fails_over_bit_for_bit_and_rejoins(service, tmp_path):
             assert st["recovered_at"] - acted[0] < 2 + 3, (name, st["recovered_at"] - acted[0])
 
 
-def test_train_demo_kills_its_aggregator_and_the_loss_curve_goes_on(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_demo_kills_its_aggregator_and_the_loss_curve_goes_on(tmp_path, nproc):
     """``train-demo --backend --kill-aggregator-at STEP`` as a user runs it: the aggregator's
     program detached after STEP steps, every rank fails over once, the run ends with every
-    step's loss, and the summary holds the step times on the aggregator and on the fallback."""
+    step's loss, and the summary holds the step times on the aggregator and on the fallback.
+    ``nproc`` 2: torchrun's two ranks on each of the two hosts, which sum inside each host
+    through shared memory and send across hosts through a lane each; those lanes fail over."""
     steps, at = 40, 15
-    p = subprocess.run([*CLI, "train-demo", "--backend", "--workers", "2", "--steps", str(steps),
-                        "--kill-aggregator-at", str(at), "--json", "--out", str(tmp_path)],
+    p = subprocess.run([*CLI, "train-demo", "--backend", "--workers", "2", "--nproc-per-node", str(nproc),
+                        "--steps", str(steps), "--kill-aggregator-at", str(at), "--json", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=400, env={**os.environ, "NICOFFLOAD_FAILOVER": "2"})
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
     run = s["runs"]["nicoffload-backend"]
     f = run["failover"]
     assert f["killed"] and not f["error"] and f["at_step"] == at, f
-    assert f["failovers"] == [1, 1] and "Silent" in f["cause"] and f["on_fallback"], f
+    assert f["failovers"] == [1] * (2 * nproc) and "Silent" in f["cause"] and f["on_fallback"], f
     assert 0 < f["recovery_s"] < 2 + 3, f
     assert f["step_ms_before"] and f["step_ms_after"] and f["cut_step"] >= at, f
     assert f["cut_step_ms"] > 1000 * 2 * 0.9 > 10 * f["step_ms_after"], f
