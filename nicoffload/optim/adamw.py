@@ -26,7 +26,7 @@ import numpy as np
 
 from nicoffload.wire import proto, quant
 
-from .fixed import FRAC, ONE, fixed, mulfrac, mulfrac_int
+from .fixed import FRAC, ONE, fixed, mulfrac, mulfrac_int, returned_error
 
 FA = proto.C["AR_ADAM_FRAC"]
 EPS_FRAC = proto.C["AR_ADAM_EPS_FRAC"]
@@ -138,10 +138,11 @@ class AdamWBound:
     """A bound on |w - w_float64| per parameter, carried step by step alongside a float64 AdamW
     shadow on the same averaged gradients (docs/optimizer.md derives each term): feed it after
     each shadow step the step's largest |g| and the shadow's exp_avg and exp_avg_sq (flat); its
-    ``value`` is the largest bound over the parameters so far."""
+    ``value`` is the largest bound over the parameters so far, as the rank's ``params_dtype``
+    holds them (float32 for a float32 model)."""
 
-    def __init__(self, spec, world: int):
-        self.spec, self.world = spec, world
+    def __init__(self, spec, world: int, params_dtype=np.float64):
+        self.spec, self.world, self.params_dtype = spec, world, params_dtype
         self.h = hyper(spec)
         self.t = 0
         self.m_prev = self.e_w = self.e_m = self.e_s = self.e_smax = self.s_max = None
@@ -182,5 +183,5 @@ class AdamWBound:
         self.e_w = (self.e_w * (1 - lr * wd) + w_max * abs(c["lrwd"] * uw - lr * wd) + uw
                     + e_alpha * (q + e_q) + alpha * e_q + 2 * uw)
         self.m_prev, self.s_prev = m, s
-        self.value = float(self.e_w.max()) + w_max * 2.0 ** -31 if m.size else 0.0
+        self.value = float(self.e_w.max()) + returned_error(w_max, self.params_dtype) if m.size else 0.0
         return self.value

@@ -11,6 +11,13 @@ FRAC = proto.C["AR_OPT_FRAC"]
 ONE = 1 << FRAC
 
 
+def returned_error(w_max: float, params_dtype=np.float64) -> float:
+    """The rounding a parameter takes on its way back to a rank, at most: the result's block
+    floating point (31-bit lanes, relative to the block's largest weight), then the cast into the
+    rank's parameters (half an ulp: 2^-24 of the value in float32)."""
+    return w_max * (2.0 ** -31 + float(np.finfo(params_dtype).eps) / 2)
+
+
 def fixed(v: float, frac: int = FRAC) -> int:
     """round(v * 2^frac): a hyperparameter as the aggregator keeps it."""
     return int(round(v * (1 << frac)))

@@ -24,7 +24,7 @@ from nicoffload.wire import proto, quant
 
 from ..errors import InputError
 from . import adamw
-from .fixed import FRAC, ONE, mulfrac
+from .fixed import FRAC, ONE, mulfrac, returned_error
 from .spec import OptimizerSpec, blocks
 
 #: |gradient| and |parameter| stay below 2^RANGE (checked where they enter)
@@ -173,13 +173,15 @@ def padded_blocks(g: np.ndarray, nb: int, elems: int) -> np.ndarray:
 
 
 # --- error against float64 ------------------------------------------------------------------
-def error_bound(spec: OptimizerSpec, steps: int, grad_max: float, world: int, w_max: float = 1.0) -> float:
+def error_bound(spec: OptimizerSpec, steps: int, grad_max: float, world: int, w_max: float = 1.0,
+                params_dtype=np.float64) -> float:
     """A bound on |w - w_float64| after ``steps`` updates, per parameter, for summed (averaged)
     gradients with |g| <= grad_max and parameters with |w| <= w_max throughout (the derivation
     is in docs/optimizer.md). It follows the worst case of every rounding through the recurrence:
     the workers' quantization of the gradient (N * 2^(L-30) * grad_max, L = ceil(log2 N)), its
     conversion to fixed point (half an ulp, u = 2^-F), each floor of mulfrac (one ulp), and each
-    hyperparameter's representation (half an ulp relative to the value it multiplies)."""
+    hyperparameter's representation (half an ulp relative to the value it multiplies); then the
+    parameters' way back into the rank's ``params_dtype`` (float32 for a float32 model)."""
     u = 2.0 ** -FRAC
     mu, damp, wd, lr = spec.momentum, spec.dampening if spec.momentum else 0.0, spec.weight_decay, spec.lr
     e_quant = world * 2.0 ** (quant.headroom_bits(world) - 30) * grad_max
@@ -194,4 +196,4 @@ def error_bound(spec: OptimizerSpec, steps: int, grad_max: float, world: int, w_
             e_m = mu * e_m + m_max * u / 2 + u + e_g * (1 + damp) + (grad_max + wd * w_max) * u / 2 + u
         e_d = e_g + mu * e_m + m_max * u / 2 + u if spec.nesterov else e_m
         e_w = e_w + lr * e_d + d_max * u / 2 + u
-    return e_w + w_max * 2.0 ** -31  # the result's block floating point (31-bit lanes) on the way back
+    return e_w + returned_error(w_max, params_dtype)

@@ -106,7 +106,8 @@ def shadow_bound(report: dict) -> dict | None:
         from nicoffload.optim import error_bound
 
         bound = error_bound(optimizer_spec({"optimizer": "sgd", **report}), report["steps"], grad_max=sh["grad_max"],
-                            world=report["world"], w_max=max(report["param_max"]) if report.get("param_max") else 1.0)
+                            world=report["world"], w_max=max(report["param_max"]) if report.get("param_max") else 1.0,
+                            params_dtype=np.dtype(sh.get("params_dtype", "float32")))
     return {**sh, "bound": bound, "within_bound": sh["max_diff"] <= bound}
 
 
@@ -168,10 +169,12 @@ class Shadow:
         self.opt = torch_optimizer(args, self.params)
         self.grad_max = 0.0
         self.bound = None
+        # the model's parameters take the aggregator's results in their own precision (a bound's last term)
+        self.params_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         if args.optimizer == "adamw":
             from nicoffload.optim import AdamWBound
 
-            self.bound = AdamWBound(optimizer_spec(hyper(args)), args.world)
+            self.bound = AdamWBound(optimizer_spec(hyper(args)), args.world, np.dtype(self.params_dtype))
 
     def step(self, model) -> None:
         import torch.distributed as dist
@@ -209,5 +212,5 @@ class Shadow:
 
     def report(self, model) -> dict:
         """max_diff, grad_max (over the run) and, with AdamW, the bound."""
-        out = {"max_diff": self.diff(model), "grad_max": self.grad_max}
+        out = {"max_diff": self.diff(model), "grad_max": self.grad_max, "params_dtype": self.params_dtype}
         return out if self.bound is None else {**out, "bound": float(self.bound.value)}
