@@ -7,7 +7,7 @@ Integer sums do not depend on their order, so a job of H hosts with K ranks each
 bits as one of H*K hosts with one rank each.
 
 Lanes: 32-bit (one int32 word per element, rint(x * 2^s) + bias) or 16-bit (two per int32
-word). With every one of the W = H*Kmax contributions below 2 * bias, and W * 2 * bias <= 2^31
+word). With every one of the W contributions (the group's ranks) below 2 * bias, and W * 2 * bias <= 2^31
 (2^15 for 16-bit lanes), no lane of a sum overflows, nor carries into its neighbour: the int32
 sum of the words is the words of the lane sums.
 """

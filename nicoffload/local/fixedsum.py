@@ -19,7 +19,7 @@ from nicoffload.wire import quant
 
 class FixedSum:
     """Group rank ``rank`` of ``world``; ``W``: the contributions the fixed point makes room for
-    (the aggregator job's world, or hosts x the most ranks a host runs), ``elems``: the job's
+    (the aggregator job's world; above the group's ranks, the others count as zeros), ``elems``: the job's
     record size (its blocks)."""
 
     capabilities = collective.Capabilities(ops=frozenset({"sum", "max", "min"}),

@@ -9,8 +9,8 @@ host still sends the tensor's bytes once. A group of one host needs no lane at a
 
 Floats are summed in the fixed point of :mod:`~nicoffload.local.fixed`, with the block exponents
 of the whole group (a MAX round: the host's, then the lanes' over the hosts) and a scale for
-W = hosts * (the most ranks a host has) contributions: the bits a job of W hosts with one rank
-each gets (W is the group's size wherever every host runs as many ranks). int32 sums are exact;
+W = the group's ranks: the bits an aggregator job of one rank per host gets, however the ranks
+are placed (hosts of unequal rank counts too). int32 sums are exact;
 MAX/MIN go through order-preserving int32 keys, as the aggregator takes them.
 
 One call, for a chunk of at most CHUNK elements at a time (whole blocks: the same bits):
@@ -115,7 +115,7 @@ class HostCommunicator:
             caps = self.lane.capabilities
             if not (caps.supports("sum", np.int32) and caps.supports("max", np.int32)):
                 raise InputError(f"rank {self.rank}: the lane across hosts must sum int32 and take its MAX")
-        self.W = self.hosts * self.kmax  # the contributions the fixed point makes room for
+        self.W = self.world  # the contributions the fixed point makes room for: every rank's, no more
         self.host.describe = _describe
         self._closed = False
         self._lane_calls = 0
@@ -266,8 +266,7 @@ class HostCommunicator:
         if share is not None:                                                      # 4.
             lo, hi = share
             lanes = q if bits == 32 else q.view(np.int16)
-            fixed.quantize_sum(xs, n, lo, hi, E, gexp, top, bias, x.dtype == np.float32, (self.kmax - K) * bias,
-                               lanes)
+            fixed.quantize_sum(xs, n, lo, hi, E, gexp, top, bias, x.dtype == np.float32, 0, lanes)
             if self.hosts > 1 and hi > lo:
                 self._across(q.reshape(nb, wpb), gexp, lo, hi)
             fixed.decode(q, E, gexp, top, self.W * bias, bits == 16, lo, hi, n, b["out"])

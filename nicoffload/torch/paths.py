@@ -130,7 +130,7 @@ class GroupPaths:
                 host.close()
                 raise
 
-        self.comm = self._failover(build, H * plan.kmax, elems) if H > 1 and mode == "aggregator" else build()
+        self.comm = self._failover(build, self._size, elems) if H > 1 and mode == "aggregator" else build()
         across = f" + {mode} across hosts" if H > 1 else ""
         self.path = f"shared memory{across} ({plan.describe()}, {L} lane(s))"
         return ""

@@ -1,7 +1,8 @@
 """Several ranks per host under torchrun (``--nproc-per-node K``), through the backend: shared
 memory inside each host, each local rank's share through its own lane across hosts. Every
 placement of the same four ranks returns the same bits: 4 hosts x 1 rank (the aggregator job as
-it always was), 2 hosts x 2 ranks (two lanes at the service), 1 host x 4 ranks (no service)."""
+it always was), 2 hosts x 2 ranks (two lanes at the service), 3 ranks beside 1 (hosts of unequal
+counts: one lane), 1 host x 4 ranks (no service)."""
 from __future__ import annotations
 
 import json
@@ -24,29 +25,36 @@ def bits(out) -> dict[int, dict[str, bytes]]:
     return got
 
 
-def test_four_ranks_placed_three_ways_sum_to_the_same_bits(make_testbed, tmp_path):
+def test_four_ranks_placed_four_ways_sum_to_the_same_bits(make_testbed, tmp_path):
     tb = make_testbed(4)
     with ServiceProcess(tb, write_token(tmp_path / "tok")) as svc:
         ref_out, two_out, one_out = tmp_path / "4x1", tmp_path / "2x2", tmp_path / "1x4"
+        odd_out = tmp_path / "3+1"
         outcomes, ref = run(tb, svc, ref_out, ["--phases", "bits"])
         assert sorted(ref) == [0, 1, 2, 3], [o.describe() + o.stderr[-2000:] for o in outcomes]
         outcomes, two = run(tb, svc, two_out, ["--phases", "collectives,bits,ddp"], workers=tb.workers[:2], nproc=2)
         assert sorted(two) == [0, 1, 2, 3], [o.describe() + o.stderr[-2000:] for o in outcomes]
+        # hosts of unequal rank counts: the collectives' own checks hold them to a 4-rank job's bound
+        outcomes, odd = run(tb, svc, odd_out, ["--phases", "collectives,bits"], workers=tb.workers[:2], nproc=[3, 1])
+        assert sorted(odd) == [0, 1, 2, 3], [o.describe() + o.stderr[-2000:] for o in outcomes]
     outcomes, one = run(tb, None, one_out, ["--phases", "bits"], workers=tb.workers[:1], nproc=4,
                         env={"NICOFFLOAD_SERVICE": "", "NICOFFLOAD_REQUIRE_OFFLOAD": "1"})
     assert sorted(one) == [0, 1, 2, 3], [o.describe() + o.stderr[-2000:] for o in outcomes]
-    for reports in (ref, two, one):
+    for reports in (ref, two, odd, one):
         assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
     assert failed_checks(two) == []
+    assert failed_checks(odd) == []
     assert "aggregator" in ref[0]["group"] and "shared memory" not in ref[0]["group"]
     assert "shared memory + aggregator across hosts (2 host(s) x 2 rank(s), 2 lane(s))" in two[0]["group"]
+    assert "shared memory + aggregator across hosts (2 host(s) x 1-3 rank(s), 1 lane(s))" in odd[0]["group"]
     assert "shared memory (1 host(s) x 4 rank(s)" in one[0]["group"]
-    want, b2, b1 = bits(ref_out), bits(two_out), bits(one_out)
-    assert sorted(want) == sorted(b2) == sorted(b1) == [0, 1, 2, 3]
+    want, b2, b1, b31 = bits(ref_out), bits(two_out), bits(one_out), bits(odd_out)
+    assert sorted(want) == sorted(b2) == sorted(b1) == sorted(b31) == [0, 1, 2, 3]
     for r in range(4):
-        assert sorted(want[r]) == sorted(b2[r]) == sorted(b1[r])
+        assert sorted(want[r]) == sorted(b2[r]) == sorted(b1[r]) == sorted(b31[r])
         for case in want[r]:
             assert b2[r][case] == want[r][case], (r, case, "2 hosts x 2 ranks")
+            assert b31[r][case] == want[r][case], (r, case, "3 ranks beside 1")
             assert b1[r][case] == want[r][case], (r, case, "1 host x 4 ranks")
 
 

@@ -46,7 +46,7 @@ def client(svc) -> ServiceClient:
 
 
 def run(tb, svc, out: Path, args: list[str], env: dict | None = None, timeout: float = 240.0, workers=None,
-        nproc: int = 1):
+        nproc: int | list[int] = 1):
     out.mkdir(parents=True, exist_ok=True)
     specs = torchrun_specs(tb, JOB, ["--out", str(out), *args], env={**(svc.env() if svc else {}), **(env or {})},
                            workers=workers, nproc=nproc)

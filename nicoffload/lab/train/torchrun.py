@@ -156,16 +156,20 @@ def host_commands(tb, nproc: int, script: str = "script.py", token_file: str = "
 
 
 def torchrun_specs(tb, script: str | Path, args: list[str] | None = None, env: dict[str, str] | None = None,
-                   master_port: int | None = None, workers=None, nproc: int = 1) -> list[RankSpec]:
+                   master_port: int | None = None, workers=None, nproc: int | list[int] = 1) -> list[RankSpec]:
     """One torchrun per worker host of ``tb`` (``workers``: a subset, in rank order), each
-    running ``nproc`` ranks (``--nproc-per-node``)."""
+    running ``nproc`` ranks (``--nproc-per-node``; a list: host by host, unequal counts too)."""
     hosts = list(workers if workers is not None else tb.workers)
+    per = list(nproc) if isinstance(nproc, (list, tuple)) else [nproc] * len(hosts)
+    if len(per) != len(hosts):
+        raise ValueError(f"{len(per)} rank counts for {len(hosts)} hosts")
     port = master_port or free_port(tb, hosts[0])
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                 TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), **(env or {}))
     specs = []
     for r, w in enumerate(hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+                "--nproc-per-node", str(per[r]),
                 "--node-rank", str(r), "--master-addr", hosts[0].ip, "--master-port", str(port),
                 "--max-restarts", "0", str(script), *(args or [])]
         specs.append(RankSpec(f"node {r}", w, argv, dict(base, GLOO_SOCKET_IFNAME=w.iface)))

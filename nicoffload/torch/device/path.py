@@ -237,7 +237,7 @@ def _index(act: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _contributions(comm, world: int) -> int:
     """The contributions the communicator's fixed point makes room for: its W where it has one
-    (several ranks per host: hosts x the most ranks a host runs), else the group's size."""
+    (a W above the group's size: room for ranks that send nothing), else the group's size."""
     for c in (comm, getattr(comm, "primary", None)):
         W = getattr(c, "W", None)
         if isinstance(W, int) and W >= world:
