@@ -340,7 +340,7 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
     def optimizer_job(self, params: np.ndarray, optimizer) -> Communicator:
         """A job at the service that holds ``optimizer`` (an OptimizerSpec) and the flat initial
         ``params`` (rank 0's are uploaded); returns this rank's communicator for its steps."""
-        if isinstance(self.comm, HostCommunicator):
+        if isinstance(getattr(self.comm, "primary", self.comm), HostCommunicator):  # behind its failover too
             raise NicoffloadError("the optimizer offload takes one rank per host: its job's ranks each send their "
                                   "own gradients and each get the parameters back; with several ranks per host, "
                                   "keep the optimizer on the ranks (torch.optim) and the sums in the offload")
