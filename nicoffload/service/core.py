@@ -91,11 +91,15 @@ class Service:
         return got
 
     def _create_lanes(self, req: JobRequest) -> JobGrant:
-        """A request of several lanes: a job per lane, all or none, linked to be released as one."""
+        """A request of several lanes: a job per lane, all or none, linked to be released as one.
+        The lanes share one job's slots (each carries 1/lanes of every tensor), so that a host of
+        many ranks takes no more of the pool than a host of one."""
         grants: list[JobGrant] = []
+        share = max(1, self.config.job_slots // req.lanes)
         try:
             for k in range(req.lanes):
-                grants.append(self._create_one(dataclasses.replace(req, lanes=1, job=req.job if k == 0 else None)))
+                grants.append(self._create_one(dataclasses.replace(req, lanes=1, job=req.job if k == 0 else None),
+                                               share))
         except BaseException:
             for g in grants:
                 self.remove_job(g.job, "removed: another lane of its request was refused")
@@ -103,7 +107,7 @@ class Service:
         self.leases.link(grants[0].job, [g.job for g in grants[1:]])
         return dataclasses.replace(grants[0], lanes=[g.to_json() for g in grants[1:]])
 
-    def _create_one(self, req: JobRequest) -> JobGrant:
+    def _create_one(self, req: JobRequest, job_slots: int | None = None) -> JobGrant:
         self._refresh()
         delivery = req.delivery or ("multicast" if self.config.multicast else "unicast")
         if delivery == "multicast" and not self.config.multicast:
@@ -115,7 +119,8 @@ class Service:
         job = req.job if req.job is not None else next(j for j in range(1, 1 << 16) if j not in used)
         group = req.group or first_free_group(job, set().union(*(e.groups() for e in self.engines)))
         nonce, key = self._job_key(job)
-        e, got = self._admit(Placement(req, job, group, delivery, self.config.job_slots, key=key, key_nonce=nonce))
+        share = job_slots or self.config.job_slots
+        e, got = self._admit(Placement(req, job, group, delivery, share, key=key, key_nonce=nonce))
         lease = self.config.lease_s if req.lease_s is None else req.lease_s
         self.leases.add(job, lease, req.owner, local_port=got.local_port)
         log.info("job %d %s, lease %gs, owner %r", job, got.summary, lease, req.owner)

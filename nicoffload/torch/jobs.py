@@ -68,8 +68,10 @@ class ServiceJobs:
     def ask(self, workers: list[str] | None = None, lanes: int = 1) -> str | None:
         """Get the group's job at every service (rank 0 asks, every rank learns the grants): a
         job of ``workers`` (default: the group's ranks' addresses), or ``lanes`` jobs of them (one
-        per lane: ``workers`` are then the hosts'). Returns None, or why the group takes the gloo
-        path (a subgroup the services have no room for). Raises what stopped rank 0 on every rank."""
+        per lane: ``workers`` are then the hosts'; where the services have no room for that many,
+        half as many, down to one: :attr:`lanes` says how many were granted). Returns None, or why
+        the group takes the gloo path (a subgroup the services have no room for). Raises what
+        stopped rank 0 on every rank."""
         if not self.urls:
             raise SetupError("the nicoffload backend needs its aggregator service: set NICOFFLOAD_SERVICE="
                              "http://HOST:PORT (and NICOFFLOAD_TOKEN_FILE), or NICOFFLOAD_MODE=ring")
@@ -78,18 +80,31 @@ class ServiceJobs:
 
         def make() -> dict:
             made.extend(self._clients())  # rank 0 reads the token here: its failure reaches every rank
-            try:
-                return {"grants": self.request(made)}
-            except CapacityError as e:
-                if self.group_id != "0":
-                    return {"gloo": str(e).splitlines()[0]}  # a subgroup works on, through gloo
-                raise
+            while True:
+                try:
+                    return {"grants": self.request(made)}
+                except CapacityError as e:
+                    hosts, asked = self._request
+                    if asked > 1:  # fewer lanes: each local rank below them still sums its share
+                        log.warning("group %s: no room for %d lanes (%s); asking for %d", self.group_id, asked,
+                                    str(e).splitlines()[0], asked // 2)
+                        self._request = (hosts, asked // 2)
+                        continue
+                    if self.group_id != "0":
+                        return {"gloo": str(e).splitlines()[0]}  # a subgroup works on, through gloo
+                    raise
 
         shared = self.rdv.share("job", make)
         if "gloo" in shared:
             return shared["gloo"]
         self.adopt(shared["grants"], made if self.rank == 0 else self._clients())
+        self._request = (self._request[0], self.lanes)  # what a failover's request asks for again
         return None
+
+    @property
+    def lanes(self) -> int:
+        """The lanes the group's job has (1 for a job of one rank per host)."""
+        return len(self.grant.every_lane()) if self.grant is not None else 1
 
     def request(self, clients: list[ServiceClient] | None = None, failovers: int = 0) -> list[dict]:
         """Rank 0: the group's job (as ``ask`` asked for it) at every service, all or none."""

@@ -108,7 +108,7 @@ class GroupPaths:
                 return f"the service has no room for its lanes ({why})"
             self._renew()
             assert self.jobs.grant is not None  # asked for above
-            elems = self.jobs.grant.elems
+            elems, L = self.jobs.grant.elems, self.jobs.lanes  # fewer lanes where the service had no room
         built = [0]
 
         def build() -> HostCommunicator:  # again on rejoining: segments and lanes of their own

@@ -73,3 +73,16 @@ def test_a_killed_local_rank_fails_the_other_host_naming_it(make_testbed, tmp_pa
     for r, d in reports.items():
         assert "rank 3" in d.get("error", "") or "rank 2" in d.get("error", ""), d
         assert d["error_at"] - died < 3 + 7, (r, d["error_at"] - died)
+
+
+def test_hosts_of_five_ranks_get_five_lanes_that_share_one_jobs_slots(make_testbed, tmp_path):
+    """Five lanes of a full job's slots each are more than the default pool holds (four): before
+    the lanes shared one job's slots, such a group could not start at all (a 409 on every rank)."""
+    tb = make_testbed(2)
+    with ServiceProcess(tb, write_token(tmp_path / "tok")) as svc:
+        outcomes, reports = run(tb, svc, tmp_path / "out", ["--phases", "collectives"], workers=tb.workers[:2],
+                                nproc=5)
+    assert sorted(reports) == list(range(10)), [o.describe() + o.stderr[-2000:] for o in outcomes]
+    assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
+    assert failed_checks(reports) == []
+    assert "(2 host(s) x 5 rank(s), 5 lane(s))" in reports[0]["group"], reports[0]["group"]

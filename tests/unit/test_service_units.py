@@ -247,6 +247,7 @@ class FakeEngine:
     def __init__(self, name: str, room: int):
         self.name, self.title, self.room, self.served = name, f"the {name} engine", room, {}
         self.keys: dict[int, tuple[int, str]] = {}
+        self.shares: dict[int, int] = {}  # the slots each job was offered
 
     def refresh(self):
         pass
@@ -271,6 +272,7 @@ class FakeEngine:
             raise CapacityError(f"{self.name} is full")
         self.served[p.job] = p.group
         self.keys[p.job] = (p.key, p.key_nonce)
+        self.shares[p.job] = p.job_slots
         return Admitted(None, f"on {self.name} (after: {p.refused})")
 
     def grant(self, job):
@@ -351,3 +353,21 @@ def test_the_service_asks_each_jobs_engine_and_falls_back_in_order(tmp_path):
     assert svc.reap() == [] and svc.leases.expired_total == 0  # first look at its traffic
     now[0] += 6
     assert svc.reap() == [a.job] and pool.jobs() == [] and svc.leases.expired_total == 1
+
+
+def test_the_lanes_of_one_request_share_one_jobs_slots(tmp_path):
+    """A host of 8 ranks asks for 8 lanes: together they take one job's share of the pool (the
+    default pool holds four jobs' shares, so 8 lanes of a full share each could never be granted)."""
+    from types import SimpleNamespace
+
+    from nicoffload.jobspec import DEFAULT
+    from nicoffload.service.core import Service, ServiceConfig
+
+    pool = FakeEngine("xdp", 16)
+    agg = SimpleNamespace(table=SimpleNamespace(free_slots=lambda: 0))
+    svc = Service(agg, LeaseBook(tmp_path / "l.json"), ServiceConfig(), engines=[pool], token=TOKEN)
+    g = svc.create_job(JobRequest(world=2, workers=["10.0.0.2", "10.0.0.3"], lanes=8))
+    assert len(g.every_lane()) == 8 and sorted(pool.shares) == sorted(x.job for x in g.every_lane())
+    assert set(pool.shares.values()) == {DEFAULT.slots // 8}
+    one = svc.create_job(JobRequest(world=2, workers=["10.0.0.2", "10.0.0.3"]))
+    assert pool.shares[one.job] == DEFAULT.slots  # a job of one lane: the whole share, as before
