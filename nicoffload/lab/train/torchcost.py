@@ -99,8 +99,10 @@ def run(workers: int, size: int, reps: int, progress=None) -> dict:
 
 
 def describe(r: dict) -> str:
+    from nicoffload.lab.inputs import format_size
+
     m, a, b = r["median_ms"], r["torch_over_direct"], r["torch_over_inplace"]
-    return (f"{r['world']} ranks, {r['size'] >> 20} MiB float32, {r['reps']} reps of each, interleaved:\n"
+    return (f"{r['world']} ranks, {format_size(r['size'])} float32, {r['reps']} reps of each, interleaved:\n"
             f"  dist.all_reduce through the backend   {m['torch']:8.2f} ms\n"
             f"  Communicator.allreduce (out of place) {m['direct']:8.2f} ms   backend/direct   "
             f"{a['median']:.3f} [{a['q1']:.3f}..{a['q3']:.3f}]\n"
