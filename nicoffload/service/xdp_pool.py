@@ -43,7 +43,9 @@ class XdpPool:
             largest = max((c for _, c in self.agg.table.free_ranges()), default=0)
             if largest < 1:
                 raise CapacityError(f"the pool of {self.agg.spec.slots} slots is full "
-                                    f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one")
+                                    f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one; "
+                                    f"a service for many groups at once is started with a smaller --job-slots "
+                                    f"(each job takes {p.job_slots} now)")
             slots = min(p.job_slots, largest)
         e = self.agg.add_job(p.job, req.world, p.group, req.workers, slots=slots, optimizer=req.optimizer,
                              params=req.params, delivery=p.delivery, key=p.key, key_nonce=p.key_nonce)
