@@ -52,8 +52,8 @@ FALLBACKS = ("none", "ring")
 class RingFixed(FixedSum):
     """The aggregator's fixed point summed over ``ring`` (a RingCommunicator of the same ranks)."""
 
-    def __init__(self, ring, W: int):
-        super().__init__(ring.rank, ring.world, W, ring.elems)
+    def __init__(self, ring):
+        super().__init__(ring.rank, ring.world, ring.elems)
         self.ring, self.mode = ring, f"ring ({ring.mode})"
 
     def reduce_int32(self, a: np.ndarray, op: str) -> None:
@@ -186,7 +186,7 @@ class FailoverCommunicator:
         fb.settle(x, out, op, lanes, E, self.world - holds)
 
 
-def ring_fallback(rank: int, world: int, peers, spec, port: int, offload: bool | None, W: int) -> RingFixed:
+def ring_fallback(rank: int, world: int, peers, spec, port: int, offload: bool | None) -> RingFixed:
     """The fallback ring of ``peers`` on ``port``: the ring offload when ``offload`` (None: when
     the rank's interface runs a ring program already), else the user-space ring."""
     from nicoffload.ring.comm import RingCommunicator
@@ -198,11 +198,11 @@ def ring_fallback(rank: int, world: int, peers, spec, port: int, offload: bool |
         offload = _ring_program_found(peers[rank])
     if offload:
         try:
-            return RingFixed(RingCommunicator(rank, world, list(peers), offload=True, **kw), W)
+            return RingFixed(RingCommunicator(rank, world, list(peers), offload=True, **kw))
         except NicoffloadError as e:
             log.warning("rank %d: no ring offload for the fallback (%s): the user-space ring takes it", rank,
                         str(e).splitlines()[0])
-    return RingFixed(RingCommunicator(rank, world, list(peers), offload=False, **kw), W)
+    return RingFixed(RingCommunicator(rank, world, list(peers), offload=False, **kw))
 
 
 def _ring_program_found(ip: str) -> bool:
@@ -230,7 +230,7 @@ def with_fallback(build: Callable[..., object], rank: int, world: int, *, fallba
     settings = {"silence": min(failover, spec.timeout)}
     if fallback == "none":
         return build(**settings)
-    ring = ring_fallback(rank, world, peers, spec, port, offload, world)
+    ring = ring_fallback(rank, world, peers, spec, port, offload)
     try:
         primary = build(**settings, confirm=True)
     except BaseException:

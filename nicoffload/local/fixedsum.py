@@ -18,18 +18,17 @@ from nicoffload.wire import quant
 
 
 class FixedSum:
-    """Group rank ``rank`` of ``world``; ``W``: the contributions the fixed point makes room for
-    (the aggregator job's world; above the group's ranks, the others count as zeros), ``elems``: the job's
-    record size (its blocks)."""
+    """Group rank ``rank`` of ``world`` (the fixed point makes room for ``world`` contributions, as
+    the aggregator's job of those ranks does); ``elems``: the job's record size (its blocks)."""
 
     capabilities = collective.Capabilities(ops=frozenset({"sum", "max", "min"}),
                                            extreme_dtypes=collective.EXTREME_DTYPES, lanes=(32, 16))
     mode = "fixed point"  # the path, as logs and summaries name it
 
-    def __init__(self, rank: int, world: int, W: int, elems: int):
-        if not 0 <= rank < world <= W:
-            raise InputError(f"rank {rank} of {world} ranks in room for {W} contributions")
-        self.rank, self.world, self.W, self.elems = rank, world, W, elems
+    def __init__(self, rank: int, world: int, elems: int):
+        if not 0 <= rank < world:
+            raise InputError(f"rank {rank} of {world} ranks")
+        self.rank, self.world, self.elems = rank, world, elems
         fixed.warm_up()
 
     def reduce_int32(self, a: np.ndarray, op: str) -> None:
@@ -73,16 +72,12 @@ class FixedSum:
         bad = block_exponents(x, E, gexp, self.rank)
         self._reduce(gexp, "max")
         refuse_together(gexp, self.rank, x, bad, E)
-        top = quant.top_bits(bits) - quant.headroom_bits(self.W)
-        bias = quant.bias(self.W, bits)
+        top = quant.top_bits(bits) - quant.headroom_bits(self.world)
+        bias = quant.bias(self.world, bits)
         words = np.zeros(nb * E * bits // 32, np.int32)
         fixed.quantize(x, E, gexp, top, bias, x.dtype == np.float32, words if bits == 32 else words.view(np.int16))
-        # the contributions the group lacks (W > world) add their bias as the aggregator counts them
-        pad = (self.W - self.world) * bias
-        if pad and self.rank == 0:
-            words += np.int32(pad | (pad << 16) if bits == 16 else pad)
         self._reduce(words, "sum")
-        fixed.decode(words, E, gexp, top, self.W * bias, bits == 16, 0, nb, n, out)
+        fixed.decode(words, E, gexp, top, self.world * bias, bits == 16, 0, nb, n, out)
 
     def settle(self, array: np.ndarray, out: np.ndarray, op: str, lanes: int | None, E: int,
                owner: np.ndarray) -> None:

@@ -84,14 +84,13 @@ class HostCommunicator:
     """Group rank ``rank`` of ``world``: local rank ``host.me`` of the ``host.K`` ranks of host
     ``host_index`` (of ``hosts``). ``lane``: this rank's collective of one rank per host (local
     ranks below ``lanes`` have one where there are several hosts), summing int32 exactly and
-    taking int32 MAX. ``kmax``: the most ranks any host of the group runs."""
+    taking int32 MAX."""
 
     rank: int
     world: int
     host: HostGroup
     hosts: int
     host_index: int
-    kmax: int
     lanes: int
     elems: int = 256
     lane: Collective | None = None
@@ -107,15 +106,14 @@ class HostCommunicator:
         if not self.half_lanes:
             self.capabilities = dataclasses.replace(type(self).capabilities, lanes=(32,))
         me, K = self.host.me, self.host.K
-        if not 1 <= self.lanes <= K or self.kmax < K:
-            raise InputError(f"{self.lanes} lanes and a host of {K} ranks (kmax {self.kmax})")
+        if not 1 <= self.lanes <= K:
+            raise InputError(f"{self.lanes} lanes and a host of {K} ranks")
         if self.hosts > 1 and me < self.lanes:
             if self.lane is None:
                 raise InputError(f"rank {self.rank}: local rank {me} of a group of {self.hosts} hosts needs its lane")
             caps = self.lane.capabilities
             if not (caps.supports("sum", np.int32) and caps.supports("max", np.int32)):
                 raise InputError(f"rank {self.rank}: the lane across hosts must sum int32 and take its MAX")
-        self.W = self.world  # the contributions the fixed point makes room for: every rank's, no more
         self.host.describe = _describe
         self._closed = False
         self._lane_calls = 0
@@ -261,15 +259,15 @@ class HostCommunicator:
                     self._lane(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"))
             self._wait()
         refuse_together(gexp, self.rank, x, bad, E)                                # 3.
-        top = quant.top_bits(bits) - quant.headroom_bits(self.W)
-        bias = quant.bias(self.W, bits)
+        top = quant.top_bits(bits) - quant.headroom_bits(self.world)  # room for every rank's, no more
+        bias = quant.bias(self.world, bits)
         if share is not None:                                                      # 4.
             lo, hi = share
             lanes = q if bits == 32 else q.view(np.int16)
             fixed.quantize_sum(xs, n, lo, hi, E, gexp, top, bias, x.dtype == np.float32, 0, lanes)
             if self.hosts > 1 and hi > lo:
                 self._across(q.reshape(nb, wpb), gexp, lo, hi)
-            fixed.decode(q, E, gexp, top, self.W * bias, bits == 16, lo, hi, n, b["out"])
+            fixed.decode(q, E, gexp, top, self.world * bias, bits == 16, lo, hi, n, b["out"])
         self._wait()
         out[:] = b["out"]                                                          # 5.
 

@@ -13,13 +13,13 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class FixedGloo(FixedSum):
-    """Group rank ``rank`` of ``world`` over the gloo process group ``pg``; ``W`` and ``elems``
-    as :class:`FixedSum` has them."""
+    """Group rank ``rank`` of ``world`` over the gloo process group ``pg``; ``elems`` as
+    :class:`FixedSum` has it."""
 
     mode = "gloo"
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, world: int, W: int, elems: int):
-        super().__init__(rank, world, W, elems)
+    def __init__(self, pg: dist.ProcessGroup, rank: int, world: int, elems: int):
+        super().__init__(rank, world, elems)
         self.pg = pg
 
     def reduce_int32(self, a: np.ndarray, op: str) -> None:

@@ -38,7 +38,7 @@ def with_failover(comm, elems: int, timeout: float) -> Failover:
     store = dist.distributed_c10d._get_default_store()
     gloo = dist.new_group(backend="gloo")
     wait = max(30.0, timeout)
-    return Failover(comm, FixedGloo(gloo, rank, world, world, elems), Rendezvous(store, rank, world, wait),
+    return Failover(comm, FixedGloo(gloo, rank, world, elems), Rendezvous(store, rank, world, wait),
                     "ddp-hook", elems, make_primary=None, wait_s=wait)
 
 

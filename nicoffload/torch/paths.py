@@ -85,8 +85,7 @@ class GroupPaths:
         self._renew()
         grant = self.jobs.grant
         assert grant is not None  # asked for above
-        self.comm = self._failover(lambda: self.jobs.communicator(self.local_ip, self.comm_timeout), self._size,
-                                   grant.elems)
+        self.comm = self._failover(lambda: self.jobs.communicator(self.local_ip, self.comm_timeout), grant.elems)
         self.path = "aggregator"
         return ""
 
@@ -122,7 +121,7 @@ class GroupPaths:
                     lane = communicator(h, H, mode="ring", peers=list(plan.ips), spec=spec)
                 elif H > 1 and me < L:
                     lane = self.jobs.lane_communicator(me, h, H, self.local_ip, self.comm_timeout)
-                return HostCommunicator(self._rank, self._size, host, H, h, plan.kmax, L, elems=elems, lane=lane,
+                return HostCommunicator(self._rank, self._size, host, H, h, L, elems=elems, lane=lane,
                                         half_lanes=mode == "aggregator")
             except BaseException:
                 if lane is not None:
@@ -130,12 +129,12 @@ class GroupPaths:
                 host.close()
                 raise
 
-        self.comm = self._failover(build, self._size, elems) if H > 1 and mode == "aggregator" else build()
+        self.comm = self._failover(build, elems) if H > 1 and mode == "aggregator" else build()
         across = f" + {mode} across hosts" if H > 1 else ""
         self.path = f"shared memory{across} ({plan.describe()}, {L} lane(s))"
         return ""
 
-    def _failover(self, build, W: int, elems: int):
+    def _failover(self, build, elems: int):
         """``build()``'s communicator, with a way out when its aggregator is lost (the failover,
         NICOFFLOAD_FAILOVER seconds of silence; 0: none): the group's gloo group summing the same
         fixed point, and back on a job rank 0 gets again (every NICOFFLOAD_REJOIN seconds)."""
@@ -147,7 +146,7 @@ class GroupPaths:
             self.jobs.adopt(json.loads(grants))
             return build()
 
-        f = Failover(comm, FixedGloo(self.gloo.group, self._rank, self._size, W, elems), self.rdv, self.group_id,
+        f = Failover(comm, FixedGloo(self.gloo.group, self._rank, self._size, elems), self.rdv, self.group_id,
                      elems, make_primary=again, wait_s=max(30.0, self.comm_timeout))
         if self._rank == 0:
             threading.Thread(target=self._rejoin_forever, args=(f,), name=f"nicoffload-rejoin-{self.group_id}",

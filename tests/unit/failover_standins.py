@@ -19,7 +19,7 @@ class ThreadSum(FixedSum):
     gloo's exact collectives give)."""
 
     def __init__(self, rank, shared):
-        super().__init__(rank, W, W, ELEMS)
+        super().__init__(rank, W, ELEMS)
         self.shared, self.mode, self.calls = shared, "threads", 0
 
     def reduce_int32(self, a, op):

@@ -58,10 +58,9 @@ def _rank(rank: int, hosts: list[list[int]], name: str, inputs, q, die_at: int |
         h = next(i for i, rs in enumerate(hosts) if rank in rs)
         me = hosts[h].index(rank)
         L = min(len(rs) for rs in hosts)
-        kmax = max(len(rs) for rs in hosts)
         lane = ShmLane(f"{name}-lane{me}", h, len(hosts)) if len(hosts) > 1 and me < L else None
         c = HostCommunicator(rank, sum(map(len, hosts)), HostGroup(f"{name}-h{h}", me, hosts[h], 20.0),
-                             len(hosts), h, kmax, L, elems=E, lane=lane)
+                             len(hosts), h, L, elems=E, lane=lane)
         outs = []
         for i, (x, op, lanes) in enumerate(inputs):
             if i == die_at:

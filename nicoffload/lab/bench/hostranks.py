@@ -44,7 +44,7 @@ class HostRanks(Adapter):
         try:
             if H > 1 and me < L:
                 lane = _ring_lane(p, h, H) if ring else _job_lane(p, h, H, me, plan["ips"][rank])
-            self.c = HostCommunicator(rank, plan["world"], host, H, h, K, L, elems=spec.elems, lane=lane)
+            self.c = HostCommunicator(rank, plan["world"], host, H, h, L, elems=spec.elems, lane=lane)
         except BaseException:
             if lane is not None:
                 lane.close()

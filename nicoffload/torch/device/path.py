@@ -7,7 +7,7 @@ One all-reduce SUM/AVG of a float tensor on the device (:func:`device_sum`):
        a NaN or an Inf refused on every rank together (as the host path refuses it)
     2. per chunk of CHUNK elements, pipelined on a CUDA stream: the lanes of the blocks not zero
        everywhere, encoded on the device, copied once into pinned host memory, summed in place
-       through the communicator's int32 SUM (exact: the offset-binary lanes of W contributions
+       through the communicator's int32 SUM (exact: the offset-binary lanes of world contributions
        never overflow, :mod:`~nicoffload.local.fixed`), copied back once and decoded on the
        device with the contributors' bias (world x bias); while the CPU sends chunk k, the device
        encodes and copies chunk k + 1
@@ -235,16 +235,6 @@ def _index(act: np.ndarray, device: torch.device) -> torch.Tensor:
     return dc.to_device(act, device)
 
 
-def _contributions(comm, world: int) -> int:
-    """The contributions the communicator's fixed point makes room for: its W where it has one
-    (a W above the group's size: room for ranks that send nothing), else the group's size."""
-    for c in (comm, getattr(comm, "primary", None)):
-        W = getattr(c, "W", None)
-        if isinstance(W, int) and W >= world:
-            return W
-    return world
-
-
 def device_sum(comm, x: torch.Tensor, *, rank: int, world: int, bits: int = 32, elems: int | None = None) -> None:
     """The sum over the group of the flat float32/float64 tensor ``x`` (in place, on its device),
     in the aggregator's fixed point with ``bits``-bit lanes, through ``comm``'s int32 MAX and SUM."""
@@ -253,8 +243,7 @@ def device_sum(comm, x: torch.Tensor, *, rank: int, world: int, bits: int = 32, 
         return  # every rank's tensor is empty alike: nothing to sum
     elems = elems or getattr(comm, "elems", None) or 256
     E = quant.block_elems(elems, bits)
-    W = _contributions(comm, world)
-    top, bias = quant.top_bits(bits) - quant.headroom_bits(W), quant.bias(W, bits)
+    top, bias = quant.top_bits(bits) - quant.headroom_bits(world), quant.bias(world, bits)
     per = max(1, CHUNK // (2 * elems)) * (2 * elems) // E  # blocks per chunk
     wpb = E * bits // 32                                      # int32 words per block
     STATS.calls += 1
