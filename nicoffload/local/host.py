@@ -24,6 +24,12 @@ One call, for a chunk of at most CHUNK elements at a time (whole blocks: the sam
 Per rank that is three passes over the tensor's bytes and one over its share of every rank's
 (a separate exponent pass, and each rank's quantized copy written and read back, cost 10% more
 CPU and time at 1 host x 4 ranks, 16 MiB).
+
+A lane that loses the aggregator (the failover's cue) makes no more lane calls in the call, but
+the host's ranks go on to its end: each copies out the blocks its host's lanes got (marked in the
+segment), then every rank raises AggregatorLost and ``final_blocks()`` says which blocks those
+are, as a Communicator's does. So when another host has returned from the call (its lanes'
+gates passed: every host's lanes hold all of it), every rank here holds all of it too.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import numpy as np
 from nicoffload import collective
 from nicoffload.collective import Collective
 from nicoffload.datapath.tensors import DTYPES, call_arrays, refuse_together
-from nicoffload.errors import InputError, RefusedError
+from nicoffload.errors import AggregatorLost, InputError, RefusedError
 from nicoffload.local import fixed
 from nicoffload.local.segment import HostGroup
 from nicoffload.wire import quant
@@ -117,6 +123,8 @@ class HostCommunicator:
         self.host.describe = _describe
         self._closed = False
         self._lane_calls = 0
+        self._lost: AggregatorLost | None = None  # this rank's lane lost the aggregator in this call
+        self._final: np.ndarray | None = None     # after a call the aggregator was lost in: its final blocks
         fixed.warm_up()
 
     # --- the Collective API ---------------------------------------------------------------------
@@ -140,17 +148,27 @@ class HostCommunicator:
         bits = 16 if lanes == 16 else 32
         step = CHUNK // (2 * self.elems) * (2 * self.elems)  # whole blocks of both lane widths
         first = "max" if op != "sum" or x.dtype.kind == "f" else "sum"  # the lanes' first round
+        U = quant.block_elems(self.elems, bits) if op == "sum" and x.dtype.kind == "f" else self.elems
+        self._lost, self._final = None, None
+        final = np.ones(-(-flat.size // U), bool)  # the blocks whose output is final (all, unless lost)
         with self._failing(first):
+            self.host.lost(None)
             # every local rank must make the same call: checked before anything is shared
             self._wait(sig=(_OPS[op], _DTYPES[x.dtype.name], flat.size, bits))
             for lo in range(0, flat.size, step):
                 xc, oc = flat[lo:lo + step], res[lo:lo + step]
                 if op != "sum":
-                    self._extreme(xc, oc, op)
+                    fin = self._extreme(xc, oc, op)
                 elif x.dtype.kind == "f":
-                    self._sum_float(xc, oc, bits)
+                    fin = self._sum_float(xc, oc, bits)
                 else:
-                    self._sum_int(xc, oc)
+                    fin = self._sum_int(xc, oc)
+                if fin is not None:
+                    final[lo // U:lo // U + fin.size] = fin
+            lost = self.host.who_lost() if self.hosts > 1 else None
+            if lost is not None:
+                self._final = final
+                raise self._lost or lost
         st.seconds = time.perf_counter() - t0
         self.stats.add(st)
         return out
@@ -169,8 +187,12 @@ class HostCommunicator:
         except RefusedError:
             raise
         except BaseException as e:
+            if self._final is not None:  # the aggregator lost, every local rank raising at the same point
+                self.host.abort(e)       # (told no one: a failure now would race their last barrier)
+                raise
             self.host.fail(e)
-            if self.lane is not None and self._lane_calls == lane_calls:
+            # the aggregator lost: the other hosts' lanes find it so themselves
+            if self.lane is not None and self._lane_calls == lane_calls and not isinstance(e, AggregatorLost):
                 try:
                     self.lane.allreduce(np.zeros(1, np.int32), op="sum" if first == "max" else "max")
                 except Exception:
@@ -184,6 +206,12 @@ class HostCommunicator:
             if self.host.me == 0 and self.hosts > 1:
                 self._lane(lambda: self.lane.barrier())
             self._wait()
+
+    def final_blocks(self) -> np.ndarray | None:
+        """After a call that raised AggregatorLost: which blocks of its output (of the
+        fixed point's blocks for float sums, of ``elems`` otherwise) hold their result, every
+        local rank alike; the others still hold the input of an in-place call. None otherwise."""
+        return self._final
 
     def abort(self, error: BaseException) -> None:
         self.host.abort(error)
@@ -221,6 +249,22 @@ class HostCommunicator:
             self.last.packets_sent += getattr(lst, "packets_sent", 0)
             self.last.retransmissions += getattr(lst, "retransmissions", 0)
 
+    def _lane_call(self, fn, count: int) -> np.ndarray | None:
+        """The lane's call ``fn`` over ``count`` of its blocks: None when it returned; else which
+        of them hold their result, the aggregator lost in it (or earlier in this call: then no
+        call is made, and none does)."""
+        if self._lost is None:
+            try:
+                self._lane(fn)
+                return None
+            except AggregatorLost as e:
+                self._lost = e
+                self.host.lost(e)
+                got = getattr(self.lane, "final_blocks", lambda: None)()
+                if got is not None and len(got) == count:
+                    return np.asarray(got, bool)
+        return np.zeros(count, bool)
+
     def _share(self, nb: int) -> tuple[int, int] | None:
         """The blocks [lo, hi) this rank sums for its host (None: not a lane)."""
         j, L = self.host.me, self.lanes
@@ -235,18 +279,19 @@ class HostCommunicator:
         seg = self.host.ensure(off)
         return {name: seg.array(o, dtype, count) for name, dtype, count, o in sizes}
 
-    # --- the three kinds of call ------------------------------------------------------------------
-    def _sum_float(self, x: np.ndarray, out: np.ndarray, bits: int) -> None:
+    # --- the three kinds of call (each returns which of its blocks are final, or None: all) -------
+    def _sum_float(self, x: np.ndarray, out: np.ndarray, bits: int) -> np.ndarray | None:
         K, me, n = self.host.K, self.host.me, x.size
         E = quant.block_elems(self.elems, bits)
         wpb = E * bits // 32                       # int32 words per block
         nb = -(-n // E)
         b = self._buffers([("ex", np.int32, K * nb), ("gexp", np.int32, nb), ("xs", x.dtype, K * n),
-                           ("q", np.int32, nb * wpb), ("out", x.dtype, n)])
-        ex, xs, q = b["ex"].reshape(K, nb), b["xs"].reshape(K, n), b["q"]
+                           ("q", np.int32, nb * wpb), ("out", x.dtype, n), ("fin", np.bool_, nb)])
+        ex, xs, q, fin = b["ex"].reshape(K, nb), b["xs"].reshape(K, n), b["q"], b["fin"]
         bad = fixed.exponents_and_copy(x, E, ex[me], xs[me], self.rank)           # 1.
         self._wait()
         share = self._share(nb)
+        agreed = True  # this rank's share of the exponents is every host's (the lane's MAX came back)
         if self.hosts == 1:  # every rank takes the MAX of every block itself: no step, no barrier
             gexp = np.empty(nb, np.int32)
             fixed.max_exps(ex, 0, nb, gexp)
@@ -256,7 +301,9 @@ class HostCommunicator:
                 lo, hi = share
                 fixed.max_exps(ex, lo, hi, gexp)
                 if hi > lo:
-                    self._lane(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"))
+                    got = self._lane_call(lambda: self.lane.allreduce(gexp[lo:hi], out=gexp[lo:hi], op="max"),
+                                          -(-(hi - lo) // self.elems))
+                    agreed = got is None or bool(got.all())
             self._wait()
         refuse_together(gexp, self.rank, x, bad, E)                                # 3.
         top = quant.top_bits(bits) - quant.headroom_bits(self.world)  # room for every rank's, no more
@@ -265,55 +312,83 @@ class HostCommunicator:
             lo, hi = share
             lanes = q if bits == 32 else q.view(np.int16)
             fixed.quantize_sum(xs, n, lo, hi, E, gexp, top, bias, x.dtype == np.float32, 0, lanes)
-            if self.hosts > 1 and hi > lo:
-                self._across(q.reshape(nb, wpb), gexp, lo, hi)
+            if self.hosts > 1:
+                fin[lo:hi] = self._across(q.reshape(nb, wpb), gexp, lo, hi) if agreed else False
             fixed.decode(q, E, gexp, top, self.world * bias, bits == 16, lo, hi, n, b["out"])
         self._wait()
-        out[:] = b["out"]                                                          # 5.
+        return self._copy_out(b["out"], out, fin, E, lambda src, dst: dst.__setitem__(slice(None), src))  # 5.
 
-    def _across(self, rows: np.ndarray, gexp: np.ndarray, lo: int, hi: int) -> None:
+    def _across(self, rows: np.ndarray, gexp: np.ndarray, lo: int, hi: int) -> np.ndarray | bool:
         """The hosts' int32 sum of blocks [lo, hi) of ``rows`` (in place): blocks zero on every
-        rank of the group are not sent (their exponent says so)."""
+        rank of the group are not sent (their exponent says so). Returns which are final (True:
+        all)."""
         active = np.flatnonzero(gexp[lo:hi] != quant.ZERO_EXP) + lo
         self.last.blocks_skipped += (hi - lo) - len(active)
-        if len(active) == hi - lo:
+        got = None
+        if len(active) == hi - lo and hi > lo:
             seg = rows[lo:hi].reshape(-1)
-            self._lane(lambda: self.lane.allreduce(seg, out=seg))
+            got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg), hi - lo)
         elif len(active):
             packed = np.ascontiguousarray(rows[active]).reshape(-1)
-            self._lane(lambda: self.lane.allreduce(packed, out=packed))
+            got = self._lane_call(lambda: self.lane.allreduce(packed, out=packed), len(active))
             rows[active] = packed.reshape(len(active), -1)
+        if got is None:
+            return True
+        fin = np.ones(hi - lo, bool)
+        fin[active - lo] = got
+        return fin
 
-    def _sum_int(self, x: np.ndarray, out: np.ndarray) -> None:
+    def _sum_int(self, x: np.ndarray, out: np.ndarray) -> np.ndarray | None:
         K, me, n = self.host.K, self.host.me, x.size
-        b = self._buffers([("q", np.int32, K * n)])
-        q = b["q"].reshape(K, n)
+        nb = -(-n // self.elems)
+        b = self._buffers([("q", np.int32, K * n), ("fin", np.bool_, nb)])
+        q, fin = b["q"].reshape(K, n), b["fin"]
         q[me] = x
         self._wait()
-        share = self._share(-(-n // self.elems))
+        share = self._share(nb)
         if share is not None:
             lo, hi = (min(n, s * self.elems) for s in share)
             fixed.sum_rows(q, lo, hi, 0, q[0])
-            if self.hosts > 1 and hi > lo:
+            if self.hosts > 1:
                 seg = q[0, lo:hi]
-                self._lane(lambda: self.lane.allreduce(seg, out=seg))
+                got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg), share[1] - share[0]) \
+                    if hi > lo else None
+                fin[share[0]:share[1]] = True if got is None else got
         self._wait()
-        out[:] = q[0]
+        fin_ = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: dst.__setitem__(slice(None), src))
         self._wait()  # q[0] is read by every rank before the next call writes it
+        return fin_
 
-    def _extreme(self, x: np.ndarray, out: np.ndarray, op: str) -> None:
+    def _extreme(self, x: np.ndarray, out: np.ndarray, op: str) -> np.ndarray | None:
         K, me, n = self.host.K, self.host.me, x.size
-        b = self._buffers([("q", np.int32, K * n)])
-        q = b["q"].reshape(K, n)
+        nb = -(-n // self.elems)
+        b = self._buffers([("q", np.int32, K * n), ("fin", np.bool_, nb)])
+        q, fin = b["q"].reshape(K, n), b["fin"]
         fixed.to_keys(x, op, q[me])
         self._wait()
-        share = self._share(-(-n // self.elems))
+        share = self._share(nb)
         if share is not None:
             lo, hi = (min(n, s * self.elems) for s in share)
             fixed.max_rows(q, lo, hi, q[0])
-            if self.hosts > 1 and hi > lo:
+            if self.hosts > 1:
                 seg = q[0, lo:hi]
-                self._lane(lambda: self.lane.allreduce(seg, out=seg, op="max"))
+                got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg, op="max"), share[1] - share[0]) \
+                    if hi > lo else None
+                fin[share[0]:share[1]] = True if got is None else got
         self._wait()
-        fixed.from_keys(q[0], op, x.dtype, out)
+        fin_ = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: fixed.from_keys(src, op, x.dtype, dst))
         self._wait()
+        return fin_
+
+    def _copy_out(self, src: np.ndarray, dst: np.ndarray, fin: np.ndarray, U: int, copy) -> np.ndarray | None:
+        """Step 5: ``copy(src, dst)`` of the chunk's result, or, where a lane lost the aggregator,
+        of its final blocks only (of ``U`` elements; the others keep what they hold). Returns
+        which are final (None: all)."""
+        if self.hosts == 1 or fin.all():
+            copy(src, dst)
+            return None
+        have = fin.copy()
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], have.view(np.int8), [0]))))
+        for a, z in zip(edges[::2] * U, edges[1::2] * U):
+            copy(src[a:z], dst[a:z])
+        return have

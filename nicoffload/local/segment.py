@@ -144,6 +144,7 @@ class HostGroup:
         self._pid = words[LINE + 1::LINE]
         self._err = words[LINE + 2::LINE]             # 1: the rank failed (its message below)
         self._sig = words[LINE:].reshape(self.K, LINE)[:, 3:7]  # what the rank's call is (checked together)
+        self._lost = words[LINE + 7::LINE]            # 1: the rank's lane lost the aggregator in this call
         self._msg = self.ctl.array(lines, np.uint8, MSG * self.K).reshape(self.K, MSG)
         if me == 0:
             words[1] = self.K
@@ -212,12 +213,33 @@ class HostGroup:
         if self.error is None:
             self.error = error
         # a rank that fails because a peer did passes the peer's message on, not a nest of them
-        text = (self._root or f"{type(error).__name__}: {error}").encode()[:MSG - 1]
-        self._msg[self.me, :] = 0
-        self._msg[self.me, :len(text)] = np.frombuffer(text, np.uint8)
+        self._write_msg(self._root or f"{type(error).__name__}: {error}")
         self._err[self.me] = 1
         self._seq[self.me] = FAILED
         futex.wake(self.ctl.addr + 8 * LINE * (1 + self.me))
+
+    def lost(self, error: BaseException | None) -> None:
+        """This rank's lane lost the aggregator in the call under way (``error``; None: a new
+        call, nothing lost yet). The call goes on to its end on every local rank, so that each
+        returns what the host's lanes got of it, and then every rank raises (:meth:`who_lost`)."""
+        if error is not None:
+            self._write_msg(f"{type(error).__name__}: {error}")
+        self._lost[self.me] = 0 if error is None else 1
+
+    def who_lost(self) -> AggregatorLost | None:
+        """After a barrier: the first local rank whose lane lost the aggregator in this call, as
+        this rank's error naming it and why (None: none)."""
+        for j in range(self.K):
+            if self._lost[j]:
+                why = bytes(self._msg[j]).rstrip(b"\0").decode(errors="replace")
+                return AggregatorLost(f"rank {self.ranks[self.me]}: local rank {j} of this host (rank "
+                                      f"{self.ranks[j]}) lost the aggregator in this call: {why}")
+        return None
+
+    def _write_msg(self, text: str) -> None:
+        raw = text.encode()[:MSG - 1]
+        self._msg[self.me, :] = 0
+        self._msg[self.me, :len(raw)] = np.frombuffer(raw, np.uint8)
 
     def _failed(self, j: int) -> None:
         if self._err[j]:

@@ -291,6 +291,7 @@ class Communicator:
         mine = np.flatnonzero(masks >> self.rank & 1) if K else masks
         st.own_blocks = len(mine)
         if not K:
+            self._cut = (blocks, c.blocks)  # every block zero everywhere, its output zeroed: final
             return
         base = self._s.reserve(K)
         self._cut = (blocks, c.blocks)  # from here on, a block's output is final once its round is done

@@ -58,6 +58,7 @@ def extreme(self: Communicator, array: np.ndarray, out: np.ndarray | None, op: s
     if x.dtype == np.float32:
         res ^= (res >> 31) & np.int32(0x7FFFFFFF)
     out.reshape(-1).view(np.int32)[:] = res
+    self._cut = (blocks[:0], nb)  # every block final: a loss from here on (the gate's wait) leaves all of it
     self.last.results = nb
     self.last.own_blocks = nb
     return out
