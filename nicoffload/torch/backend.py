@@ -72,16 +72,19 @@ class ProcessGroupNicoffload(GroupPaths, dist.ProcessGroup):
         self.addresses = [p.ip for p in self.places]
         self.jobs = ServiceJobs(self.rdv, self.config, self.addresses, group_id, self.timeout)
         self.path = "gloo"
+        # beating from before the set-up: a rank whose set-up takes long (the first run compiles
+        # the kernels: 10-20 s on a busy machine) is alive to the ranks whose set-up was quick
+        self.liveness = Liveness(self.rdv, self.addresses, self.config.liveness, self._abort,
+                                 f"nicoffload-live-{group_id}")
+        self.liveness.start()
         try:
             self._setup_offload()
         except BaseException:
             self._stop.set()
+            self.liveness.stop()
             self._queue.close(timeout=1.0)
             raise
         self.router = Router(self.comm, self.config.lanes)
-        self.liveness = Liveness(self.rdv, self.addresses, self.config.liveness, self._abort,
-                                 f"nicoffload-live-{group_id}")
-        self.liveness.start()
         self._finalizer = weakref.finalize(self, _at_exit, weakref.ref(self))
         atexit.register(_at_exit, weakref.ref(self))
 

@@ -155,6 +155,18 @@ def test_a_rank_killed_mid_training_is_named_and_its_job_freed(service, tmp_path
     wait_for(lambda: with_service(c, tb, lambda c: c.jobs())["jobs"] == [], 30, "the dead job's removal")
 
 
+def test_a_rank_whose_set_up_is_slow_is_not_taken_for_dead(service, tmp_path):
+    """A first run compiles the kernels in the group's set-up, 10-20 s on a busy machine, and one
+    rank may take that much longer than another (a lane's communicator): it beats all along, so
+    the rank that was ready first does not name it gone after NICOFFLOAD_LIVENESS (3 s here)."""
+    tb, svc = service(2)
+    outcomes, reports = run(tb, svc, tmp_path / "out", ["--phases", "train", "--steps", "10", "--slow-setup", "1:8"],
+                            env={"NICOFFLOAD_LIVENESS": "3"}, timeout=150)
+    assert sorted(reports) == [0, 1], [o.describe() + o.stderr[-3000:] for o in outcomes]
+    assert not any("error" in d for d in reports.values()), {r: d.get("error") for r, d in reports.items()}
+    assert reports[1]["init_s"] > 8 and "aggregator" in reports[0]["group"], reports[1]
+
+
 def test_a_rank_killed_in_ring_mode_fails_the_others_naming_it_within_liveness(service, tmp_path):
     """Ring mode: the liveness watcher aborts the ring's call in flight (RingCommunicator.abort),
     so the living ranks fail naming the dead one within NICOFFLOAD_LIVENESS, not after the

@@ -179,6 +179,19 @@ def metrics(rank: int, world: int) -> dict:
     return out
 
 
+def slow_setup(seconds: float) -> None:
+    """This rank's group set-up takes ``seconds`` longer (as a first run's compiling does)."""
+    from nicoffload.torch.paths import GroupPaths
+
+    setup = GroupPaths._setup_offload
+
+    def slow(self):
+        time.sleep(seconds)
+        setup(self)
+
+    GroupPaths._setup_offload = slow
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -186,7 +199,10 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--slow-setup", default="", help="RANK:SECONDS: that rank's group set-up takes so much longer")
     a = p.parse_args()
+    if a.slow_setup and a.slow_setup.split(":")[0] == os.environ.get("RANK"):
+        slow_setup(float(a.slow_setup.split(":")[1]))
     t0 = time.perf_counter()
     dist.init_process_group("nicoffload")
     rank, world = dist.get_rank(), dist.get_world_size()
