@@ -81,6 +81,10 @@ class HostStats:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
+def _assign(src: np.ndarray, dst: np.ndarray) -> None:
+    dst[...] = src
+
+
 def _align(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -316,7 +320,7 @@ class HostCommunicator:
                 fin[lo:hi] = self._across(q.reshape(nb, wpb), gexp, lo, hi) if agreed else False
             fixed.decode(q, E, gexp, top, self.world * bias, bits == 16, lo, hi, n, b["out"])
         self._wait()
-        return self._copy_out(b["out"], out, fin, E, lambda src, dst: dst.__setitem__(slice(None), src))  # 5.
+        return self._copy_out(b["out"], out, fin, E, _assign)  # 5.
 
     def _across(self, rows: np.ndarray, gexp: np.ndarray, lo: int, hi: int) -> np.ndarray | bool:
         """The hosts' int32 sum of blocks [lo, hi) of ``rows`` (in place): blocks zero on every
@@ -355,7 +359,7 @@ class HostCommunicator:
                     if hi > lo else None
                 fin[share[0]:share[1]] = True if got is None else got
         self._wait()
-        fin_ = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: dst.__setitem__(slice(None), src))
+        fin_ = self._copy_out(q[0], out, fin, self.elems, _assign)
         self._wait()  # q[0] is read by every rank before the next call writes it
         return fin_
 
