@@ -18,11 +18,19 @@ each block from the lowest rank that has it, and sums the blocks nobody has thro
 fallback, from the inputs still there: every rank ends with the same bits. Ranks are at most
 one call apart: when a rank had returned from the cut call, the others take the next call
 through the same agreement too (the returned rank is in it on the primary until it is cut).
+
+A rank that returned from a call may not come back to the primary soon: between two offloaded
+calls it may wait in a collective of the gloo path, or of another group, that needs the ranks
+still agreeing on the call (FSDP's all-gathers, a loss averaged over gloo). So every rank also
+publishes the last call it returned from (a thread, every PUBLISH_S seconds when it changed),
+and the agreement reads that too: a rank that returned from call n tells the others that every
+rank holds it, wherever it waits.
 """
 from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 
 import numpy as np
@@ -36,6 +44,11 @@ from nicoffload.torch.rendezvous import Rendezvous
 from nicoffload.wire import quant
 
 log = logging.getLogger("nicoffload.torch")
+
+#: how often a rank publishes the last call it returned from on the primary (seconds)
+PUBLISH_S = 0.5
+#: how often a rank agreeing on a call looks at what the others published
+LOOK_S = 0.1
 
 
 def _pack(have: np.ndarray | None) -> str:
@@ -69,6 +82,10 @@ class Failover:
         self._gen = 0                # the generation this rank runs
         self._aborted: BaseException | None = None  # the group's abort (liveness)
         self._follow = -1            # a call on the fallback that other ranks may have begun on the primary
+        self.returned = -1           # the last call this rank returned from on the primary (all ranks held it)
+        self._published = -1
+        self._stop = threading.Event()
+        threading.Thread(target=self._publish_forever, name=f"nicoffload-returned-{group}", daemon=True).start()
 
     @property
     def generation(self) -> int:
@@ -114,9 +131,11 @@ class Failover:
         if out is None:
             out = np.empty_like(array)
         try:
-            return self.primary.allreduce(array, out=out, op=op, lanes=lanes)
+            res = self.primary.allreduce(array, out=out, op=op, lanes=lanes)
         except AggregatorLost as e:
             return self._cut(n, e, array, out, op, lanes)
+        self.returned = n
+        return res
 
     def barrier(self) -> None:
         self.allreduce(np.zeros(1, np.int32))
@@ -126,6 +145,7 @@ class Failover:
         self.primary.abort(error)
 
     def close(self) -> None:
+        self._stop.set()
         self.primary.close()
         self.fallback.close()
 
@@ -192,11 +212,16 @@ class Failover:
         store, key = self.rdv.store, self.rdv.key
         keys = [key(f"failover/{n}/have/{r}") for r in range(self.world)]
         deadline = time.monotonic() + self.wait_s
+        look = 0.0
         while True:
             if self._aborted is not None:  # a rank gone or left the group (liveness): no agreement to wait for
                 raise self._aborted
             if store.check([key(f"failover/{n}/done")]):
                 return None
+            if time.monotonic() >= look:
+                look = time.monotonic() + LOOK_S
+                if self._someone_returned(n):
+                    return None
             if store.check(keys):
                 return [_unpack(store.get(k).decode(), nb) for k in keys]
             if time.monotonic() > deadline:
@@ -204,6 +229,27 @@ class Failover:
                 raise TimeoutError_(f"rank {self.rank}: failover of call {n}: rank(s) {missing} did not say within "
                                     f"{self.wait_s:g}s what they hold of it (their aggregator calls still wait?)")
             time.sleep(0.01)
+
+    def _someone_returned(self, n: int) -> bool:
+        """Whether a rank has published that it returned from call ``n`` or a later one."""
+        store, key = self.rdv.store, self.rdv.key
+        for r in range(self.world):
+            k = key(f"failover/returned/{r}")
+            if r != self.rank and store.check([k]) and int(store.get(k).decode()) >= n:
+                return True
+        return False
+
+    def _publish_forever(self) -> None:
+        """The thread: the last call this rank returned from, into the store when it changed."""
+        while not self._stop.wait(PUBLISH_S):
+            n = self.returned
+            if n <= self._published:
+                continue
+            try:
+                self.rdv.store.set(self.rdv.key(f"failover/returned/{self.rank}"), str(n))
+                self._published = n
+            except Exception:  # the store gone: the liveness watcher says so
+                pass
 
     def _recover(self, array, out, op, lanes, E: int, nb: int, haves: list[np.ndarray]) -> None:
         """Every block from the lowest rank that holds it; the others summed by the fallback."""

@@ -38,3 +38,40 @@ def test_a_rank_a_call_behind_joins_the_agreement_on_the_next_call():
         for n in range(3):
             assert np.array_equal(got[r][n], want[n]), (r, n)
         assert got[r][3] == (1, True)
+
+
+def test_a_rank_that_returned_and_waits_elsewhere_still_settles_the_call(monkeypatch):
+    """The case FSDP found: ranks 1 and 2 returned from call 0 and then waited in a collective
+    outside the offload (here an event) that needs rank 0, which lost the aggregator waiting for
+    call 0's gate. They publish the call they returned from, so rank 0 learns that every rank
+    holds call 0 and goes on, instead of waiting for them in the store until its timeout."""
+    import threading
+
+    from nicoffload.torch import failover
+
+    monkeypatch.setattr(failover, "PUBLISH_S", 0.05)
+    rng = np.random.default_rng(5)
+    inputs = [[rng.integers(-1000, 1000, N).astype(np.int32) for _ in range(3)] for _ in range(W)]
+    want = [sum(inputs[r][n] for r in range(W)) for n in range(3)]
+    store, shared = torch.distributed.HashStore(), shared_state()
+    plans = {0: (0, slice(0, 4)), 1: (1, slice(0, 1)), 2: (1, slice(0, 2))}
+    elsewhere = threading.Event()  # the collective outside the offload: done once rank 0 is in it
+
+    def rank(r):
+        f = Failover(LosingAggregator(r, want, *plans[r]), ThreadSum(r, shared), Rendezvous(store, r, W, 10.0), "t",
+                     ELEMS, wait_s=10.0)
+        try:
+            got = [f.allreduce(inputs[r][0].copy(), out=inputs[r][0].copy())]
+            if r == 0:
+                elsewhere.set()
+            assert elsewhere.wait(8.0), f"rank {r}: rank 0 never left call 0"
+            got += [f.allreduce(inputs[r][n].copy(), out=inputs[r][n].copy()) for n in (1, 2)]
+            return got + [(f.failovers, f.on_fallback)]
+        finally:
+            f.close()
+
+    got = run_ranks(rank)
+    for r in range(W):
+        for n in range(3):
+            assert np.array_equal(got[r][n], want[n]), (r, n)
+        assert got[r][3] == (1, True)
