@@ -28,10 +28,12 @@ rank holds it, wherever it waits.
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -85,7 +87,10 @@ class Failover:
         self.returned = -1           # the last call this rank returned from on the primary (all ranks held it)
         self._published = -1
         self._stop = threading.Event()
-        threading.Thread(target=self._publish_forever, name=f"nicoffload-returned-{group}", daemon=True).start()
+        self._publisher = threading.Thread(target=self._publish_forever, name=f"nicoffload-returned-{group}",
+                                           daemon=True)
+        self._publisher.start()
+        atexit.register(_stop_publishing, weakref.ref(self))  # no store call under the interpreter's exit
 
     @property
     def generation(self) -> int:
@@ -145,7 +150,7 @@ class Failover:
         self.primary.abort(error)
 
     def close(self) -> None:
-        self._stop.set()
+        self.stop_publishing()
         self.primary.close()
         self.fallback.close()
 
@@ -239,6 +244,12 @@ class Failover:
                 return True
         return False
 
+    def stop_publishing(self) -> None:
+        """Stop the publishing thread and wait for it (a store call must not outlive the store)."""
+        self._stop.set()
+        if self._publisher is not threading.current_thread():
+            self._publisher.join(timeout=5.0)
+
     def _publish_forever(self) -> None:
         """The thread: the last call this rank returned from, into the store when it changed."""
         while not self._stop.wait(PUBLISH_S):
@@ -290,3 +301,8 @@ class Failover:
         log.warning("group %s, rank %d: back on the aggregator (job granted again) from call %d", self.group,
                     self.rank, self.calls - 1)
 
+
+def _stop_publishing(ref) -> None:
+    f = ref()
+    if f is not None:
+        f.stop_publishing()
