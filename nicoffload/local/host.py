@@ -354,14 +354,11 @@ class HostCommunicator:
             lo, hi = (min(n, s * self.elems) for s in share)
             fixed.sum_rows(q, lo, hi, 0, q[0])
             if self.hosts > 1:
-                seg = q[0, lo:hi]
-                got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg), share[1] - share[0]) \
-                    if hi > lo else None
-                fin[share[0]:share[1]] = True if got is None else got
+                fin[share[0]:share[1]] = self._lane_rows(q[0, lo:hi], share, "sum")
         self._wait()
-        fin_ = self._copy_out(q[0], out, fin, self.elems, _assign)
+        got = self._copy_out(q[0], out, fin, self.elems, _assign)
         self._wait()  # q[0] is read by every rank before the next call writes it
-        return fin_
+        return got
 
     def _extreme(self, x: np.ndarray, out: np.ndarray, op: str) -> np.ndarray | None:
         K, me, n = self.host.K, self.host.me, x.size
@@ -375,14 +372,19 @@ class HostCommunicator:
             lo, hi = (min(n, s * self.elems) for s in share)
             fixed.max_rows(q, lo, hi, q[0])
             if self.hosts > 1:
-                seg = q[0, lo:hi]
-                got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg, op="max"), share[1] - share[0]) \
-                    if hi > lo else None
-                fin[share[0]:share[1]] = True if got is None else got
+                fin[share[0]:share[1]] = self._lane_rows(q[0, lo:hi], share, "max")
         self._wait()
-        fin_ = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: fixed.from_keys(src, op, x.dtype, dst))
+        got = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: fixed.from_keys(src, op, x.dtype, dst))
         self._wait()
-        return fin_
+        return got
+
+    def _lane_rows(self, seg: np.ndarray, share: tuple[int, int], op: str) -> np.ndarray | bool:
+        """The hosts' int32 ``op`` of ``seg`` (this rank's share of the blocks, in place): which
+        of its blocks are final (True: all)."""
+        if not seg.size:
+            return True
+        got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg, op=op), share[1] - share[0])
+        return True if got is None else got
 
     def _copy_out(self, src: np.ndarray, dst: np.ndarray, fin: np.ndarray, U: int, copy) -> np.ndarray | None:
         """Step 5: ``copy(src, dst)`` of the chunk's result, or, where a lane lost the aggregator,
@@ -391,8 +393,7 @@ class HostCommunicator:
         if self.hosts == 1 or fin.all():
             copy(src, dst)
             return None
-        have = fin.copy()
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], have.view(np.int8), [0]))))
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], fin.view(np.int8), [0]))))
         for a, z in zip(edges[::2] * U, edges[1::2] * U):
             copy(src[a:z], dst[a:z])
-        return have
+        return fin  # a view of the segment: the caller keeps it before the next chunk

@@ -89,13 +89,18 @@ def run(hosts: list[list[int]], inputs, die: tuple[int, int] | None = None, time
     ps = [mp.get_context("fork").Process(target=_rank, args=(r, hosts, name, inputs, q,
                                                               die[1] if die and die[0] == r else None))
           for r in range(world)]
+    return {r: rest for r, *rest in collect(ps, q, world - (1 if die else 0), timeout, name)}
+
+
+def collect(ps, q, count: int, timeout: float, name: str) -> list[tuple]:
+    """Start the rank processes ``ps``, take ``count`` reports (rank first) from ``q``, and
+    check that no shared memory segment of ``name`` is left."""
     for p in ps:
         p.start()
-    got = {}
+    got = []
     try:
-        for _ in range(world - (1 if die else 0)):
-            r, outs, err = q.get(timeout=timeout)
-            got[r] = (outs, err)
+        for _ in range(count):
+            got.append(q.get(timeout=timeout))
     finally:
         for p in ps:
             p.join(5)

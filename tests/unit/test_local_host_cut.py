@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from nicoffload.errors import SilentAggregator
-from nicoffload.local.segment import SHM, HostGroup
-from test_local_host import E, ShmLane, model
+from nicoffload.local.segment import HostGroup
+from test_local_host import E, ShmLane, collect, model
 
 HOSTS = [[0, 1], [2, 3]]
 N, CHUNK = 3000, 1024
@@ -82,20 +82,7 @@ def run(xs, op, lose):
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     ps = [ctx.Process(target=_rank, args=(r, name, xs, op, lose, q)) for r in range(4)]
-    for p in ps:
-        p.start()
-    try:
-        got = {}
-        for _ in range(4):
-            r, out, err, final = q.get(timeout=60)
-            got[r] = (out, err, final)
-    finally:
-        for p in ps:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    assert not list(SHM.glob(name + "*")), "a shared memory segment was left behind"
-    return got
+    return {r: rest for r, *rest in collect(ps, q, 4, 60, name)}
 
 
 def blocks(*spans) -> np.ndarray:
