@@ -77,12 +77,18 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse,
         monkeypatch.setattr(speculation, "SPECULATE_BACKOFF", 0)  # speculate on every call, misses or not
         tb.faults.configure(drop=0.02, dup=0.02, seed=3)
         # twice: the first pass guesses from the plain pass's last call of each size
+        recovered = 0
         for _ in range(2):
             spec, sstats = run(comms, seq, world)
             for i in range(len(seq)):
                 for r in range(world):
                     assert spec[r][i].tobytes() == plain[r][i].tobytes(), (i, r, sstats[r][i])
+            recovered += sum(s.retransmissions + s.pulls + s.probes for st in sstats for s in st)
+        hit = [d["dropped"] + d["duplicated"] for link in tb.faults.stats().values() for d in link.values()]
         tb.faults.configure()
+        # the faults bit, over both passes: the injector decides per frame (a GSO batch of records
+        # or results is one), so one pass of these 11 calls may draw no drop at all (seen once in CI)
+        assert sum(hit) > 0 and recovered > 0, ("the faults did not bite", hit, recovered)
         st = sstats[0]
         assert st[1].spec_blocks == 40 and st[1].spec_missed == 0       # the same tensor again: all hits
         assert st[2].spec_missed == 40                                  # every exponent grew
@@ -90,7 +96,6 @@ def test_speculative_calls_are_the_normal_ones_bit_for_bit(make_testbed, sparse,
         assert st[5].spec_blocks == 35 and st[5].results == 40          # 5 blocks had no guess
         # the blocks zero everywhere, as the plain calls counted them (call 3 has five)
         assert [s.blocks_skipped for s in st] == [s.blocks_skipped for s in pstats[0]] and st[3].blocks_skipped == 5
-        assert sum(s.retransmissions + s.pulls for st in sstats for s in st) > 0, "the faults did not bite"
         assert agg.stats()["mismatch"] == 0
         # with the backoff, a size whose guesses keep missing is sent speculatively less and less
         # often: calls 0, 2, 6, 14, ... of an alternation that misses every time
