@@ -19,12 +19,13 @@ fallback, from the inputs still there: every rank ends with the same bits. Ranks
 one call apart: when a rank had returned from the cut call, the others take the next call
 through the same agreement too (the returned rank is in it on the primary until it is cut).
 
-A rank that returned from a call may not come back to the primary soon: between two offloaded
-calls it may wait in a collective of the gloo path, or of another group, that needs the ranks
-still agreeing on the call (FSDP's all-gathers, a loss averaged over gloo). So every rank also
-publishes the last call it returned from (a thread, every PUBLISH_S seconds when it changed),
-and the agreement reads that too: a rank that returned from call n tells the others that every
-rank holds it, wherever it waits.
+How a rank says it returned from a call: every rank publishes the last call it returned from
+(``failover/returned/{rank}``), at once when it is cut in call n (it returned from n - 1), and
+otherwise from a thread, every PUBLISH_S seconds when it changed. A rank that returned may not
+come back to the primary soon: between two offloaded calls it may wait in a collective of the
+gloo path, or of another group, that needs the ranks still agreeing on the call (FSDP's
+all-gathers, a loss averaged over gloo); what it published tells the others that every rank
+holds the call, wherever it waits.
 """
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ class Failover:
         self._follow = -1            # a call on the fallback that other ranks may have begun on the primary
         self.returned = -1           # the last call this rank returned from on the primary (all ranks held it)
         self._published = -1
+        self._publish_lock = threading.Lock()  # the published value only grows
         self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_forever, name=f"nicoffload-returned-{group}",
                                            daemon=True)
@@ -163,13 +165,9 @@ class Failover:
     # --- the call that was cut ------------------------------------------------------------------
     def _cut(self, n: int, e: AggregatorLost, array: np.ndarray, out: np.ndarray, op: str,
              lanes: int | None) -> np.ndarray:
-        store, key = self.rdv.store, self.rdv.key
-        first = self._first_cut(n)
-        # calls this rank returned from, where another rank may still be: every rank holds their
-        # results (ranks are at most one call apart, so n - 1 is one even when the store's lowest
-        # cut is still this rank's own n: another rank may cut n - 1 after this one read it)
-        for v in sorted({*range(first, n), n - 1} - {-1}):
-            store.set(key(f"failover/{v}/done"), "1")
+        # this rank returned from call n - 1, where another rank may still be agreeing: every rank
+        # holds its results (ranks are at most one call apart); say so before anything else
+        self._publish(n - 1)
         final = getattr(self.primary, "final_blocks", lambda: None)()
         self.on_fallback, self.cause = True, f"{type(e).__name__}: {str(e).splitlines()[0]}"
         self.failovers += 1
@@ -201,16 +199,6 @@ class Failover:
         finally:
             self.fallback_s += time.perf_counter() - t
 
-    def _first_cut(self, n: int) -> int:
-        """The first call any rank lost (the store keeps the lowest): this rank's ``n`` or lower."""
-        store, key = self.rdv.store, self.rdv.key(f"failover/at/{self._gen}")
-        cur = ""
-        while True:
-            got = store.compare_set(key, cur, str(n)).decode()
-            if int(got) <= n:
-                return int(got)
-            cur = got
-
     def _haves(self, n: int, nb: int) -> list[np.ndarray] | None:
         """Every rank's final blocks of call ``n``, or None when a rank has returned from it (so
         every rank holds all of its results)."""
@@ -221,8 +209,6 @@ class Failover:
         while True:
             if self._aborted is not None:  # a rank gone or left the group (liveness): no agreement to wait for
                 raise self._aborted
-            if store.check([key(f"failover/{n}/done")]):
-                return None
             if time.monotonic() >= look:
                 look = time.monotonic() + LOOK_S
                 if self._someone_returned(n):
@@ -250,15 +236,18 @@ class Failover:
         if self._publisher is not threading.current_thread():
             self._publisher.join(timeout=5.0)
 
+    def _publish(self, n: int) -> None:
+        """Say in the store that this rank returned from call ``n`` (and so from every earlier one)."""
+        with self._publish_lock:
+            if n > self._published:
+                self.rdv.store.set(self.rdv.key(f"failover/returned/{self.rank}"), str(n))
+                self._published = n
+
     def _publish_forever(self) -> None:
         """The thread: the last call this rank returned from, into the store when it changed."""
         while not self._stop.wait(PUBLISH_S):
-            n = self.returned
-            if n <= self._published:
-                continue
             try:
-                self.rdv.store.set(self.rdv.key(f"failover/returned/{self.rank}"), str(n))
-                self._published = n
+                self._publish(self.returned)
             except Exception:  # the store gone: the liveness watcher says so
                 pass
 
