@@ -120,7 +120,8 @@ class Service:
         group = req.group or first_free_group(job, set().union(*(e.groups() for e in self.engines)))
         nonce, key = self._job_key(job)
         share = job_slots or self.config.job_slots
-        e, got = self._admit(Placement(req, job, group, delivery, share, key=key, key_nonce=nonce))
+        e, got = self._admit(Placement(req, job, group, delivery, share, key=key, key_nonce=nonce,
+                                       lane=job_slots is not None))
         lease = self.config.lease_s if req.lease_s is None else req.lease_s
         self.leases.add(job, lease, req.owner, local_port=got.local_port)
         log.info("job %d %s, lease %gs, owner %r", job, got.summary, lease, req.owner)

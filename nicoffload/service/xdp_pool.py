@@ -12,6 +12,21 @@ from nicoffload.service.api import JobGrant
 from nicoffload.service.engine import Admitted, NoOptimizer, Placement, Released
 from nicoffload.service.leases import LeaseBook
 
+#: the least a job is given while the pool is short, unless less is free (slots)
+MIN_SHARE = 64
+
+
+def share(job_slots: int, largest: int) -> int:
+    """The slots a job that names none is given, from the pool's largest free range: its full
+    share while another full share stays free; after that half of what is left (at least
+    MIN_SHARE, or all of it where less is free), so that a job's next groups still find room on
+    the aggregator instead of taking gloo, with a smaller window each. (The lanes of one request
+    take ``job_slots / lanes`` each, room left or not: a lane with fewer slots would hold the
+    others back.)"""
+    if largest >= 2 * job_slots:
+        return job_slots
+    return min(largest, job_slots, max(MIN_SHARE, largest // 2))
+
 
 class XdpPool:
     """The jobs of the XDP aggregator ``agg`` (loaded, or reopened, and attached)."""
@@ -46,7 +61,7 @@ class XdpPool:
                                     f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one; "
                                     f"a service for many groups at once is started with a smaller --job-slots "
                                     f"(each job takes {p.job_slots} now)")
-            slots = min(p.job_slots, largest)
+            slots = min(p.job_slots, largest) if p.lane else share(p.job_slots, largest)
         e = self.agg.add_job(p.job, req.world, p.group, req.workers, slots=slots, optimizer=req.optimizer,
                              params=req.params, delivery=p.delivery, key=p.key, key_nonce=p.key_nonce)
         return Admitted(None, f"admitted: {e.workers} ranks, slots {e.slot_base}..{e.slot_base + e.slot_count - 1}, "

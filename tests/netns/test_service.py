@@ -133,6 +133,12 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         # the pool fills: a refusal naming the room left (409 -> CapacityError)
         with pytest.raises(CapacityError, match="slots"):
             call(lambda c: c.create_job(JobRequest(world=2, slots=4000)))
+        # a short pool: the next jobs get half of what is left each, not a refusal (another group's room)
+        left = 2048 - g.slots - o.slots
+        more = [call(lambda c: c.create_job(JobRequest(world=2, lease_s=0))) for _ in range(2)]
+        assert [m.slots for m in more] == [left // 2, (left - left // 2) // 2], (left, more)
+        for m in more:
+            call(lambda c: c.remove_job(m.job))
         # metrics: per-job counters as labels, the pool, the jobs, the uptime; no token needed
         text = call(lambda c: c.metrics())
         assert f'nicoffload_completions_total{{job="{g.job}"}}' in text

@@ -371,3 +371,18 @@ def test_the_lanes_of_one_request_share_one_jobs_slots(tmp_path):
     assert set(pool.shares.values()) == {DEFAULT.slots // 8}
     one = svc.create_job(JobRequest(world=2, workers=["10.0.0.2", "10.0.0.3"]))
     assert pool.shares[one.job] == DEFAULT.slots  # a job of one lane: the whole share, as before
+
+
+def test_a_short_pool_gives_later_jobs_smaller_shares_not_a_refusal():
+    """The default pool (4096 slots, 1024 a job): three jobs take full shares, the next ones half
+    of what is left, down to MIN_SHARE: eight groups of one job find room instead of four."""
+    from nicoffload.jobspec import DEFAULT
+    from nicoffload.service.xdp_pool import MIN_SHARE, share
+
+    free, got = 4096, []
+    while free:
+        got.append(share(DEFAULT.slots, free))
+        free -= got[-1]
+    assert got == [1024, 1024, 1024, 512, 256, 128, MIN_SHARE, MIN_SHARE]
+    assert share(1024, 8192) == 1024 and share(100, 150) == 75 and share(1024, 40) == 40
+    assert all(1 <= share(j, f) <= min(j, f) for j in (1, 7, 64, 1024) for f in range(1, 3000, 37))
