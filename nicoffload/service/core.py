@@ -99,7 +99,8 @@ class Service:
         try:
             for k in range(req.lanes):
                 grants.append(self._create_one(dataclasses.replace(req, lanes=1, job=req.job if k == 0 else None),
-                                               share))
+                                               share, lanes=req.lanes if k == 0 else 0))
+                share = grants[0].slots  # every lane the first one's share: a lane with fewer holds the others back
         except BaseException:
             for g in grants:
                 self.remove_job(g.job, "removed: another lane of its request was refused")
@@ -107,7 +108,7 @@ class Service:
         self.leases.link(grants[0].job, [g.job for g in grants[1:]])
         return dataclasses.replace(grants[0], lanes=[g.to_json() for g in grants[1:]])
 
-    def _create_one(self, req: JobRequest, job_slots: int | None = None) -> JobGrant:
+    def _create_one(self, req: JobRequest, job_slots: int | None = None, lanes: int = 1) -> JobGrant:
         self._refresh()
         delivery = req.delivery or ("multicast" if self.config.multicast else "unicast")
         if delivery == "multicast" and not self.config.multicast:
@@ -120,8 +121,7 @@ class Service:
         group = req.group or first_free_group(job, set().union(*(e.groups() for e in self.engines)))
         nonce, key = self._job_key(job)
         share = job_slots or self.config.job_slots
-        e, got = self._admit(Placement(req, job, group, delivery, share, key=key, key_nonce=nonce,
-                                       lane=job_slots is not None))
+        e, got = self._admit(Placement(req, job, group, delivery, share, key=key, key_nonce=nonce, lanes=lanes))
         lease = self.config.lease_s if req.lease_s is None else req.lease_s
         self.leases.add(job, lease, req.owner, local_port=got.local_port)
         log.info("job %d %s, lease %gs, owner %r", job, got.summary, lease, req.owner)

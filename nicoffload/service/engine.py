@@ -52,7 +52,8 @@ class Placement:
     refused: str | None = None  # why the engine before this one refused it (one line), None for the first
     key: int = 0               # the job's key, derived from the service's token and key_nonce
     key_nonce: str = ""        # what the grant carries instead of the key (hex)
-    lane: bool = False         # one of a request's lanes: they get equal shares, room or not for later jobs
+    lanes: int = 1             # the request's lanes, on its first (their shares are sized together); 0 on the
+                               # later lanes, which take the first one's share (job_slots) where it fits
 
 
 class Admitted(NamedTuple):

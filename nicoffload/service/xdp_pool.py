@@ -20,9 +20,8 @@ def share(job_slots: int, largest: int) -> int:
     """The slots a job that names none is given, from the pool's largest free range: its full
     share while another full share stays free; after that half of what is left (at least
     MIN_SHARE, or all of it where less is free), so that a job's next groups still find room on
-    the aggregator instead of taking gloo, with a smaller window each. (The lanes of one request
-    take ``job_slots / lanes`` each, room left or not: a lane with fewer slots would hold the
-    others back.)"""
+    the aggregator instead of taking gloo, with a smaller window each. A request of several lanes
+    is sized as one job, and its lanes split that share equally."""
     if largest >= 2 * job_slots:
         return job_slots
     return min(largest, job_slots, max(MIN_SHARE, largest // 2))
@@ -61,7 +60,10 @@ class XdpPool:
                                     f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one; "
                                     f"a service for many groups at once is started with a smaller --job-slots "
                                     f"(each job takes {p.job_slots} now)")
-            slots = min(p.job_slots, largest) if p.lane else share(p.job_slots, largest)
+            if p.lanes == 0:  # a later lane of a request: the first lane's share, where it fits
+                slots = min(p.job_slots, largest)
+            else:  # a job, or a request's first lane: the request's share, split among its lanes
+                slots = max(1, share(p.job_slots * p.lanes, largest) // p.lanes)
         e = self.agg.add_job(p.job, req.world, p.group, req.workers, slots=slots, optimizer=req.optimizer,
                              params=req.params, delivery=p.delivery, key=p.key, key_nonce=p.key_nonce)
         return Admitted(None, f"admitted: {e.workers} ranks, slots {e.slot_base}..{e.slot_base + e.slot_count - 1}, "

@@ -137,7 +137,11 @@ def test_the_service_api_tokens_limits_leases_and_metrics(make_testbed, tmp_path
         left = 2048 - g.slots - o.slots
         more = [call(lambda c: c.create_job(JobRequest(world=2, lease_s=0))) for _ in range(2)]
         assert [m.slots for m in more] == [left // 2, (left - left // 2) // 2], (left, more)
-        for m in more:
+        # ... and a request of two lanes is sized as one job, its lanes splitting that equally
+        rest = left - sum(m.slots for m in more)
+        lanes = call(lambda c: c.create_job(JobRequest(world=2, lanes=2, lease_s=0))).every_lane()
+        assert [x.slots for x in lanes] == [min(rest, max(64, rest // 2)) // 2] * 2, (rest, lanes)
+        for m in (*more, lanes[0]):
             call(lambda c: c.remove_job(m.job))
         # metrics: per-job counters as labels, the pool, the jobs, the uptime; no token needed
         text = call(lambda c: c.metrics())

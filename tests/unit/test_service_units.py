@@ -277,7 +277,8 @@ class FakeEngine:
 
     def grant(self, job):
         return JobGrant(job=job, world=1, aggregator="10.0.0.1", port=1, local_port=2, group=self.served[job],
-                        slot_base=0, slots=1, elems=256, lease_s=0, engine=self.name, key_nonce=self.keys[job][1])
+                        slot_base=0, slots=self.shares[job], elems=256, lease_s=0, engine=self.name,
+                        key_nonce=self.keys[job][1])
 
     def describe(self, job):
         return {"job": job, "engine": self.name}
