@@ -59,7 +59,7 @@ class XdpPool:
                 raise CapacityError(f"the pool of {self.agg.spec.slots} slots is full "
                                     f"({len(self.agg.table.entries)} jobs): wait for a job to end, or remove one; "
                                     f"a service for many groups at once is started with a smaller --job-slots "
-                                    f"(each job takes {p.job_slots} now)")
+                                    f"(a job takes up to {p.job_slots} now)")
             if p.lanes == 0:  # a later lane of a request: the first lane's share, where it fits
                 slots = min(p.job_slots, largest)
             else:  # a job, or a request's first lane: the request's share, split among its lanes
