@@ -113,7 +113,8 @@ static __always_inline void adamw_constants(struct sgd_scratch *c, u32 t)
  * 31 significant bits. Phase 0 of ar_sgd for an AdamW job (one bpf_loop callback for both: the
  * loader links a function's callback references to one next function); its phase 1 writes the
  * result lanes as for SGD. */
-static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_slot *slot, struct ar_opt *o)
+static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_slot *slot, struct ar_opt *o,
+                                        const int ams)
 {
     if (i >= ADAM_CHUNKS)
         return 1;
@@ -158,10 +159,12 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         s64 w = o->w[k];
         u64 sv = t[j] << nsh[j];
         o->s[k] = (s64)sv;
-        u64 smax = (u64)o->smax[k];
-        smax = (max63(sv, smax) & c->ams) | (smax & ~c->ams);
-        o->smax[k] = (s64)smax;
-        u64 d = ((smax & c->ams) | (sv & ~c->ams)) + c->epsd;
+        u64 d = sv;
+        if (ams) {                      /* a constant: the copy without amsgrad has no smax traffic */
+            d = max63(sv, (u64)o->smax[k]);
+            o->smax[k] = (s64)d;
+        }
+        d += c->epsd;
         u64 am = (u64)((m ^ (m >> 63)) - (m >> 63));
         u64 L = 62 - bitlen(am, tab);
         u64 sd = (u64)relu((s64)bitlen(d, tab) - 31);
@@ -199,7 +202,7 @@ long ar_sgd(u64 i)
     if (!slot || !o)
         return 1;
     if (c->adam && !c->phase)
-        return adamw_chunk(i, c, slot, o);
+        return c->ams ? adamw_chunk(i, c, slot, o, 1) : adamw_chunk(i, c, slot, o, 0);
     if (i >= SGD_CHUNKS)
         return 1;
     u32 *lane = (u32 *)slot->set[c->set & 1].acc;
