@@ -95,9 +95,8 @@ static __always_inline u64 isqrt64(u64 t)
  * first step, under 0.31 of a unit after the second (sqrt(t) < 2^31), so r is floor(sqrt(t)) or
  * one more, which the last line takes back. Below 2^24 tests/unit/test_isqrt_seed.py checks every
  * t. Division is a BPF instruction; the seed is at least 2, so no divisor is 0 (t = 0 included). */
-static __always_inline u64 isqrt62(u64 t, const u8 *tab)
+static __always_inline u64 isqrt62_e(u64 t, u64 e)
 {
-    u64 e = (bitlen(t, tab) + 1) >> 1;              /* 4^(e-1) <= t < 4^e (t > 0) */
     s64 u = (s64)((t << (62 - 2 * e)) >> 40);       /* X = t / 4^(e-1) as u / 2^20, [2^20, 2^22) */
     s64 p = ISQRT_C1 + ((ISQRT_C2 * u) >> 20);
     u64 y = (u64)(ISQRT_C0 + ((p * u) >> 20));      /* 2^30 sqrt(X), within 0.503% */
@@ -106,5 +105,8 @@ static __always_inline u64 isqrt62(u64 t, const u8 *tab)
     r = (r + t / r) >> 1;
     return r + signmask((s64)(t - r * r));          /* r * r <= 2^62: minus one where above t */
 }
+/* e = isqrt_e(t): 4^(e-1) <= t < 4^e where t > 0 (0 for 0), so the root's bit length is e */
+static __always_inline u64 isqrt_e(u64 t, const u8 *tab) { return (bitlen(t, tab) + 1) >> 1; }
+static __always_inline u64 isqrt62(u64 t, const u8 *tab) { return isqrt62_e(t, isqrt_e(t, tab)); }
 
 #endif

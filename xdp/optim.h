@@ -58,6 +58,8 @@ struct sgd_scratch {
     u64 bltab[8];              /* bitlen's table (bitlen_table) */
     u64 nsh[ADAM_CHUNK];       /* adamw_chunk's normalising shifts: with bitlen's table pointer live,
                                 * the calls' combined stack has no room for them (528 > 512 bytes) */
+    u64 bls[ADAM_CHUNK];       /* without amsgrad: the bit lengths of the new s (the roots' e + nsh) */
+    u64 bleps;                 /* the bit length of epsd */
 };
 BPF_TABLE("percpu_array", u32, struct sgd_scratch, ar_sgd_scratch, 1);
 /* elements per callback: the lookups and the call are paid once per chunk */
@@ -103,6 +105,7 @@ static __always_inline void adamw_constants(struct sgd_scratch *c, u32 t)
     c->ashift = 30 - r;
     u64 epsd = (u64)mulfrac((s64)c->eps, sq) >> (AR_ADAM_EPS_FRAC - AR_ADAM_FRAC);
     c->epsd = epsd ? epsd : 1;
+    c->bleps = bit_length(c->epsd);
     c->lrwd = (u64)mulfrac((s64)c->lr, c->wd) >> (AR_ADAM_EPS_FRAC - AR_OPT_FRAC);
 }
 
@@ -149,8 +152,12 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
     }
     /* the square roots: ADAM_CHUNK independent dependency chains */
 #pragma unroll
-    for (int j = 0; j < ADAM_CHUNK; j++)
-        t[j] = isqrt62(t[j], tab);
+    for (int j = 0; j < ADAM_CHUNK; j++) {
+        u64 e = isqrt_e(t[j], tab);
+        t[j] = isqrt62_e(t[j], e);
+        if (!ams)                       /* the root has e bits (none for 0): s = root << nsh has e + nsh */
+            c->bls[j] = (e + nsh[j]) & signmask((s64)(0 - e));
+    }
     /* the step */
 #pragma unroll
     for (int j = 0; j < ADAM_CHUNK; j++) {
@@ -167,7 +174,14 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         d += c->epsd;
         u64 am = (u64)((m ^ (m >> 63)) - (m >> 63));
         u64 L = 62 - bitlen(am, tab);
-        u64 sd = (u64)relu((s64)bitlen(d, tab) - 31);
+        u64 bd;
+        if (ams) {
+            bd = bitlen(d, tab);
+        } else {                        /* s < 2^bls, epsd < 2^bleps: d = s + epsd has B or B + 1 bits */
+            u64 B = max63(c->bls[j], c->bleps);
+            bd = B + (d >> (B & 63));
+        }
+        u64 sd = (u64)relu((s64)bd - 31);
         u64 Q = (am << L) / (d >> sd);
         s64 kk = (s64)(L + sd) - 32;
         u64 kpos = (u64)relu(kk), kneg = (u64)relu(-kk);
