@@ -148,7 +148,8 @@ def test_within_the_derived_bound_of_float64_adamw_over_many_steps(adam, joined)
     assert err.max() < 10 * spec.lr  # and no parameter went its own way
 
 
-@pytest.mark.parametrize("e,kind", [(2, "amsgrad-maximize"), (6, "amsgrad-maximize"), (12, "plain"), (6, "sgd")])
+@pytest.mark.parametrize("e,kind", [(2, "amsgrad-maximize"), (6, "amsgrad-maximize"), (6, "plain"), (12, "plain"),
+                                    (6, "sgd")])
 def test_records_of_any_even_size_take_the_update_bit_for_bit(joined, e, kind):
     """Records whose elements are not a multiple of 4 (2, 6) take AdamW's update two elements per
     callback (optim.h's ADAM_CHUNK), 12 four; every even size loads (before CHUNK_BASE the
