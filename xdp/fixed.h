@@ -59,6 +59,12 @@ static __always_inline u64 bitlen(u64 v, const u8 *tab)
     v |= v >> 1; v |= v >> 2; v |= v >> 4; v |= v >> 8; v |= v >> 16; v |= v >> 32;
     return tab[((v + 1) * BITLEN_DEBRUIJN) >> 58];
 }
+/* bitlen of v < 2^32 (one smearing step fewer) */
+static __always_inline u64 bitlen32(u64 v, const u8 *tab)
+{
+    v |= v >> 1; v |= v >> 2; v |= v >> 4; v |= v >> 8; v |= v >> 16;
+    return tab[((v + 1) * BITLEN_DEBRUIJN) >> 58];
+}
 
 /* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
  * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */

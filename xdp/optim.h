@@ -145,7 +145,7 @@ static __always_inline long adamw_chunk(u64 i, struct sgd_scratch *c, struct ar_
         o->m[k] = mulfrac(o->m[k], c->b1) + mulfrac(g, c->omb1);
         u64 ag = (u64)((g ^ (g >> 63)) - (g >> 63));
         u64 sv = (u64)o->s[k];
-        u64 sh = (u64)relu((s64)bitlen(max63(sv, ag), tab) - 31);
+        u64 sh = bitlen32(max63(sv, ag) >> 31, tab);   /* the bits above 31: both are below 2^63 */
         nsh[j] = sh;
         u64 s1 = sv >> sh, g1 = ag >> sh;
         t[j] = (u64)mulfrac((s64)(s1 * s1), c->b2) + (u64)mulfrac((s64)(g1 * g1), c->omb2);
