@@ -54,17 +54,14 @@ static __always_inline void bitlen_table(u64 *tab)
     tab[4] = 0x2f2128251a06343fULL; tab[5] = 0x0a113a17152b2d3dULL;
     tab[6] = 0x1039143c20241933ULL; tab[7] = 0x0c0d0e1e0f131f32ULL;
 }
-static __always_inline u64 bitlen(u64 v, const u8 *tab)
-{
-    v |= v >> 1; v |= v >> 2; v |= v >> 4; v |= v >> 8; v |= v >> 16; v |= v >> 32;
-    return tab[((v + 1) * BITLEN_DEBRUIJN) >> 58];
-}
-/* bitlen of v < 2^32 (one smearing step fewer) */
+/* bitlen of v < 2^32: smeared 31 places down */
 static __always_inline u64 bitlen32(u64 v, const u8 *tab)
 {
     v |= v >> 1; v |= v >> 2; v |= v >> 4; v |= v >> 8; v |= v >> 16;
     return tab[((v + 1) * BITLEN_DEBRUIJN) >> 58];
 }
+/* any v < 2^63: smeared 32 places first, then 31 (the order of the steps does not matter) */
+static __always_inline u64 bitlen(u64 v, const u8 *tab) { return bitlen32(v | (v >> 32), tab); }
 
 /* One digit of floor(sqrt(t)), digit by digit, branch-free: bit runs over the powers of four
  * from the highest (t < 4 * bit) down; the caller shifts it by 2 between digits. */
