@@ -45,42 +45,12 @@ from nicoffload.collective import Collective
 from nicoffload.datapath.tensors import DTYPES, call_arrays, refuse_together
 from nicoffload.errors import AggregatorLost, InputError, RefusedError
 from nicoffload.local import fixed
+from nicoffload.local.calls import CALL_DTYPES, OPS, HostStats, describe
 from nicoffload.local.segment import HostGroup
 from nicoffload.wire import quant
 
 #: elements per chunk of a call (the data segment holds K buffers of a chunk's lanes, and its result)
 CHUNK = 4 << 20
-#: what a call is, for the check that every local rank makes the same one
-_OPS = {"sum": 1, "max": 2, "min": 3, "barrier": 4}
-_DTYPES = {"int32": 1, "float32": 2, "float64": 3}
-
-
-def _describe(sig: tuple[int, ...]) -> str:
-    """A call's signature (barrier check) as a person reads it."""
-    op = {v: k for k, v in _OPS.items()}.get(sig[0], "?")
-    if op == "barrier" or len(sig) < 4:
-        return op
-    dtype = {v: k for k, v in _DTYPES.items()}.get(sig[1], "?")
-    return f"{op} of {sig[2]} {dtype}" + (" in 16-bit lanes" if sig[3] == 16 else "")
-
-
-@dataclass
-class HostStats:
-    """What one rank's calls did (``last``: the last call; ``stats``: every call so far)."""
-
-    calls: int = 0
-    seconds: float = 0.0
-    lane_s: float = 0.0          # in the lane's collectives (this rank's share across hosts)
-    wait_s: float = 0.0          # at the host's barriers, waiting for the other local ranks
-    packets_sent: int = 0        # the lane's, where it counts them
-    retransmissions: int = 0
-    blocks_skipped: int = 0      # blocks zero on every rank of the group: not sent across hosts
-
-    def add(self, other: "HostStats") -> None:
-        for k in self.__dataclass_fields__:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
 def _assign(src: np.ndarray, dst: np.ndarray) -> None:
     dst[...] = src
 
@@ -124,7 +94,7 @@ class HostCommunicator:
             caps = self.lane.capabilities
             if not (caps.supports("sum", np.int32) and caps.supports("max", np.int32)):
                 raise InputError(f"rank {self.rank}: the lane across hosts must sum int32 and take its MAX")
-        self.host.describe = _describe
+        self.host.describe = describe
         self._closed = False
         self._lane_calls = 0
         self._lost: AggregatorLost | None = None  # this rank's lane lost the aggregator in this call
@@ -146,27 +116,51 @@ class HostCommunicator:
             raise InputError("16-bit lanes are for the aggregator mode: this group sums across hosts in 32-bit lanes")
         if lanes == 16 and x.dtype.kind != "f":
             raise InputError("16-bit lanes carry floats (fixed point); int32 sums are exact only in 32-bit lanes")
-        st = self.last = HostStats(calls=1)
-        t0 = time.perf_counter()
         flat, res = x.reshape(-1), out.reshape(-1)
         bits = 16 if lanes == 16 else 32
-        step = CHUNK // (2 * self.elems) * (2 * self.elems)  # whole blocks of both lane widths
+
+        def chunk(lo: int, hi: int) -> np.ndarray | None:
+            xc, oc = flat[lo:hi], res[lo:hi]
+            if op != "sum":
+                return self._extreme(xc, oc, op)
+            if x.dtype.kind == "f":
+                return self._sum_float(xc, oc, bits)
+            return self._sum_int(hi - lo, lambda row: np.copyto(row, xc), lambda s, a, z: np.copyto(oc[a:z], s))
+
         first = "max" if op != "sum" or x.dtype.kind == "f" else "sum"  # the lanes' first round
         U = quant.block_elems(self.elems, bits) if op == "sum" and x.dtype.kind == "f" else self.elems
+        self._call(op, x.dtype.name, flat.size, bits, U, first, chunk)
+        return out
+
+    def sum_staged(self, n: int, fill, take) -> None:
+        """The int32 SUM over the group of ``n`` words that pass through no array of the caller's:
+        ``fill(row, lo, hi)`` writes input words [lo, hi) into ``row``, this rank's row of the
+        shared segment, and ``take(src, lo, hi)`` reads result words [lo, hi) out of ``src`` in
+        it; both finish before they return (the device path copies straight from the GPU into the
+        segment and back: torch/device/path.py). Otherwise allreduce(op="sum") of int32, the
+        aggregator's loss included (``take`` then sees only the final blocks)."""
+        def chunk(lo: int, hi: int) -> np.ndarray | None:
+            return self._sum_int(hi - lo, lambda row: fill(row, lo, hi), lambda s, a, z: take(s, lo + a, lo + z))
+
+        self._call("sum", "int32", n, 32, self.elems, "sum", chunk)
+
+    def data_segment(self):
+        """The shared segment the last call ran in (a device path registers it with the GPU)."""
+        return self.host.data
+
+    def _call(self, op: str, dtype: str, n: int, bits: int, U: int, first: str, chunk) -> None:
+        """One call of ``n`` elements, ``chunk(lo, hi)`` at a time (whole blocks of ``U``)."""
+        st = self.last = HostStats(calls=1)
+        t0 = time.perf_counter()
+        step = CHUNK // (2 * self.elems) * (2 * self.elems)  # whole blocks of both lane widths
         self._lost, self._final = None, None
-        final = np.ones(-(-flat.size // U), bool)  # the blocks whose output is final (all, unless lost)
+        final = np.ones(-(-n // U), bool)  # the blocks whose output is final (all, unless lost)
         with self._failing(first):
             self.host.lost(None)
             # every local rank must make the same call: checked before anything is shared
-            self._wait(sig=(_OPS[op], _DTYPES[x.dtype.name], flat.size, bits))
-            for lo in range(0, flat.size, step):
-                xc, oc = flat[lo:lo + step], res[lo:lo + step]
-                if op != "sum":
-                    fin = self._extreme(xc, oc, op)
-                elif x.dtype.kind == "f":
-                    fin = self._sum_float(xc, oc, bits)
-                else:
-                    fin = self._sum_int(xc, oc)
+            self._wait(sig=(OPS[op], CALL_DTYPES[dtype], n, bits))
+            for lo in range(0, n, step):
+                fin = chunk(lo, min(n, lo + step))
                 if fin is not None:
                     final[lo // U:lo // U + fin.size] = fin
             lost = self.host.who_lost() if self.hosts > 1 else None
@@ -175,7 +169,6 @@ class HostCommunicator:
                 raise self._lost or lost
         st.seconds = time.perf_counter() - t0
         self.stats.add(st)
-        return out
 
     @contextlib.contextmanager
     def _failing(self, first: str):
@@ -206,7 +199,7 @@ class HostCommunicator:
     def barrier(self) -> None:
         """Returns once every rank of the group has called it."""
         with self._failing("sum"):
-            self._wait(sig=(_OPS["barrier"],))
+            self._wait(sig=(OPS["barrier"],))
             if self.host.me == 0 and self.hosts > 1:
                 self._lane(lambda: self.lane.barrier())
             self._wait()
@@ -320,7 +313,7 @@ class HostCommunicator:
                 fin[lo:hi] = self._across(q.reshape(nb, wpb), gexp, lo, hi) if agreed else False
             fixed.decode(q, E, gexp, top, self.world * bias, bits == 16, lo, hi, n, b["out"])
         self._wait()
-        return self._copy_out(b["out"], out, fin, E, _assign)  # 5.
+        return self._copy_out(b["out"], fin, E, lambda s, a, z: _assign(s, out[a:z]))  # 5.
 
     def _across(self, rows: np.ndarray, gexp: np.ndarray, lo: int, hi: int) -> np.ndarray | bool:
         """The hosts' int32 sum of blocks [lo, hi) of ``rows`` (in place): blocks zero on every
@@ -342,12 +335,12 @@ class HostCommunicator:
         fin[active - lo] = got
         return fin
 
-    def _sum_int(self, x: np.ndarray, out: np.ndarray) -> np.ndarray | None:
-        K, me, n = self.host.K, self.host.me, x.size
+    def _sum_int(self, n: int, fill, take) -> np.ndarray | None:
+        K, me = self.host.K, self.host.me
         nb = -(-n // self.elems)
         b = self._buffers([("q", np.int32, K * n), ("fin", np.bool_, nb)])
         q, fin = b["q"].reshape(K, n), b["fin"]
-        q[me] = x
+        fill(q[me])
         self._wait()
         share = self._share(nb)
         if share is not None:
@@ -356,7 +349,7 @@ class HostCommunicator:
             if self.hosts > 1:
                 fin[share[0]:share[1]] = self._lane_rows(q[0, lo:hi], share, "sum")
         self._wait()
-        got = self._copy_out(q[0], out, fin, self.elems, _assign)
+        got = self._copy_out(q[0], fin, self.elems, take)
         self._wait()  # q[0] is read by every rank before the next call writes it
         return got
 
@@ -374,7 +367,7 @@ class HostCommunicator:
             if self.hosts > 1:
                 fin[share[0]:share[1]] = self._lane_rows(q[0, lo:hi], share, "max")
         self._wait()
-        got = self._copy_out(q[0], out, fin, self.elems, lambda src, dst: fixed.from_keys(src, op, x.dtype, dst))
+        got = self._copy_out(q[0], fin, self.elems, lambda s, a, z: fixed.from_keys(s, op, x.dtype, out[a:z]))
         self._wait()
         return got
 
@@ -386,14 +379,15 @@ class HostCommunicator:
         got = self._lane_call(lambda: self.lane.allreduce(seg, out=seg, op=op), share[1] - share[0])
         return True if got is None else got
 
-    def _copy_out(self, src: np.ndarray, dst: np.ndarray, fin: np.ndarray, U: int, copy) -> np.ndarray | None:
-        """Step 5: ``copy(src, dst)`` of the chunk's result, or, where a lane lost the aggregator,
-        of its final blocks only (of ``U`` elements; the others keep what they hold). Returns
-        which are final (None: all)."""
+    def _copy_out(self, src: np.ndarray, fin: np.ndarray, U: int, copy) -> np.ndarray | None:
+        """Step 5: ``copy(src[a:z], a, z)`` of the chunk's result, all of it, or, where a lane lost
+        the aggregator, of its final blocks only (of ``U`` elements; the others keep what they
+        hold). Returns which are final (None: all)."""
         if self.hosts == 1 or fin.all():
-            copy(src, dst)
+            copy(src, 0, src.size)
             return None
         edges = np.flatnonzero(np.diff(np.concatenate(([0], fin.view(np.int8), [0]))))
         for a, z in zip(edges[::2] * U, edges[1::2] * U):
-            copy(src[a:z], dst[a:z])
+            z = min(z, src.size)
+            copy(src[a:z], a, z)
         return fin  # a view of the segment: the caller keeps it before the next chunk

@@ -105,6 +105,8 @@ class Segment:
             os.close(fd)
         self.buf = np.frombuffer(self.mm, np.uint8)
         self.addr = self.buf.ctypes.data
+        #: called before the mapping goes (a device path unregisters it from the GPU here)
+        self.on_close: list = []
 
     def array(self, offset: int, dtype, count: int) -> np.ndarray:
         return self.buf[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
@@ -117,6 +119,8 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (the memory goes when every process has unmapped it; the name is long gone)."""
+        while self.on_close:
+            self.on_close.pop()()
         self.buf = None
         try:
             self.mm.close()
