@@ -106,3 +106,37 @@ def test_the_setting_and_which_gloo_calls_are_staged(monkeypatch):
     assert devicepath.takes(meta, "max", None)
     assert devicegloo.needs_staging("send", ([meta],)) and devicegloo.needs_staging("allreduce_coalesced", ([meta],))
     assert not devicegloo.needs_staging("allreduce", ([meta],)) and not devicegloo.needs_staging("send", ([cpu],))
+
+
+def test_a_segment_is_registered_with_the_gpu_once_and_unregistered_before_it_goes(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from nicoffload.torch.device import pinning
+
+    calls = []
+
+    class Runtime:
+        def __init__(self, err):
+            self.err = err
+
+        def cudaHostRegister(self, addr, size, flags):
+            calls.append(("register", addr, size))
+            return self.err
+
+        def cudaHostUnregister(self, addr):
+            calls.append(("unregister", addr))
+            return 0
+
+    def segment(addr):
+        return SimpleNamespace(addr=addr, size=1 << 20, name=f"seg{addr}", on_close=[])
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(0))
+    seg = segment(4096)
+    assert pinning.pin_segment(seg) and pinning.pin_segment(seg)
+    assert calls == [("register", 4096, 1 << 20)]  # once
+    seg.on_close.pop()()
+    assert calls[-1] == ("unregister", 4096)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(1))  # refused: the copies stay correct
+    refused = segment(8192)
+    assert not pinning.pin_segment(refused) and not refused.on_close
+    assert "could not be registered with the GPU" in caplog.text

@@ -2,6 +2,8 @@
 integers as the numba kernels for the same floats, bit for bit (tests/unit/test_device_codec.py).
 
     block_meta      the exponent of each block's largest magnitude (kernels.block_meta_f32/f64):
+                    the bits of the largest magnitude on the device (block_max_bits), the exponent
+                    from them on the host (exps_from_bits):
                     ZERO_EXP for an all-zero block, a refusal code for a block holding a NaN or
                     an Inf (REFUSE_EXP + (reason << 16); the caller adds its rank), subnormals
                     included
@@ -60,26 +62,40 @@ def _rows(v: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 def block_meta(x: torch.Tensor, E: int) -> torch.Tensor:
     """int32 exponent per block of ``E`` elements of the flat float tensor ``x``, on its device:
     math.frexp's exponent of the block's largest magnitude (kernels.block_meta_*, with the same
-    ZERO_EXP and refusal codes)."""
+    ZERO_EXP and refusal codes). :func:`block_max_bits` on the device, :func:`exps_from_bits` on
+    the host (the device path copies the per-block bits and derives the exponents there)."""
+    mm = block_max_bits(x, E).cpu().numpy()
+    return torch.from_numpy(exps_from_bits(mm, x.dtype == torch.float64)).to(x.device)
+
+
+def block_max_bits(x: torch.Tensor, E: int) -> torch.Tensor:
+    """Per block of ``E`` elements of the flat float tensor ``x``, on its device, the bits of its
+    largest magnitude (int32; int64 for float64): two operations on the device, whatever the
+    values (the exponents, zero blocks, subnormals and refusals follow from these bits alone)."""
     xf = x.reshape(-1)
     if xf.dtype in HALF:
         xf = xf.float()  # exact: every bfloat16/float16 value is a float32 value
-    idt, amask, mbits, inf_field, fbias, tiny = _LAYOUT[xf.dtype]
+    idt, amask = _LAYOUT[xf.dtype][:2]
     mag = xf.view(idt) & amask                     # |x|'s bits: a larger magnitude has larger bits
     rows, tail = _rows(mag, E)
     mm = rows.amax(dim=1) if rows.shape[0] else mag.new_zeros(0)
     if tail is not None:
         mm = torch.cat([mm, tail.amax(dim=1)])
+    return mm
+
+
+def exps_from_bits(mm: np.ndarray, double: bool) -> np.ndarray:
+    """The blocks' int32 exponents (numpy) from :func:`block_max_bits` (copied to the host)."""
+    _, _, mbits, inf_field, fbias, tiny = _LAYOUT[torch.float64 if double else torch.float32]
+    mm = np.asarray(mm).astype(np.int64)
     field = mm >> mbits
-    exps = (field - fbias).to(torch.int64)
+    exps = field - fbias
     # zero or subnormal only: the largest mantissa m decides (frexp(m * 2^-tiny) = bit length - tiny)
-    sub = torch.frexp(mm.to(torch.float64))[1].to(torch.int64) - tiny
-    exps = torch.where(field == 0, sub, exps)
-    exps = torch.where(mm == 0, torch.full_like(exps, ZERO_EXP), exps)
-    emask = inf_field << mbits
-    refuse = quant.REFUSE_EXP + (torch.where(mm > emask, quant.REFUSE_NAN, quant.REFUSE_INF).to(torch.int64) << 16)
-    exps = torch.where(field == inf_field, refuse, exps)
-    return exps.to(torch.int32)
+    sub = np.frexp(mm.astype(np.float64))[1].astype(np.int64) - tiny
+    exps = np.where(field == 0, sub, exps)
+    exps = np.where(mm == 0, ZERO_EXP, exps)
+    refuse = quant.REFUSE_EXP + (np.where(mm > inf_field << mbits, quant.REFUSE_NAN, quant.REFUSE_INF) << 16)
+    return np.where(field == inf_field, refuse, exps).astype(np.int32)
 
 
 def first_nonfinite(x: torch.Tensor) -> tuple[int, str] | None:

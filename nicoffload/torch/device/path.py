@@ -2,15 +2,19 @@
 lives and only integers cross to the host.
 
 One all-reduce SUM/AVG of a float tensor on the device (:func:`device_sum`):
-    1. the block metadata on the device (:mod:`~nicoffload.torch.device.codec`): one int32 per
-       block to the host, the group's MAX of them through the communicator (an exact int32 MAX),
-       a NaN or an Inf refused on every rank together (as the host path refuses it)
+    1. the block metadata (:mod:`~nicoffload.torch.device.codec`): each block's largest magnitude
+       on the device, its bits to the host (one word per block), the exponents from them there,
+       the group's MAX of them through the communicator (an exact int32 MAX), a NaN or an Inf
+       refused on every rank together (as the host path refuses it)
     2. per chunk of CHUNK elements, pipelined on a CUDA stream: the lanes of the blocks not zero
        everywhere, encoded on the device, copied once into pinned host memory, summed in place
        through the communicator's int32 SUM (exact: the offset-binary lanes of world contributions
        never overflow, :mod:`~nicoffload.local.fixed`), copied back once and decoded on the
        device with the contributors' bias (world x bias); while the CPU sends chunk k, the device
-       encodes and copies chunk k + 1
+       encodes and copies chunk k + 1. A group of one host (a communicator with ``sum_staged``:
+       local/host.py) copies the lanes of STAGED_CHUNK elements from the device straight into its
+       row of the shared segment, registered with the GPU, and the sums straight back out of it:
+       no copy through a buffer of this module's, none by the CPU
 The integers are the aggregator's (the same exponents, shifts and rint), so the result is the
 bits of the host path's for the same input (tests/unit/test_device_path.py on CPU tensors).
 
@@ -41,11 +45,16 @@ import torch
 from nicoffload.datapath.tensors import refusal
 from nicoffload.errors import InputError, RefusedError
 from nicoffload.torch.device import codec as dc
+from nicoffload.torch.device import pinning
 from nicoffload.wire import quant
 
 SETTINGS = ("auto", "host", "device")
 #: elements per chunk of the pipeline (whole blocks of both lane widths for records up to 2048)
 CHUNK = 1 << 20
+#: elements per chunk where the lanes go straight into a shared segment (a group of one host):
+#: one call of the host's communicator (local/host.py CHUNK); nothing on a wire to overlap with,
+#: and every chunk costs its torch operations' launches, its barriers and its waits again
+STAGED_CHUNK = 4 << 20
 
 
 def setting(env=None) -> str:
@@ -83,6 +92,16 @@ class DeviceStats:
     h2d_bytes: int = 0           # host -> device copies (scales, sums; staged tensors)
     comm_bytes: int = 0          # int32 words handed to the communicator (metadata and lanes)
     blocks_skipped: int = 0      # blocks zero on every rank: not sent
+    # where a call's wall time went (seconds, summed over calls): the metadata on the device and
+    # its copy to the host, the MAX round, queueing the chunks' encodes and copies, waiting for
+    # them on the host, the chunks' int32 sums, queueing the decodes, and the final wait
+    meta_s: float = 0.0
+    max_s: float = 0.0
+    encode_s: float = 0.0
+    copy_wait_s: float = 0.0
+    sum_s: float = 0.0
+    decode_s: float = 0.0
+    settle_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -195,7 +214,8 @@ class _Staging:
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = _side_stream(device) if self.cuda else None
-        self.slots = [torch.empty(words, dtype=torch.int32, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self.slots = [torch.empty(words, dtype=torch.int32, pin_memory=True) for _ in range(2)] \
+            if self.cuda and words else []
 
     def __enter__(self):
         if self.cuda:  # wait for the work queued so far on the caller's stream (the gradients)
@@ -207,19 +227,32 @@ class _Staging:
     def __exit__(self, *exc):
         if self.cuda:
             self._ctx.__exit__(*exc)
+            t = time.perf_counter()
             self.stream.synchronize()  # the results are on the device before the call completes
+            STATS.settle_s += time.perf_counter() - t
 
     def to_host(self, v: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """``v`` (int32) on the host, and an event to wait for before reading it."""
+        """``v`` (int32 for a ``slot``) on the host, and an event to wait for before reading it."""
         if not self.cuda:
             return v.contiguous(), None
-        h = self.slots[slot][:v.numel()] if slot is not None else torch.empty(v.numel(), dtype=torch.int32,
+        h = self.slots[slot][:v.numel()] if slot is not None else torch.empty(v.numel(), dtype=v.dtype,
                                                                                pin_memory=True)
         h.copy_(v, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        STATS.d2h_bytes += v.numel() * 4
+        STATS.d2h_bytes += v.numel() * v.element_size()
         return h, ev
+
+    def pin(self, seg) -> None:
+        """The shared segment ``seg`` registered with the GPU (:mod:`.pinning`), on CUDA."""
+        if self.cuda and seg is not None:
+            pinning.pin_segment(seg)
+
+    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` between the host and the device, done when it returns."""
+        dst.copy_(src, non_blocking=self.cuda)
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def to_device(self, h: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -244,54 +277,90 @@ def device_sum(comm, x: torch.Tensor, *, rank: int, world: int, bits: int = 32, 
     elems = elems or getattr(comm, "elems", None) or 256
     E = quant.block_elems(elems, bits)
     top, bias = quant.top_bits(bits) - quant.headroom_bits(world), quant.bias(world, bits)
-    per = max(1, CHUNK // (2 * elems)) * (2 * elems) // E  # blocks per chunk
+    # a group of one host sums in its shared segment: the lanes go straight into it and back
+    staged = getattr(comm, "sum_staged", None)
+    per = max(1, (STAGED_CHUNK if staged else CHUNK) // (2 * elems)) * (2 * elems) // E  # blocks per chunk
     wpb = E * bits // 32                                      # int32 words per block
     STATS.calls += 1
     STATS.elements += n
-    with _Staging(x.device, min(per, -(-n // E)) * wpb) as st:
+    with _Staging(x.device, 0 if staged else min(per, -(-n // E)) * wpb) as st:
         gexp = _group_exponents(comm, st, x, E, rank)
         chunks = [(b0, min(len(gexp), b0 + per)) for b0 in range(0, len(gexp), per)]
         pending: deque = deque()
 
-        def launch(c: int) -> None:  # encode chunk c on the device and start its copy to the host
+        def launch(c: int) -> None:  # encode chunk c on the device (and start its copy to the host)
             b0, b1 = chunks[c]
             act = np.flatnonzero(gexp[b0:b1] != quant.ZERO_EXP)
             STATS.blocks_skipped += (b1 - b0) - len(act)
             if not len(act):
-                pending.append((c, act, None, None))
+                pending.append((act, None, None))
                 return
+            t = time.perf_counter()
             words = dc.quantize(x[b0 * E:min(n, b1 * E)], gexp[b0:b1], E, top, bias, bits).view(b1 - b0, wpb)
             if len(act) < b1 - b0:
                 words = words[_index(act, x.device)]
-            h, ev = st.to_host(words.reshape(-1), c % 2)
-            pending.append((c, act, h, ev))
+            pending.append((act, words.reshape(-1), None) if staged else (act, *st.to_host(words.reshape(-1), c % 2)))
+            STATS.encode_s += time.perf_counter() - t
 
         for c in range(min(2, len(chunks))):
             launch(c)
         for c in range(len(chunks)):
-            _, act, h, ev = pending.popleft()
+            act, h, ev = pending.popleft()
             b0, b1 = chunks[c]
+            sums = None
             if h is not None:
-                if ev is not None:
-                    ev.synchronize()
-                a = h.numpy()
-                comm.allreduce(a, out=a)  # the int32 SUM of the group's lanes, in place
-                STATS.comm_bytes += a.nbytes
-            _decode(st, x, h, act, gexp, b0, b1, E, wpb, top, world * bias, bits)
+                t = time.perf_counter()
+                if staged:
+                    sums = _sum_staged(comm, st, h)
+                else:
+                    if ev is not None:
+                        ev.synchronize()
+                    a = h.numpy()
+                    STATS.copy_wait_s += time.perf_counter() - t
+                    t = time.perf_counter()
+                    comm.allreduce(a, out=a)  # the int32 SUM of the group's lanes, in place
+                    sums = st.to_device(h)
+                STATS.sum_s += time.perf_counter() - t
+                STATS.comm_bytes += h.numel() * 4
+            t = time.perf_counter()
+            _decode(x, sums, act, gexp, b0, b1, E, wpb, top, world * bias, bits)
+            STATS.decode_s += time.perf_counter() - t
             if c + 2 < len(chunks):
                 launch(c + 2)  # queued behind this chunk's copy back: its slot is free by then
 
 
+def _sum_staged(comm, st: "_Staging", words: torch.Tensor) -> torch.Tensor:
+    """The group's int32 sum of ``words`` (on the device) through ``comm.sum_staged``: copied
+    from the device straight into this rank's row of the shared segment, registered with the
+    GPU once (page-locked), and the sums straight back out of it. Returns the sums on the device."""
+    sums = torch.empty_like(words)
+
+    def fill(row: np.ndarray, lo: int, hi: int) -> None:
+        st.pin(comm.data_segment())
+        st.copy_now(torch.from_numpy(row), words[lo:hi])
+        STATS.d2h_bytes += (hi - lo) * 4
+
+    def take(src: np.ndarray, lo: int, hi: int) -> None:
+        st.copy_now(sums[lo:hi], torch.from_numpy(src))
+        STATS.h2d_bytes += (hi - lo) * 4
+
+    comm.sum_staged(words.numel(), fill, take)
+    return sums
+
+
 def _group_exponents(comm, st: _Staging, x: torch.Tensor, E: int, rank: int) -> np.ndarray:
     """Step 1: the group's exponent of every block (numpy), or RefusedError on every rank."""
-    exps = dc.block_meta(x, E)
-    exps = torch.where(exps >= quant.REFUSE_EXP, exps + rank, exps)
-    h, ev = st.to_host(exps)
+    t = time.perf_counter()
+    h, ev = st.to_host(dc.block_max_bits(x, E))  # two operations on the device, one copy
     if ev is not None:
         ev.synchronize()
-    mine = h.numpy().copy()
+    mine = dc.exps_from_bits(h.numpy(), x.dtype == torch.float64)
+    mine = np.where(mine >= quant.REFUSE_EXP, mine + rank, mine).astype(np.int32)
     gexp = mine.copy()
+    t1 = time.perf_counter()
     comm.allreduce(gexp, out=gexp, op="max")
+    STATS.meta_s += t1 - t
+    STATS.max_s += time.perf_counter() - t1
     STATS.comm_bytes += gexp.nbytes
     if len(gexp) and int(gexp.max()) >= quant.REFUSE_EXP:
         _refuse(gexp, rank, x, int(mine.max()) >= quant.REFUSE_EXP, E)
@@ -310,15 +379,16 @@ def _refuse(gexp: np.ndarray, rank: int, x: torch.Tensor, mine: bool, E: int) ->
     raise refusal(who, kind, span=(b * E, min((b + 1) * E, x.numel())), more=len(hit) - 1)
 
 
-def _decode(st: _Staging, x: torch.Tensor, h, act: np.ndarray, gexp: np.ndarray, b0: int, b1: int, E: int,
-            wpb: int, top: int, nb32: int, bits: int) -> None:
-    """Chunk [b0, b1) of ``x`` from its summed lanes ``h`` (the active blocks ``act``'s)."""
+def _decode(x: torch.Tensor, sums: torch.Tensor | None, act: np.ndarray, gexp: np.ndarray, b0: int, b1: int,
+            E: int, wpb: int, top: int, nb32: int, bits: int) -> None:
+    """Chunk [b0, b1) of ``x`` from its summed lanes ``sums`` (the active blocks ``act``'s, on the
+    device; None: zero on every rank)."""
     n = x.numel()
     lo, hi = b0 * E, min(n, b1 * E)
-    if h is None:  # zero on every rank
+    if sums is None:
         x[lo:hi] = 0
         return
-    sums = st.to_device(h).view(-1, wpb)
+    sums = sums.view(-1, wpb)
     if len(act) < b1 - b0:
         full = torch.zeros((b1 - b0, wpb), dtype=torch.int32, device=x.device)
         full[_index(act, x.device)] = sums
