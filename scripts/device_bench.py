@@ -152,7 +152,10 @@ def allreduce(device: str, reps: int, profile: str | None = None) -> dict:
     rep = _ranks(device, "bench", reps, profile)
     n = 4 << 20
     for path, d in rep["bench"].items():
-        d["copies_per_element"] = {k: round(v / n, 4) for k, v in d.pop("copies").items() if k.endswith("bytes")}
+        got = d.pop("copies")
+        d["copies_per_element"] = {k: round(v / n, 4) for k, v in got.items() if k.endswith("bytes")}
+        # rank 0's wall time in each phase of the device path, ms per call (path.DeviceStats)
+        d["phases_ms"] = {k[:-2]: round(1e3 * v, 3) for k, v in got.items() if k.endswith("_s") and v}
     return {"gpu": rep.get("gpu"), "group": rep["group"], "bench": rep["bench"]}
 
 

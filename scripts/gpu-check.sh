@@ -70,6 +70,8 @@ ar = json.loads((out / "allreduce_cuda.json").read_text())["bench"]
 for path, d in ar.items():
     print(f"16 MiB float32 all-reduce, two ranks, {path:>4} path: {d['median_ms']:.2f} ms median "
           f"({d['min_ms']:.2f} min); device-path copies per element: {d['copies_per_element']}")
+    if d.get("phases_ms"):
+        print(f"    rank 0's phases, ms per call (profiled reps included): {d['phases_ms']}")
 if "auto" in ar and "host" in ar:
     print(f"host/device: {ar['host']['median_ms'] / ar['auto']['median_ms']:.2f} (the target: at least 1.5)")
 if "auto" in ar and "gloo" in ar:
