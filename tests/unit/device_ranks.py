@@ -147,11 +147,15 @@ def bench_phase(dev: str, fast: str, reps: int, gloo=None, profile: str | None =
     times: dict = {p: [] for p in paths}
     copies: dict = {p: {} for p in paths}
     profs = {p: cProfile.Profile() for p in paths} if profile and dist.get_rank() == 0 else {}
-    for p in paths:  # untimed: each path's first call loads its kernels and fills the caches
+
+    def call(p: str) -> None:
         if p == "gloo":
             dist.all_reduce(ts[p], group=gloo)
         else:
             run_with(p, lambda: dist.all_reduce(ts[p]))
+
+    for p in paths:  # untimed: each path's first call loads its kernels and fills the caches
+        call(p)
     if dev == "cuda":
         torch.cuda.synchronize()
     for i in range(reps):
@@ -165,10 +169,7 @@ def bench_phase(dev: str, fast: str, reps: int, gloo=None, profile: str | None =
             if prof:
                 prof.enable()
             s = time.perf_counter()
-            if p == "gloo":
-                dist.all_reduce(ts[p], group=gloo)
-            else:
-                run_with(p, lambda: dist.all_reduce(ts[p]))
+            call(p)
             if dev == "cuda":
                 torch.cuda.synchronize()
             times[p].append(time.perf_counter() - s)
