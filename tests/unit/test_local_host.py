@@ -184,3 +184,47 @@ def test_local_ranks_given_different_shapes_fail_together_and_so_do_later_calls(
         assert err is None, err
         assert "not given tensors of the same shape" in outs[0] and "sum of 9000 float32" in outs[0], outs[0]
         assert "not given tensors of the same shape" in outs[1], outs[1]  # the group is out of step for good
+
+
+def _staged_rank(rank: int, hosts: list[list[int]], name: str, xs: np.ndarray, chunk: int, q):
+    """sum_staged: the rank's words written straight into its row, the sums read straight out of
+    the segment, over several of the communicator's chunks (``chunk`` elements each)."""
+    from nicoffload.local import host as hostmod
+
+    try:
+        hostmod.CHUNK = chunk
+        h = next(i for i, rs in enumerate(hosts) if rank in rs)
+        me, L = hosts[h].index(rank), min(len(rs) for rs in hosts)
+        lane = ShmLane(f"{name}-lane{me}", h, len(hosts)) if len(hosts) > 1 and me < L else None
+        c = hostmod.HostCommunicator(rank, sum(map(len, hosts)), HostGroup(f"{name}-h{h}", me, hosts[h], 20.0),
+                                     len(hosts), h, L, elems=E, lane=lane)
+        got = np.full(xs.shape[1], 7, np.int32)
+        spans = []
+
+        def fill(row, lo, hi):
+            row[:] = xs[rank, lo:hi]
+
+        def take(src, lo, hi):
+            got[lo:hi] = src
+            spans.append((lo, hi))
+
+        c.sum_staged(xs.shape[1], fill, take)
+        c.barrier()
+        c.close()
+        q.put((rank, got, spans, None))
+    except Exception as e:
+        q.put((rank, None, None, f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1], [2, 3]], [[0, 1, 2, 3]]], ids=["2x2", "1x4"])
+def test_a_staged_int32_sum_reads_and_writes_the_segment_in_place(hosts):
+    n = E * 37 + 5
+    xs = np.random.default_rng(3).integers(-2 ** 31, 2 ** 31, (4, n), dtype=np.int64).astype(np.int32)
+    want = xs.sum(axis=0, dtype=np.int64).astype(np.int32)
+    name = "nicoffload-test" + uuid.uuid4().hex[:8]
+    q = mp.get_context("fork").Queue()
+    ps = [mp.get_context("fork").Process(target=_staged_rank, args=(r, hosts, name, xs, E * 8, q)) for r in range(4)]
+    for rank, got, spans, err in collect(ps, q, 4, 60, name):
+        assert err is None, (rank, err)
+        assert got.tobytes() == want.tobytes(), rank
+        assert len(spans) == -(-n // (E * 8)) and spans[-1][1] == n, spans  # chunk by chunk, to the end
